@@ -1,0 +1,29 @@
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.node import make_op_model
+
+_SESSIONS = {}
+
+
+def run_op(case: dict, attrs: schema.OpAttributes, dtype: str):
+    """Run the op's ONNX function in ORT CPU on ``case``; sessions cached per (attrs, dtype)."""
+    key = (attrs, dtype)
+    if key not in _SESSIONS:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        _SESSIONS[key] = ort.InferenceSession(make_op_model(dtype, attrs).SerializeToString(), so,
+                                              providers=["CPUExecutionProvider"])
+    feeds = {n: case[n] for n in schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]}
+    return _SESSIONS[key].run(None, feeds)
+
+
+@pytest.fixture
+def rng(request):
+    # fresh inputs each run; the seed is printed on failure so a case can be replayed
+    seed = np.random.SeedSequence().entropy % (1 << 32)
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

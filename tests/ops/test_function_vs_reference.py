@@ -1,0 +1,90 @@
+"""The ONNX function in ONNX Runtime equals the numpy reference."""
+
+import numpy as np
+import onnx
+import pytest
+
+from tinyserve_trt.ops import schema, sparse_attention_ref
+from tinyserve_trt.ops.cases import CaseSpec, make_case
+from tinyserve_trt.ops.node import make_op_model
+from tinyserve_trt.ops.policies import get_policy, reduce_group
+
+from .conftest import run_op
+
+
+def _lens(rng, batch, ps, max_pages):
+    return tuple(int(x) for x in rng.integers(1, ps * max_pages, batch))
+
+
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])  # GQA ratios 1/3/4/8
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+def test_decode_matches_reference(rng, dtype, heads, kv_heads, page_size):
+    batch = int(rng.integers(1, 5))
+    lens = _lens(rng, batch, page_size, 12)
+    for budget_pages in (1, 2, 5, 0):  # 0 = dense
+        spec = CaseSpec(lens, heads, kv_heads, 16, page_size, 1, dtype, budget_pages * page_size)
+        case = make_case(spec, rng)
+        attrs = schema.OpAttributes(sink_pages=int(rng.integers(0, 2)))
+        out, sel = run_op(case, attrs, dtype)
+        ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+        tol = schema.TOLERANCES[dtype]
+        np.testing.assert_allclose(out.astype(np.float64), ref_out.astype(np.float64), **tol)
+        assert sel.shape == ref_sel.shape and sel.dtype == bool
+        np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+
+
+@pytest.mark.parametrize("policy", schema.POLICIES)
+@pytest.mark.parametrize("group_reduce", schema.GROUP_REDUCTIONS)
+def test_every_policy_matches_reference(rng, policy, group_reduce):
+    spec = CaseSpec(_lens(rng, 3, 8, 10), 6, 2, 16, 8, 1, "float32", 24)
+    case = make_case(spec, rng)
+    attrs = schema.OpAttributes(policy=policy, group_reduce=group_reduce, sink_pages=1, recent_pages=1)
+    out, sel = run_op(case, attrs, "float32")
+    ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    np.testing.assert_allclose(out, ref_out, **schema.TOLERANCES["float32"])
+    np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+
+
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+@pytest.mark.parametrize("new_tokens", [2, 5, 16])
+def test_prefill_is_exact_causal_attention(rng, dtype, new_tokens):
+    lens = (0, 7, 40, 16)  # includes a sequence with an empty cache
+    spec = CaseSpec(lens, 8, 2, 16, 16, new_tokens, dtype, budget=16)  # budget ignored when S > 1
+    case = make_case(spec, rng)
+    attrs = schema.OpAttributes()
+    out, sel = run_op(case, attrs, dtype)
+    ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    np.testing.assert_allclose(out.astype(np.float64), ref_out.astype(np.float64), **schema.TOLERANCES[dtype])
+    np.testing.assert_array_equal(sel, ref_sel)
+    pages = [-(-n // 16) for n in lens]
+    assert [int(x) for x in sel[:, 0].sum(-1)] == pages  # prefill attends every valid page
+
+
+def test_selection_keeps_the_same_scores(rng):
+    """Indices may differ on ties; the multiset of kept page scores may not."""
+    spec = CaseSpec((300, 517), 8, 2, 32, 16, 1, "float32", 96)
+    case = make_case(spec, rng)
+    # force exact ties: duplicate a few pages' metadata
+    pt = case["page_table"]
+    case["key_min"][pt[0, 5]] = case["key_min"][pt[0, 6]]
+    case["key_max"][pt[0, 5]] = case["key_max"][pt[0, 6]]
+    attrs = schema.OpAttributes()
+    _, sel = run_op(case, attrs, "float32")
+    _, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    policy = get_policy("query_aware")
+    for b in range(2):
+        n = -(-int(case["past_lens"][b]) // 16)
+        ids = pt[b, :n]
+        for h in range(2):
+            q = case["query"][b, h * 4:(h + 1) * 4, 0].astype(np.float64)
+            s = reduce_group(policy.score_ref(q, case["key_min"][ids, h], case["key_max"][ids, h], None, None,
+                                              16, 1.0), "max")
+            np.testing.assert_allclose(np.sort(s[sel[b, h, :n]]), np.sort(s[ref_sel[b, h, :n]]), rtol=1e-6)
+            assert sel[b, h, :n].sum() == 6  # 96 tokens / 16
+            assert not sel[b, h, n:].any()
+
+
+def test_emitted_model_passes_full_check():
+    for policy in schema.POLICIES:
+        onnx.checker.check_model(make_op_model("float16", schema.OpAttributes(policy=policy)), full_check=True)

@@ -1,0 +1,83 @@
+"""Random but consistent op inputs: a shuffled page pool, page tables, exact min/max.
+
+Shared by the op tests, the benchmarks and the GPU harness so every
+implementation is checked on the same kind of data. Not used at serving time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .reference import page_min_max
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    past_lens: tuple[int, ...]  # cached tokens per sequence (batch = len)
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    page_size: int = 16
+    new_tokens: int = 1
+    dtype: str = "float32"
+    budget: int = 0  # same budget for every sequence
+    spare_pages: int = 3  # pool pages no sequence uses
+    extra_table_cols: int = 1  # padding columns past the longest sequence
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if not self.past_lens or min(self.past_lens) < 0:
+            raise ValueError("past_lens must be non-empty and >= 0")
+
+
+def make_case(spec: CaseSpec, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Inputs by schema name. Pages are placed at random pool slots; the slot
+    tail of a partial page holds garbage (the op must ignore it)."""
+    B, ps, D, Hkv = len(spec.past_lens), spec.page_size, spec.head_dim, spec.num_kv_heads
+    dt = np.dtype(spec.dtype)
+    pages_per_seq = [-(-p // ps) for p in spec.past_lens]
+    P = sum(pages_per_seq) + spec.spare_pages
+    NP = max(max(pages_per_seq), 0) + spec.extra_table_cols
+    NP = max(NP, 1)
+    key_cache = rng.standard_normal((P, Hkv, ps, D)).astype(dt)
+    # keys with outlier channels and a sink-like first token, as real models have
+    key_cache *= (1 + 4 * (rng.random(D) < 0.1)).astype(dt)
+    value_cache = rng.standard_normal((P, Hkv, ps, D)).astype(dt)
+    perm = rng.permutation(P)
+    page_table = np.zeros((B, NP), dtype=np.int32)
+    key_min = rng.standard_normal((P, Hkv, D)).astype(dt)  # unused pages: garbage metadata
+    key_max = key_min.copy()
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        ids = perm[used:used + n]
+        used += n
+        page_table[b, :n] = ids
+        page_table[b, n:] = rng.integers(0, P, NP - n)  # padding: valid ids, must be ignored
+        for i, pid in enumerate(ids):
+            valid = min(ps, spec.past_lens[b] - i * ps)
+            for h in range(Hkv):
+                key_min[pid, h], key_max[pid, h] = page_min_max(key_cache[pid, h], valid)
+    S = spec.new_tokens
+    return dict(
+        query=rng.standard_normal((B, spec.num_heads, S, D)).astype(dt),
+        key=rng.standard_normal((B, Hkv, S, D)).astype(dt),
+        value=rng.standard_normal((B, Hkv, S, D)).astype(dt),
+        key_cache=key_cache, value_cache=value_cache, key_min=key_min, key_max=key_max,
+        page_table=page_table, past_lens=np.asarray(spec.past_lens, dtype=np.int32),
+        token_budget=np.full(B, spec.budget, dtype=np.int32),
+    )
+
+
+def contiguous_kv(case: dict[str, np.ndarray], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence ``b``'s cached K and V as ``[Hkv, past_len, D]`` (float64), from its pages."""
+    past = int(case["past_lens"][b])
+    ps = case["key_cache"].shape[2]
+    n = -(-past // ps)
+    ids = case["page_table"][b, :n]
+    def cat(c):
+        return np.concatenate([c[i] for i in ids], axis=1)[:, :past].astype(np.float64) if n else \
+            np.zeros((c.shape[1], 0, c.shape[3]))
+    return cat(case["key_cache"]), cat(case["value_cache"])

@@ -1,0 +1,145 @@
+"""The ONNX-function body of QueryAwareSparseAttention (standard ops only).
+
+ONNX Runtime runs it natively; TensorRT ignores it and imports the plugin
+(the node carries ``plugin_namespace``). One body per overload
+(``OpAttributes.function_overload``): the selection policy shapes the graph;
+``scale``, ``sink_pages`` and ``recent_pages`` are attribute references, so
+layers with different values share a body.
+
+Decode (S == 1): gather only the selected pages (TopK over page scores), so
+the bytes read scale with the budget, not the context. Prefill (S > 1): every
+valid page, causal over the new tokens - K becomes the page count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from . import schema
+from .graph_builder import GraphBuilder
+from .policies import OnnxScoreContext, get_policy
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def _attr_protos() -> list[onnx.AttributeProto]:
+    return [helper.make_attribute(a.name, a.default) for a in schema.ATTRIBUTES]
+
+
+def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.FunctionProto:
+    """The FunctionProto for the overload that ``attrs`` (and the page tiers) select."""
+    if cold_pages:
+        raise NotImplementedError("INT8 cold pages in the ONNX function arrive with mixed precision (issue #6)")
+    policy = get_policy(attrs.policy)
+    b = GraphBuilder("qsa")
+    q, k, v, kc, vc, kmin, kmax, pt, past, budget = schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]
+    i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
+
+    # --- shapes -------------------------------------------------------------
+    shape_q = b.op("Shape", q)
+    B, D = b.dim(shape_q, 0), b.dim(shape_q, 3)
+    S = b.dim(shape_q, 2)
+    Hkv = b.dim(b.op("Shape", k), 1)
+    ps = b.dim(b.op("Shape", kc), 2)
+    NP = b.dim(b.op("Shape", pt), 1)
+
+    qg = b.op("Reshape", b.op("Cast", q, to=F), b.cat(B, Hkv, i64(-1), D))  # [B, Hkv, G*S, D]
+    kf, vf = b.op("Cast", k, to=F), b.op("Cast", v, to=F)
+    zero, one = b.const(0, np.int64), b.const(1, np.int64)
+    scale_attr = b.attr_const("scale", "float")
+    inv_sqrt_d = b.op("Reciprocal", b.op("Sqrt", b.op("Cast", D, to=F)))
+    scale = b.op("Where", b.op("Greater", scale_attr, b.const(0.0, np.float32)), scale_attr, inv_sqrt_d)
+
+    # --- which pages: validity, forced pages, per-sequence keep count k_b -----
+    past64 = b.op("Cast", past, to=I64)  # [B]
+    n_b = b.op("Div", b.op("Add", past64, b.op("Sub", ps, one)), ps)  # pages in use [B]
+    page_idx = b.op("Range", zero, b.scalar(NP), one)  # [NP]
+    pidx_row = b.unsqueeze(page_idx, [0])  # [1, NP]
+    n_col = b.unsqueeze(n_b, [1])  # [B, 1]
+    valid = b.op("Less", pidx_row, n_col)  # [B, NP]
+    sinks = b.op("Less", pidx_row, b.attr_const("sink_pages", "int"))
+    recent = b.op("GreaterOrEqual", pidx_row, b.op("Sub", n_col, b.attr_const("recent_pages", "int")))
+    forced = b.op("And", b.op("Or", sinks, recent), valid)
+    n_forced = b.op("ReduceSum", b.op("Cast", forced, to=I64), i64(1), keepdims=0)  # [B]
+    keep_n = b.op("Max", b.op("Div", b.op("Cast", budget, to=I64), ps), n_forced)
+    dense_b = b.op("Or", b.op("LessOrEqual", budget, b.const(0, np.int32)), b.op("GreaterOrEqual", keep_n, n_b))
+    dense_b = b.op("Or", dense_b, b.op("Greater", S, one))  # selection applies to decode only
+    if not policy.selects:
+        dense_b = b.op("Or", dense_b, b.const(True, np.bool_))
+    k_b = b.op("Where", dense_b, n_b, keep_n)  # [B]
+    K = b.op("Min", b.op("ReduceMax", k_b, keepdims=1), NP)  # [1]
+
+    # --- scores -> top-K pages per (sequence, KV head) ------------------------
+    pt64 = b.op("Cast", pt, to=I64)
+    h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
+
+    def gather_pages(cache, phys):  # phys [B, Hkv, K] -> [B, Hkv, K*ps, D] float32
+        flat = b.op("Add", b.op("Mul", phys, Hkv), h_idx)  # row of [P*Hkv, ps, D]
+        rows = b.op("Reshape", cache, b.cat(i64(-1), ps, D))
+        return b.op("Reshape", b.op("Cast", b.op("Gather", rows, flat, axis=0), to=F), b.cat(B, Hkv, i64(-1), D))
+
+    def minmax_T():
+        def t(m):  # [Ptot, Hkv, D] -> [B, NP, Hkv, D] -> [B, Hkv, D, NP]
+            return b.op("Transpose", b.op("Cast", b.op("Gather", m, pt64, axis=0), to=F), perm=[0, 2, 3, 1])
+        return t(kmin), t(kmax)
+
+    def dense_page_mass():
+        all_phys = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
+        keys = gather_pages(kc, all_phys)  # [B, Hkv, NP*ps, D]
+        tok = b.op("Range", zero, b.scalar(b.op("Mul", NP, ps)), one)
+        tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
+        probs = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
+        cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
+        return b.op("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), i64(4), keepdims=0)
+
+    def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
+        logits = b.op("Mul", b.op("MatMul", qg, b.op("Transpose", b.op("Concat", keys, kf, axis=2),
+                                                     perm=[0, 1, 3, 2])), scale)
+        GS = b.dim(b.op("Shape", qg), 2)
+        s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
+        causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
+                      b.unsqueeze(s_of_row, [1]))  # [GS, S]: new token j visible from row (g, s) iff j <= s
+        T = b.dim(b.op("Shape", keys), 2)
+        mask = b.op("Concat", b.op("Expand", tok_ok, b.cat(B, Hkv, GS, T)),
+                    b.op("Expand", b.unsqueeze(causal, [0, 1]), b.cat(B, Hkv, GS, S)), axis=3)
+        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1)
+
+    page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
+    ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
+    per_head = policy.score_onnx(ctx) if policy.selects else page_idx_f
+    reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
+    scores = b.op(reduce_op, per_head, i64(2), keepdims=0)  # [B|1, Hkv|1, NP]
+    valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
+    scores = b.op("Where", valid3, scores, b.const(-np.inf, np.float32))
+    scores = b.op("Where", forced3, b.const(np.inf, np.float32), scores)
+    scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
+    _, top = b.op_multi("TopK", [scores, K], 2, axis=-1, largest=1, sorted=1)  # [B, Hkv, K] logical pages
+    rank = b.op("Range", zero, b.scalar(K), one)
+    rank_ok = b.op("Less", b.op("Reshape", rank, i64(1, 1, -1)), b.op("Reshape", k_b, i64(-1, 1, 1)))  # [B,1,K]
+    rank_ok = b.op("Expand", rank_ok, b.op("Shape", top))
+
+    selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top, rank_ok,
+                    axis=2, _name=schema.OUTPUT_NAMES[1])
+
+    # --- attention over the kept pages + the new tokens ----------------------
+    phys = b.op("GatherElements", b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP)), top, axis=2)
+    keys, vals = gather_pages(kc, phys), gather_pages(vc, phys)
+    tok = b.op("Add", b.op("Mul", b.unsqueeze(top, [3]), ps),
+               b.op("Reshape", b.op("Range", zero, b.scalar(ps), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, ps]
+    tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(rank_ok, [3]))
+    tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*ps]
+    probs = attention_probs(keys, tok_ok)
+    out = b.op("MatMul", probs, b.op("Concat", vals, vf, axis=2))  # [B, Hkv, G*S, D]
+    b.op("CastLike", b.op("Reshape", out, shape_q), q, _name=schema.OUTPUT_NAMES[0])
+
+    fn = helper.make_function(
+        schema.DOMAIN, schema.OP_TYPE, list(schema.INPUT_NAMES), list(schema.OUTPUT_NAMES), b.nodes,
+        [helper.make_opsetid("", schema.OPSET)], attributes=[],
+        overload=attrs.function_overload(cold_pages),
+    )
+    fn.attribute_proto.extend(_attr_protos())
+    fn.doc_string = f"{schema.OP_TYPE} v{schema.VERSION}, policy={attrs.policy}, group_reduce={attrs.group_reduce}"
+    return fn

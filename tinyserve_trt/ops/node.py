@@ -1,0 +1,81 @@
+"""Build ``QueryAwareSparseAttention`` nodes and attach their function bodies.
+
+The exporter, tests and benchmarks all emit the op through here, so a node
+always carries the schema's attributes, the TensorRT plugin attributes and
+the overload of the function body that implements it.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from . import schema
+from .function import make_function
+
+_NP_TO_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int32": TensorProto.INT32,
+               "int8": TensorProto.INT8, "bool": TensorProto.BOOL}
+
+
+def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes | None = None,
+              name: str | None = None, cold_pages: bool = False) -> onnx.NodeProto:
+    """One op node. ``inputs``/``outputs`` follow ``schema.INPUTS``/``OUTPUTS`` order;
+    trailing optional ones may be omitted, and "" skips an optional one."""
+    attrs = attrs or schema.OpAttributes()
+    if len(inputs) < schema.NUM_REQUIRED_INPUTS or len(inputs) > len(schema.INPUTS):
+        raise ValueError(f"{schema.OP_TYPE} takes {schema.NUM_REQUIRED_INPUTS}-{len(schema.INPUTS)} inputs, "
+                         f"got {len(inputs)}")
+    if not 1 <= len(outputs) <= len(schema.OUTPUTS):
+        raise ValueError(f"{schema.OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
+    node = helper.make_node(schema.OP_TYPE, inputs, outputs, name=name, domain=schema.DOMAIN,
+                            overload=attrs.function_overload(cold_pages), **attrs.as_dict(),
+                            **schema.PLUGIN_ATTRIBUTES)
+    return node
+
+
+def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add the function body for every op overload the graph uses (idempotent) and the opset import."""
+    have = {(f.domain, f.name, f.overload) for f in model.functions}
+    for node in model.graph.node:
+        if node.domain != schema.DOMAIN or node.op_type != schema.OP_TYPE:
+            continue
+        if (node.domain, node.op_type, node.overload) in have:
+            continue
+        attrs = node_attributes(node)
+        cold = node.overload.endswith("int8")
+        model.functions.append(make_function(attrs, cold_pages=cold))
+        have.add((node.domain, node.op_type, node.overload))
+    if not any(o.domain == schema.DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(schema.DOMAIN, schema.VERSION))
+    if model.ir_version < 10:  # function overloads need IR 10
+        model.ir_version = 10
+    return model
+
+
+def node_attributes(node: onnx.NodeProto) -> schema.OpAttributes:
+    """The validated schema attributes of an op node (plugin attributes are ignored)."""
+    known = {a.name for a in schema.ATTRIBUTES}
+    values = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in known}
+    values = {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
+    return schema.OpAttributes(**values)
+
+
+def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = None, head_dim: int | None = None,
+                  with_selected: bool = True) -> onnx.ModelProto:
+    """A model holding one op node, every input a graph input (tests, benchmarks)."""
+    if dtype not in schema.FLOAT_TYPES:
+        raise ValueError(f"dtype must be one of {schema.FLOAT_TYPES}, got {dtype!r}")
+    required = schema.INPUTS[: schema.NUM_REQUIRED_INPUTS]
+    outputs = schema.OUTPUTS if with_selected else schema.OUTPUTS[:1]
+
+    def vi(spec):
+        t = _NP_TO_ONNX[dtype if spec.dtype == "T" else spec.dtype]
+        shape = [head_dim if (d == "D" and head_dim) else d for d in spec.shape]
+        return helper.make_tensor_value_info(spec.name, t, shape)
+
+    node = make_node([s.name for s in required], [s.name for s in outputs], attrs, name="qsa")
+    graph = helper.make_graph([node], "query_aware_sparse_attention", [vi(s) for s in required],
+                              [vi(s) for s in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", schema.OPSET)], ir_version=10)
+    return attach_functions(model)
+

@@ -1,0 +1,169 @@
+"""Page selection policies: an ABC, a registry, and the four policies.
+
+A policy scores a sequence's pages for one decode step, per query head; the
+op combines a GQA group's heads (``group_reduce``), forces sinks and recent
+pages in, and keeps the top pages within the token budget. Each policy
+provides the same score twice: in numpy (the reference) and as ONNX nodes
+(the function body), so both implementations share one definition.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import schema
+
+
+@dataclass
+class OnnxScoreContext:
+    """Tensors of the function body a policy may read (all float32 unless noted).
+
+    qg: [B, Hkv, G*S, D] queries grouped by KV head.
+    page_idx_f: [1, 1, 1, NP] logical page index as float.
+    Callables build shared subgraphs lazily so unused ones cost nothing.
+    """
+
+    builder: object
+    qg: str
+    page_idx_f: str
+    key_minmax_T: object  # () -> (kmin_T, kmax_T), each [B, Hkv, D, NP]
+    dense_page_mass: object  # () -> [B, Hkv, G*S, NP] exact attention mass per page
+
+
+class SelectionPolicy(ABC):
+    """Scores pages; larger means more worth keeping."""
+
+    name: str = ""
+    selects: bool = True  # False: every page is kept (dense)
+
+    @abstractmethod
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size: int, scale: float) -> np.ndarray:
+        """Per-head page scores ``[G, n]`` (float64) for one sequence and KV head.
+
+        q: [G, D] the group's queries; key_min/key_max: [n, D];
+        keys: [past_len, D] the cached keys; new_key: [D]. Does not modify inputs.
+        """
+
+    @abstractmethod
+    def score_onnx(self, ctx: OnnxScoreContext) -> str:
+        """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
+
+
+_REGISTRY: dict[str, SelectionPolicy] = {}
+
+
+def register(cls):
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get_policy(name: str) -> SelectionPolicy:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown selection policy {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+@register
+class QueryAware(SelectionPolicy):
+    """Quest: ``sum_i max(q_i * min_i, q_i * max_i)``, an upper bound of q.k in the page."""
+
+    name = "query_aware"
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        return np.maximum(q[:, None, :] * key_min[None], q[:, None, :] * key_max[None]).sum(-1)
+
+    def score_onnx(self, ctx):
+        b = ctx.builder
+        kmin_t, kmax_t = ctx.key_minmax_T()
+        # max(q*lo, q*hi) = relu(q)*hi + min(q,0)*lo: two MatMuls instead of a [.., NP, D] product.
+        q_pos = b.op("Relu", ctx.qg)
+        q_neg = b.op("Sub", ctx.qg, q_pos)
+        return b.op("Add", b.op("MatMul", q_pos, kmax_t), b.op("MatMul", q_neg, kmin_t))
+
+
+@register
+class Window(SelectionPolicy):
+    """StreamingLLM-style: sinks plus the most recent pages (score = page position)."""
+
+    name = "window"
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        return np.broadcast_to(np.arange(key_min.shape[0], dtype=np.float64), (q.shape[0], key_min.shape[0]))
+
+    def score_onnx(self, ctx):
+        return ctx.page_idx_f
+
+
+@register
+class Dense(SelectionPolicy):
+    """Every page is kept; the op is exact attention."""
+
+    name = "dense"
+    selects = False
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        return np.zeros((q.shape[0], key_min.shape[0]))
+
+    def score_onnx(self, ctx):
+        return ctx.page_idx_f
+
+
+@register
+class Oracle(SelectionPolicy):
+    """Exact attention mass of each page (needs every key: evaluation only, not fast)."""
+
+    name = "oracle"
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        n = key_min.shape[0]
+        logits = np.concatenate([q @ keys.T, (q @ new_key)[:, None]], axis=1) * scale
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        mass = np.zeros((q.shape[0], n * page_size))
+        mass[:, : keys.shape[0]] = p[:, :-1]
+        return mass.reshape(q.shape[0], n, page_size).sum(-1)
+
+    def score_onnx(self, ctx):
+        return ctx.dense_page_mass()
+
+
+if set(registered()) != set(schema.POLICIES):  # the schema is the contract; fail at import if they drift
+    raise RuntimeError(f"policy registry {registered()} does not match schema.POLICIES {schema.POLICIES}")
+
+
+def reduce_group(scores: np.ndarray, how: str) -> np.ndarray:
+    """Combine per-head scores ``[G, n]`` into one per KV head ``[n]``."""
+    if how == "max":
+        return scores.max(axis=0)
+    if how == "sum":
+        return scores.sum(axis=0)
+    raise ValueError(f"unknown group_reduce {how!r}")
+
+
+def select_pages(scores: np.ndarray, budget: int, page_size: int, sink_pages: int, recent_pages: int) -> np.ndarray:
+    """Which of a sequence's ``n`` pages a decode step attends (bool ``[n]``).
+
+    Forced: the first ``sink_pages`` and last ``recent_pages`` pages. The budget
+    covers them: ``max(budget // page_size, forced)`` pages are kept in all;
+    the rest of that count are the best-scored other pages. budget <= 0, or a
+    budget that covers every page, keeps everything.
+    """
+    n = scores.shape[0]
+    idx = np.arange(n)
+    forced = (idx < sink_pages) | (idx >= n - recent_pages)
+    keep_n = max(budget // page_size, int(forced.sum()))
+    if budget <= 0 or keep_n >= n:
+        return np.ones(n, dtype=bool)
+    keep = forced.copy()
+    rest = np.flatnonzero(~forced)
+    order = rest[np.argsort(-scores[rest], kind="stable")]
+    keep[order[: keep_n - int(forced.sum())]] = True
+    return keep

@@ -1,0 +1,88 @@
+"""Numpy reference of QueryAwareSparseAttention: slow, loop-per-head, obviously correct.
+
+Tests of every other implementation (ONNX function, CUDA kernels, TensorRT
+plugin) compare against this; calibration and benchmarks use it too.
+Computes in float64 and returns the dtype of ``query``. Does not modify the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import schema
+from .policies import get_policy, reduce_group, select_pages
+
+
+def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarray, np.ndarray]:
+    """K and V ``[ps, D]`` (float64) of one physical page, dequantizing cold pages.
+
+    Page ids below the hot pool size are hot; the rest index the INT8 pools.
+    """
+    hot = caches["key_cache"].shape[0]
+    if page_id < hot:
+        return (caches["key_cache"][page_id, kv_head].astype(np.float64),
+                caches["value_cache"][page_id, kv_head].astype(np.float64))
+    if caches.get("key_cache_int8") is None:
+        raise ValueError(f"page id {page_id} is past the hot pool ({hot} pages) and no cold pool was given")
+    c = page_id - hot
+    ks = np.broadcast_to(caches["key_scale"][c, kv_head], caches["key_cache_int8"].shape[2:])
+    vs = np.broadcast_to(caches["value_scale"][c, kv_head], caches["value_cache_int8"].shape[2:])
+    return (caches["key_cache_int8"][c, kv_head].astype(np.float64) * ks,
+            caches["value_cache_int8"][c, kv_head].astype(np.float64) * vs)
+
+
+def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens,
+                         token_budget, key_cache_int8=None, value_cache_int8=None, key_scale=None,
+                         value_scale=None, *, attrs: schema.OpAttributes | None = None):
+    """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)``. Inputs as in ``schema.INPUTS``."""
+    attrs = attrs or schema.OpAttributes()
+    policy = get_policy(attrs.policy)
+    B, H, S, D = query.shape
+    Hkv = key.shape[1]
+    if H % Hkv:
+        raise ValueError(f"query heads {H} not a multiple of KV heads {Hkv}")
+    G = H // Hkv
+    ps = key_cache.shape[2]
+    NP = page_table.shape[1]
+    scale = schema.resolve_scale(attrs.scale, D)
+    caches = dict(key_cache=key_cache, value_cache=value_cache, key_cache_int8=key_cache_int8,
+                  value_cache_int8=value_cache_int8, key_scale=key_scale, value_scale=value_scale)
+    out = np.zeros((B, H, S, D), dtype=np.float64)
+    selected = np.zeros((B, Hkv, NP), dtype=bool)
+    for b in range(B):
+        past = int(past_lens[b])
+        n = -(-past // ps)
+        if n > NP:
+            raise ValueError(f"sequence {b}: {past} cached tokens need {n} pages, page table has {NP}")
+        pages = [int(p) for p in page_table[b, :n]]
+        for h in range(Hkv):
+            kv = [page_keys_values(p, h, caches) for p in pages]
+            keys = np.concatenate([k for k, _ in kv])[:past] if kv else np.zeros((0, D))
+            vals = np.concatenate([v for _, v in kv])[:past] if kv else np.zeros((0, D))
+            q = query[b, h * G:(h + 1) * G].astype(np.float64)  # [G, S, D]
+            if S == 1 and policy.selects and n > 0:
+                per_head = policy.score_ref(q[:, 0], key_min[pages, h].astype(np.float64),
+                                            key_max[pages, h].astype(np.float64), keys,
+                                            key[b, h, 0].astype(np.float64), ps, scale)
+                keep = select_pages(reduce_group(per_head, attrs.group_reduce), int(token_budget[b]), ps,
+                                    attrs.sink_pages, attrs.recent_pages)
+            else:
+                keep = np.ones(n, dtype=bool)
+            selected[b, h, :n] = keep
+            tok_keep = np.repeat(keep, ps)[:past]
+            k_all = np.concatenate([keys[tok_keep], key[b, h].astype(np.float64)])  # [T + S, D]
+            v_all = np.concatenate([vals[tok_keep], value[b, h].astype(np.float64)])
+            t = int(tok_keep.sum())
+            for g in range(G):
+                for s in range(S):
+                    visible = t + s + 1  # cached kept tokens, then new tokens up to and including s
+                    logits = k_all[:visible] @ q[g, s] * scale
+                    p = np.exp(logits - logits.max())
+                    out[b, h * G + g, s] = (p / p.sum()) @ v_all[:visible]
+    return out.astype(query.dtype), selected
+
+
+def page_min_max(keys: np.ndarray, valid: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Metadata of one page: elementwise min and max over its first ``valid`` keys ``[ps, D]``."""
+    k = keys[: keys.shape[0] if valid is None else valid]
+    return k.min(axis=0), k.max(axis=0)

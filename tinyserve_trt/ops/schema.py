@@ -1,0 +1,168 @@
+"""The single definition of ``tinyserve::QueryAwareSparseAttention`` (version 1).
+
+Every consumer reads this module: the ONNX node builder (``ops/node.py``), the
+ONNX function body (``ops/function.py``), the numpy reference
+(``ops/reference.py``), the exporter, the CUDA launcher and the TensorRT
+plugin's fields (``plugins/``, checked by ``tests/ops/test_schema.py``).
+User documentation: ``docs/op.md``.
+
+Named dims used throughout:
+  B  batch (sequences in the call)        S   new tokens per sequence
+  H  query heads    Hkv  KV heads (H % Hkv == 0, G = H / Hkv)
+  D  head dim       P    page-pool size (hot pages; + cold pages, see below)
+  ps page size      NP   page-table width (max pages per sequence, >= 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DOMAIN = "tinyserve"
+OP_TYPE = "QueryAwareSparseAttention"
+VERSION = 1
+OPSET = 21  # ai.onnx opset the function body is written against
+PLUGIN_NAMESPACE = "tinyserve"
+PLUGIN_VERSION = "1"
+
+FLOAT_TYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the op."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: str  # "T" (the float type of query), or a concrete numpy dtype name
+    doc: str
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class AttributeSpec:
+    """One attribute: ONNX type, default, allowed values or range."""
+
+    name: str
+    type: str  # "int" | "float" | "string"
+    default: object
+    doc: str
+    choices: tuple = ()
+    min: float | None = None
+    max: float | None = None
+
+    def validate(self, value):
+        """Return ``value`` if allowed, else raise ValueError naming the attribute."""
+        if self.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"attribute {self.name!r} must be an int, got {value!r}")
+        if self.type == "float" and not isinstance(value, (int, float)):
+            raise ValueError(f"attribute {self.name!r} must be a float, got {value!r}")
+        if self.type == "string" and not isinstance(value, str):
+            raise ValueError(f"attribute {self.name!r} must be a string, got {value!r}")
+        if self.choices and value not in self.choices:
+            raise ValueError(f"attribute {self.name!r} must be one of {self.choices}, got {value!r}")
+        if self.min is not None and value < self.min:
+            raise ValueError(f"attribute {self.name!r} must be >= {self.min}, got {value!r}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"attribute {self.name!r} must be <= {self.max}, got {value!r}")
+        return value
+
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("query", ("B", "H", "S", "D"), "T", "Queries of the new tokens (after rotary)."),
+    TensorSpec("key", ("B", "Hkv", "S", "D"), "T", "Keys of the new tokens (after rotary); not yet in the cache."),
+    TensorSpec("value", ("B", "Hkv", "S", "D"), "T", "Values of the new tokens; not yet in the cache."),
+    TensorSpec("key_cache", ("P", "Hkv", "ps", "D"), "T", "Hot key page pool, shared by all sequences."),
+    TensorSpec("value_cache", ("P", "Hkv", "ps", "D"), "T", "Hot value page pool."),
+    TensorSpec("key_min", ("Ptot", "Hkv", "D"), "T",
+               "Elementwise min of the valid keys of each page (hot and cold), by page id."),
+    TensorSpec("key_max", ("Ptot", "Hkv", "D"), "T", "Elementwise max of the valid keys of each page, by page id."),
+    TensorSpec("page_table", ("B", "NP"), "int32",
+               "Physical page ids of each sequence's logical pages; padding must be valid ids."),
+    TensorSpec("past_lens", ("B",), "int32", "Tokens already cached per sequence (excludes the S new tokens)."),
+    TensorSpec("token_budget", ("B",), "int32",
+               "Decode token budget per sequence: keep budget // ps pages; 0 or >= context = dense."),
+    TensorSpec("key_cache_int8", ("Pcold", "Hkv", "ps", "D"), "int8",
+               "Cold key pages (page ids P .. P+Pcold-1), quantized.", optional=True),
+    TensorSpec("value_cache_int8", ("Pcold", "Hkv", "ps", "D"), "int8", "Cold value pages.", optional=True),
+    TensorSpec("key_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
+               "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale).", optional=True),
+    TensorSpec("value_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
+               "Dequantization scale of cold values.", optional=True),
+)
+
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("output", ("B", "H", "S", "D"), "T", "Attention output, same layout as query."),
+    TensorSpec("selected_pages", ("B", "Hkv", "NP"), "bool",
+               "True where a logical page was attended (decode: the selection; prefill: every valid page).",
+               optional=True),
+)
+
+# Registered selection policies (ops/policies.py implements each; a test checks
+# the registry and this tuple agree).
+POLICIES = ("query_aware", "window", "dense", "oracle")
+GROUP_REDUCTIONS = ("max", "sum")
+
+ATTRIBUTES: tuple[AttributeSpec, ...] = (
+    AttributeSpec("scale", "float", 0.0, "Softmax scale; 0 means 1/sqrt(D).", min=0.0),
+    AttributeSpec("policy", "string", "query_aware", "Page selection policy for decode steps.", choices=POLICIES),
+    AttributeSpec("sink_pages", "int", 1, "Leading pages always kept (attention sinks).", min=0, max=1 << 16),
+    AttributeSpec("recent_pages", "int", 1, "Trailing pages always kept; the last, partial page is one.",
+                  min=1, max=1 << 16),
+    AttributeSpec("group_reduce", "string", "max",
+                  "How a GQA group's query heads' page scores combine into one per KV head.",
+                  choices=GROUP_REDUCTIONS),
+)
+
+# Attributes TensorRT's ONNX parser reads to import the node as our plugin.
+PLUGIN_ATTRIBUTES = {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
+
+# Comparison tolerances against the reference, by the dtype of query.
+TOLERANCES = {"float32": {"atol": 1e-5, "rtol": 1e-5}, "float16": {"atol": 2e-3, "rtol": 2e-3}}
+
+INPUT_NAMES = tuple(t.name for t in INPUTS)
+OUTPUT_NAMES = tuple(t.name for t in OUTPUTS)
+NUM_REQUIRED_INPUTS = sum(not t.optional for t in INPUTS)
+COLD_INPUTS = tuple(t.name for t in INPUTS if t.name.endswith(("_int8", "_scale")))
+
+
+def attribute(name: str) -> AttributeSpec:
+    for a in ATTRIBUTES:
+        if a.name == name:
+            return a
+    raise KeyError(f"{OP_TYPE} has no attribute {name!r}")
+
+
+@dataclass(frozen=True)
+class OpAttributes:
+    """Validated attribute values of one node; defaults from ``ATTRIBUTES``."""
+
+    scale: float = field(default_factory=lambda: attribute("scale").default)
+    policy: str = field(default_factory=lambda: attribute("policy").default)
+    sink_pages: int = field(default_factory=lambda: attribute("sink_pages").default)
+    recent_pages: int = field(default_factory=lambda: attribute("recent_pages").default)
+    group_reduce: str = field(default_factory=lambda: attribute("group_reduce").default)
+
+    def __post_init__(self):
+        for a in ATTRIBUTES:
+            a.validate(getattr(self, a.name))
+
+    def as_dict(self) -> dict:
+        return {a.name: getattr(self, a.name) for a in ATTRIBUTES}
+
+    def function_overload(self, cold_pages: bool = False) -> str:
+        """The ONNX function overload implementing these attributes.
+
+        One body per (policy, page tiers): the policy changes the graph, not just
+        a constant, so each gets its own body; ORT picks it by the node's
+        ``overload`` field, TensorRT by op type + ``plugin_namespace``.
+        """
+        parts = [self.policy]
+        if self.group_reduce != attribute("group_reduce").default:
+            parts.append(self.group_reduce)
+        if cold_pages:
+            parts.append("int8")
+        return "_".join(parts)
+
+
+def resolve_scale(scale: float, head_dim: int) -> float:
+    return float(scale) if scale > 0 else 1.0 / float(head_dim) ** 0.5
