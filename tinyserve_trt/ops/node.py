@@ -27,6 +27,9 @@ def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes 
                          f"got {len(inputs)}")
     if not 1 <= len(outputs) <= len(schema.OUTPUTS):
         raise ValueError(f"{schema.OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
+    if len(outputs) < len(schema.OUTPUTS):
+        # ORT inlines a function only when the node names every output; unused ones are just dropped.
+        outputs = list(outputs) + [f"{outputs[0]}_{o}" for o in schema.OUTPUT_NAMES[len(outputs):]]
     node = helper.make_node(schema.OP_TYPE, inputs, outputs, name=name, domain=schema.DOMAIN,
                             overload=attrs.function_overload(cold_pages), **attrs.as_dict(),
                             **schema.PLUGIN_ATTRIBUTES)

