@@ -88,3 +88,19 @@ def test_selection_keeps_the_same_scores(rng):
 def test_emitted_model_passes_full_check():
     for policy in schema.POLICIES:
         onnx.checker.check_model(make_op_model("float16", schema.OpAttributes(policy=policy)), full_check=True)
+
+
+@pytest.mark.parametrize("opset", [17, 18, 20, 23])
+def test_function_body_for_the_model_opset(rng, opset):
+    """A function must import its model's ai.onnx version; exports come at 17-23."""
+    model = make_op_model("float32", schema.OpAttributes())
+    model.opset_import[0].version = opset
+    del model.functions[:]
+    from tinyserve_trt.ops.node import attach_functions
+    attach_functions(model)
+    onnx.checker.check_model(model, full_check=True)
+    import onnxruntime as ort
+    case = make_case(CaseSpec((70, 33), 4, 2, 16, 16, 1, "float32", 32), rng)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, _ = sess.run(None, {n: case[n] for n in schema.INPUT_NAMES[:10]})
+    np.testing.assert_allclose(out, sparse_attention_ref(**case)[0], **schema.TOLERANCES["float32"])

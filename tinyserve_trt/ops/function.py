@@ -23,18 +23,24 @@ from .policies import OnnxScoreContext, get_policy
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
+MIN_OPSET = 15  # CastLike
 
 
 def _attr_protos() -> list[onnx.AttributeProto]:
     return [helper.make_attribute(a.name, a.default) for a in schema.ATTRIBUTES]
 
 
-def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.FunctionProto:
-    """The FunctionProto for the overload that ``attrs`` (and the page tiers) select."""
+def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: int = schema.OPSET) -> onnx.FunctionProto:
+    """The FunctionProto for the overload that ``attrs`` (and the page tiers) select.
+
+    ``opset`` is the model's ai.onnx version: a function must import the same
+    one as its model, so the body is written for every opset from MIN_OPSET."""
+    if opset < MIN_OPSET:
+        raise ValueError(f"ai.onnx opset {opset} is too old for the op's function (needs >= {MIN_OPSET})")
     if cold_pages:
         raise NotImplementedError("INT8 cold pages in the ONNX function arrive with mixed precision (issue #6)")
     policy = get_policy(attrs.policy)
-    b = GraphBuilder("qsa")
+    b = GraphBuilder("qsa", opset)
     q, k, v, kc, vc, kmin, kmax, pt, past, budget = schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]
     i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
 
@@ -63,14 +69,14 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.
     sinks = b.op("Less", pidx_row, b.attr_const("sink_pages", "int"))
     recent = b.op("GreaterOrEqual", pidx_row, b.op("Sub", n_col, b.attr_const("recent_pages", "int")))
     forced = b.op("And", b.op("Or", sinks, recent), valid)
-    n_forced = b.op("ReduceSum", b.op("Cast", forced, to=I64), i64(1), keepdims=0)  # [B]
+    n_forced = b.reduce("ReduceSum", b.op("Cast", forced, to=I64), [1])  # [B]
     keep_n = b.op("Max", b.op("Div", b.op("Cast", budget, to=I64), ps), n_forced)
     dense_b = b.op("Or", b.op("LessOrEqual", budget, b.const(0, np.int32)), b.op("GreaterOrEqual", keep_n, n_b))
     dense_b = b.op("Or", dense_b, b.op("Greater", S, one))  # selection applies to decode only
     if not policy.selects:
         dense_b = b.op("Or", dense_b, b.const(True, np.bool_))
     k_b = b.op("Where", dense_b, n_b, keep_n)  # [B]
-    K = b.op("Min", b.op("ReduceMax", k_b, keepdims=1), NP)  # [1]
+    K = b.op("Min", b.reduce("ReduceMax", k_b, [0], keepdims=1), NP)  # [1]
 
     # --- scores -> top-K pages per (sequence, KV head) ------------------------
     pt64 = b.op("Cast", pt, to=I64)
@@ -93,7 +99,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.
         tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
         probs = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
-        return b.op("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), i64(4), keepdims=0)
+        return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
     def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
         logits = b.op("Mul", b.op("MatMul", qg, b.op("Transpose", b.op("Concat", keys, kf, axis=2),
@@ -111,7 +117,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.
     ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
     per_head = policy.score_onnx(ctx) if policy.selects else page_idx_f
     reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
-    scores = b.op(reduce_op, per_head, i64(2), keepdims=0)  # [B|1, Hkv|1, NP]
+    scores = b.reduce(reduce_op, per_head, [2])  # [B|1, Hkv|1, NP]
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
     scores = b.op("Where", valid3, scores, b.const(-np.inf, np.float32))
     scores = b.op("Where", forced3, b.const(np.inf, np.float32), scores)
@@ -137,7 +143,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False) -> onnx.
 
     fn = helper.make_function(
         schema.DOMAIN, schema.OP_TYPE, list(schema.INPUT_NAMES), list(schema.OUTPUT_NAMES), b.nodes,
-        [helper.make_opsetid("", schema.OPSET)], attributes=[],
+        [helper.make_opsetid("", opset)], attributes=[],
         overload=attrs.function_overload(cold_pages),
     )
     fn.attribute_proto.extend(_attr_protos())

@@ -12,7 +12,8 @@ from onnx import helper, numpy_helper
 
 
 class GraphBuilder:
-    def __init__(self, prefix: str = "t"):
+    def __init__(self, prefix: str = "t", opset: int = 21):
+        self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         self._prefix = prefix
         self._count = 0
@@ -60,6 +61,14 @@ class GraphBuilder:
 
     def unsqueeze(self, x: str, axes) -> str:
         return self.op("Unsqueeze", x, self.const(list(axes), np.int64, "ax"))
+
+    def reduce(self, op_type: str, x: str, axes, keepdims: int = 0) -> str:
+        """ReduceMax/ReduceSum over ``axes``: axes are an input from opset 18 (13 for
+        ReduceSum) and an attribute before, so one body serves every opset."""
+        since = 13 if op_type == "ReduceSum" else 18
+        if self.opset >= since:
+            return self.op(op_type, x, self.const(list(axes), np.int64, "ax"), keepdims=keepdims)
+        return self.op(op_type, x, axes=list(axes), keepdims=keepdims)
 
     def scalar(self, x: str) -> str:
         """[1] -> [] (Range and TopK-free scalars)."""

@@ -46,13 +46,17 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         attrs = node_attributes(node)
         cold = node.overload.endswith("int8")
-        model.functions.append(make_function(attrs, cold_pages=cold))
+        model.functions.append(make_function(attrs, cold_pages=cold, opset=onnx_opset(model)))
         have.add((node.domain, node.op_type, node.overload))
     if not any(o.domain == schema.DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(schema.DOMAIN, schema.VERSION))
     if model.ir_version < 10:  # function overloads need IR 10
         model.ir_version = 10
     return model
+
+
+def onnx_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), schema.OPSET)
 
 
 def node_attributes(node: onnx.NodeProto) -> schema.OpAttributes:

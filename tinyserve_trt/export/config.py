@@ -1,0 +1,57 @@
+"""Export options: one frozen dataclass; the CLI takes its defaults from here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..ops import schema
+
+BACKENDS = ("ort", "trt")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    page_size: int | str = 16  # or "auto"
+    token_budget: int = 1024  # the runtime's default decode budget (0 = dense)
+    dense_layers: int = 2  # leading layers kept dense, as Quest does
+    policy: str = "query_aware"
+    sink_pages: int = 1
+    recent_pages: int = 1
+    max_context: int = 8192  # sizes page_size="auto"
+    fp16: bool = False
+    validate: bool = True
+    backend: str = "ort"
+    validate_tolerance: float = 1e-4
+    last_token_logits: bool = True
+
+    def __post_init__(self):
+        if self.page_size != "auto" and (not isinstance(self.page_size, int) or self.page_size < 1
+                                         or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"page_size must be a power of two or 'auto', got {self.page_size!r}")
+        if self.token_budget < 0:
+            raise ValueError(f"token_budget must be >= 0 (0 = dense), got {self.token_budget}")
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_context < 1:
+            raise ValueError("max_context must be positive")
+        schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
+
+    def resolved_page_size(self) -> int:
+        """``auto``: the power of two nearest sqrt(max_context / 16), kept in the band
+        8-16 up to 4K tokens, 16-32 up to 16K, 32-64 beyond. Scoring reads one
+        min/max pair per page (cost ~ context / page) while coarse pages waste
+        budget on unneeded tokens (cost ~ page); the square root balances the
+        two for a budget of ~1/16 of the context."""
+        if self.page_size != "auto":
+            return int(self.page_size)
+        lo, hi = (8, 16) if self.max_context <= 4096 else (16, 32) if self.max_context <= 16384 else (32, 64)
+        ideal = 2 ** round(math.log2(math.sqrt(self.max_context / 16)))
+        return min(hi, max(lo, ideal))
+
+    def layer_attributes(self, layer: int, scale: float) -> schema.OpAttributes:
+        policy = "dense" if layer < self.dense_layers else self.policy
+        return schema.OpAttributes(scale=scale, policy=policy, sink_pages=self.sink_pages,
+                                   recent_pages=self.recent_pages)

@@ -1,0 +1,201 @@
+"""tinyserve-export's pipeline: load -> match -> probe -> rewrite -> check -> validate -> write.
+
+``export_model`` returns an ``ExportReport``; errors are ``ExportError``s with
+the exit code the CLI uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from .. import __version__
+from ..ops import schema
+from ..ops.node import attach_functions
+from . import checks
+from .config import ExportConfig
+from .errors import InputError, UnsupportedError, ValidationError
+from .kv_io import LayerPlan, rewrite
+from .package import MANIFEST, special_tokens, tokenizer_files, write_package
+from .probe import run_with_outputs, source_feeds
+from .source import file_sha256, find_attention, load_source
+from .source_io import find_source_io
+
+# Contexts at which masks are checked for sliding windows (past Mistral's 4096 first).
+LONG_PROBE_PASTS = (4100, 1000, 250, 60)
+
+
+@dataclass
+class ExportReport:
+    outdir: Path
+    rule_counts: Counter
+    layers: int
+    validation: float | None
+    size_bytes: int
+    seconds: dict = field(default_factory=dict)
+
+
+def _progress(msg: str, quiet: bool) -> None:
+    if not quiet:
+        import sys
+        print(f"tinyserve-export: {msg}", file=sys.stderr, flush=True)
+
+
+def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = ExportConfig(),
+                 overwrite: bool = False, quiet: bool = False, extra_manifest: dict | None = None) -> ExportReport:
+    source, outdir = Path(source), Path(outdir)
+    if outdir.exists() and not overwrite:
+        raise InputError(f"{outdir} exists (use --force to replace it)")
+    times = {}
+    t0 = time.perf_counter()
+    _progress(f"loading {source}", quiet)
+    model = load_source(source)
+    sha = file_sha256(source)
+    original_bytes = ir.to_proto(model).SerializeToString() if config.validate else None
+    times["load"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    _progress("matching attention blocks", quiet)
+    matches, counts = find_attention(model)
+    cache_in = {m.key.past_input for m in matches} | {m.value.past_input for m in matches}
+    cache_out = {m.key.present for m in matches} | {m.value.present for m in matches}
+    io = find_source_io(model.graph, cache_in, cache_out)
+    past_inputs = [v for v in model.graph.inputs if v in cache_in]
+    plans, dims = _plan_layers(model, matches, io, past_inputs, config)
+    source_io = dict(input_ids=io.input_ids.name, attention_mask=io.attention_mask.name if io.attention_mask else None,
+                     position_ids=io.position_ids.name if io.position_ids else None, logits=io.logits.name,
+                     past_inputs=[v for m in matches for v in (m.key.past_input.name, m.value.past_input.name)],
+                     present_outputs=[v for m in matches for v in (m.key.present.name, m.value.present.name)])
+    times["match"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
+    page_size = config.resolved_page_size()
+    dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
+    if config.fp16:
+        raise UnsupportedError("--fp16 is not implemented yet for ONNX Runtime packages (fp32 only)")
+    paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits)
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+    RemoveUnusedNodesPass()(model)
+    TopologicalSortPass()(model)
+    model.ir_version = max(model.ir_version or 0, 10)  # function overloads need IR 10
+    proto = attach_functions(ir.to_proto(model))
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as e:
+        raise UnsupportedError(f"rewritten model fails onnx.checker: {str(e).splitlines()[0][:200]}") from None
+    times["rewrite"] = time.perf_counter() - t0
+
+    files = tokenizer_files(source)
+    manifest = dict(
+        format="tinyserve-package", format_version=1, tool_version=__version__,
+        op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
+        num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+        vocab_size=dims["vocab"], page_size=page_size, token_budget=config.token_budget,
+        dense_layers=min(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
+        recent_pages=config.recent_pages, dtype="float16" if config.fp16 else "float32",
+        max_context=config.max_context, io=dict(inputs=paged.inputs, outputs=paged.outputs, layers=paged.layers),
+        source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
+        source_io=source_io, backend=config.backend, **special_tokens(files), **(extra_manifest or {}),
+    )
+
+    figure = None
+    if config.validate:
+        t0 = time.perf_counter()
+        _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
+        figure = _validate(original_bytes, proto, manifest)
+        manifest["validation"] = dict(max_abs_logit_diff=figure, tolerance=config.validate_tolerance)
+        times["validate"] = time.perf_counter() - t0
+        if not figure <= config.validate_tolerance:
+            raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
+                                  f"{config.validate_tolerance:g}")
+    if config.backend == "trt":
+        from .trt_build import require_tensorrt
+
+        require_tensorrt()
+    t0 = time.perf_counter()
+    _progress(f"writing {outdir}", quiet)
+    size = write_package(outdir, proto, manifest, files, overwrite=overwrite)
+    times["write"] = time.perf_counter() - t0
+    return ExportReport(outdir, counts, len(plans), figure, size, times)
+
+
+def _onnx_opset(proto: onnx.ModelProto) -> int:
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _plan_layers(model, matches, io, past_inputs, config: ExportConfig):
+    """Head counts, scales and mask checks from probe runs of the source."""
+    mask_values = [mk.value for m in matches for mk in m.masks]
+    scale_values = [v for m in matches for _, v, _ in m.scale_factors]
+    short = (2, 5, 3)  # batch, past, new tokens
+    donors = [v for m in matches for v in (m.query, m.key.new, m.value.new)]
+    cache_side = [v for m in matches for v in (m.key.present, m.value.present, *m.chain_values)]
+    values = run_with_outputs(model, donors + mask_values + scale_values + cache_side + [io.logits],
+                              source_feeds(model.graph, io, past_inputs, *short))
+    for m in matches:
+        checks.check_masks(m, values, short[1], short[2])
+    if mask_values:
+        for past in LONG_PROBE_PASTS:  # longest context the model accepts (learned positions cap it)
+            try:
+                long = run_with_outputs(model, mask_values, source_feeds(model.graph, io, past_inputs, 1, past, 1))
+            except Exception:
+                continue
+            for m in matches:
+                checks.check_masks(m, long, past, 1)
+            break
+    plans = []
+    for i, m in enumerate(matches):
+        q, k = values[m.query.name], values[m.key.new.name]
+        if q.ndim != 4 or k.ndim != 4 or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+            raise UnsupportedError(f"attention at {m.where()}: query {q.shape} / key {k.shape} are not "
+                                   "[B, H, S, D] / [B, Hkv, S, D] with H a multiple of Hkv")
+        scale = checks.resolve_scale(m, values)
+        if scale and abs(scale - q.shape[3] ** -0.5) < 1e-6 * q.shape[3] ** -0.5:
+            scale = 0.0  # the default; keeps the op's attribute readable
+        plans.append(LayerPlan(m, config.layer_attributes(i, scale), q.shape[1], k.shape[1], q.shape[3],
+                               _shape_donors(m, values)))
+    logits = values[io.logits.name]
+    dims = dict(heads=plans[0].num_heads, kv_heads=plans[0].num_kv_heads, head_dim=plans[0].head_dim,
+                vocab=int(logits.shape[-1]))
+    if any((p.num_heads, p.num_kv_heads, p.head_dim) != (dims["heads"], dims["kv_heads"], dims["head_dim"])
+           for p in plans):
+        raise UnsupportedError("layers with different head counts or head dims are not supported")
+    return plans, dims
+
+
+def _shape_donors(m, values) -> dict:
+    """For each value between the cache and the attention, a value computed
+    without the cache whose shape is the same but for the sequence axis (-2):
+    the new K/V before the GQA repeat, the query after it."""
+    donors = {}
+    for v in [m.key.present, m.value.present, *m.chain_values]:
+        shape = values[v.name].shape
+        for d in (m.key.new, m.query):
+            ds = values[d.name].shape
+            if len(ds) == len(shape) >= 2 and ds[:-2] == shape[:-2] and ds[-1] == shape[-1]:
+                donors[v] = d
+                break
+    return donors
+
+
+def _validate(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict) -> float:
+    import onnxruntime as ort
+
+    from .validate import validate
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    orig = ort.InferenceSession(original_bytes, so, providers=["CPUExecutionProvider"])
+    new = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return validate(orig, new, manifest).max_abs_diff
+
+
+__all__ = ["export_model", "ExportReport", "np"]

@@ -1,0 +1,76 @@
+"""Load and sanity-check the user's ONNX export; find its attention blocks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from .errors import InputError, UnsupportedError
+from .graph_walk import as_cache_concat, is_past_input
+from .rules import AttentionMatch, rules
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_source(path: str | Path) -> ir.Model:
+    """The model as onnx_ir, with its external data resolved; InputError for a
+    missing, non-ONNX or truncated file."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a file")
+    try:
+        proto = onnx.load(str(path), load_external_data=True)
+    except FileNotFoundError as e:
+        raise InputError(f"{path}: external data file missing ({Path(e.filename or '').name})") from None
+    except Exception as e:  # protobuf DecodeError, truncated reads, ...
+        raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:120]})") from None
+    if not proto.graph.node:
+        raise InputError(f"{path}: not an ONNX model (no graph nodes)")
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as e:
+        raise InputError(f"{path}: invalid ONNX model ({str(e).splitlines()[0][:160]})") from None
+    return ir.from_proto(proto)
+
+
+def find_attention(model: ir.Model) -> tuple[list[AttentionMatch], Counter]:
+    """Every attention block, in graph order, with a count per rule. Refuses
+    (with the node's name) a KV cache that no rule accounts for."""
+    g = model.graph
+    cache_concats = [n for n in g if n.op_type == "Concat" and n.outputs[0].is_graph_output()
+                     and len(n.inputs) == 2 and is_past_input(n.inputs[0], g) is not None]
+    if not cache_concats:
+        softmaxes = sum(1 for n in g if n.op_type in ("Softmax", "Attention"))
+        what = "encoder-only model or exported without KV cache" if softmaxes else "no attention either"
+        raise InputError("no KV-cache I/O (past_key_values inputs concatenated into present outputs): " + what)
+    matches, counts = [], Counter()
+    for node in g:
+        for rule in rules():
+            if node.op_type in rule.anchor_ops:
+                m = rule.pattern(node, g)
+                if m is not None:
+                    rule.check(m)
+                    matches.append(m)
+                    counts[rule.name] += 1
+                    break
+    if not matches:
+        raise UnsupportedError(f"no attention block found that reads the KV cache (first cache concat: node "
+                               f"{cache_concats[0].name}); the attention is in a form no rule implements")
+    used = {m.key.node for m in matches} | {m.value.node for m in matches}
+    stray = [n for n in cache_concats if n not in used and as_cache_concat(n.outputs[0], g) is not None]
+    if stray:
+        raise UnsupportedError(f"KV cache concat at node {stray[0].name} feeds an attention no rule recognises "
+                               f"({len(stray)} cache tensors unaccounted for)")
+    return matches, counts
