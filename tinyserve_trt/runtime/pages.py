@@ -159,6 +159,17 @@ class PagePool:
             raise ValueError(f"only an in-use page can be cached; page {page} has refcount 0")
         self._cached[page] = True
 
+    def unmark_cached(self, page: int) -> None:
+        """The prefix cache dropped ``page``: an unreferenced one becomes free."""
+        self._cached[page] = False
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
+    def cached_pages(self) -> list[int]:
+        """Ids of pages the prefix cache registered (in use or evictable)."""
+        return np.flatnonzero(self._cached).tolist()
+
     # ---- data -------------------------------------------------------------
     def copy_page(self, src: int, dst: int) -> None:
         """Copy K, V, key_min/key_max and valid counts of ``src`` into ``dst``, all layers.
