@@ -56,7 +56,7 @@ def check_kv_contents(sched: Scheduler) -> None:
 def check_minmax(pool: PagePool) -> None:
     """key_min/key_max of every in-use page equal a brute-force recomputation."""
     for layer in range(pool.num_layers):
-        for page in np.flatnonzero(pool._refcount > 0):
+        for page in pool.in_use_pages():
             n = pool.num_valid(layer)[page]
             if n == 0:
                 continue

@@ -199,3 +199,33 @@ def test_stats_timestamps():
     s = seq.stats
     assert s.arrival_time < s.first_scheduled_time < s.first_token_time < s.finish_time
     assert s.ttft == s.first_token_time - s.arrival_time
+
+
+def test_record_selected_pages():
+    sched = make()
+    sched.add("a", list(range(9)))
+    b = sched.schedule()
+    sel = np.zeros((1, 2, b.page_table.shape[1]), bool)
+    sel[0, 0, :2] = True
+    sel[0, 1, :1] = True
+    b.record_selected_pages(sel)
+    assert b.seqs[0].stats.pages_selected == [1.5]
+    with pytest.raises(ValueError, match="selected_pages"):
+        b.record_selected_pages(sel[0])
+
+
+def test_engine_loop_shape():
+    """The loop an engine will run: schedule -> backend -> sample -> postprocess."""
+    from tinyserve_trt.runtime import Sampler
+
+    sched, sampler = make(), Sampler(seed=0)
+    sched.add("a", [3, 1, 4, 1, 5], SamplingParams(max_tokens=4, seed=1, logprobs=1))
+    rng = np.random.default_rng(0)
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        run_model(sched.pool, batch)
+        logits = rng.standard_normal((len(batch), 16))
+        sched.postprocess(batch, sampler(logits, batch.seqs, batch.sample_mask))
+    (seq,) = [s for s in batch.seqs if s.request_id == "a"]
+    assert seq.num_output_tokens == 4 and len(seq.output_logprobs) == 4
+    assert len(seq.output_top_logprobs[0]) == 1

@@ -53,6 +53,19 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return int(self.num_new_tokens.sum())
 
+    def record_selected_pages(self, selected_pages: np.ndarray) -> None:
+        """Append each row's mean pages attended per KV head to its ``stats.pages_selected``.
+
+        selected_pages: ``[batch, num_kv_heads, max_pages]`` bool, the op's output.
+        """
+        selected_pages = np.asarray(selected_pages, bool)
+        if selected_pages.shape[0] != len(self.seqs) or selected_pages.ndim != 3:
+            raise ValueError(f"selected_pages must be [batch={len(self.seqs)}, Hkv, max_pages], "
+                             f"got {selected_pages.shape}")
+        per_row = selected_pages.sum(axis=2).mean(axis=1)
+        for seq, n in zip(self.seqs, per_row):
+            seq.stats.pages_selected.append(float(n))
+
     @classmethod
     def build(cls, rows: list[tuple[Sequence, int]], page_size: int, default_budget: int) -> ScheduledBatch:
         """Arrays for ``rows`` of (sequence, new tokens); pages must already cover the slots."""

@@ -166,6 +166,10 @@ class PagePool:
             del self._evictable[page]
             self._free.append(page)
 
+    def in_use_pages(self) -> list[int]:
+        """Ids of pages with at least one holder."""
+        return np.flatnonzero(self._refcount > 0).tolist()
+
     def cached_pages(self) -> list[int]:
         """Ids of pages the prefix cache registered (in use or evictable)."""
         return np.flatnonzero(self._cached).tolist()

@@ -30,7 +30,7 @@ class SequenceStats:
     """Timestamps (the scheduler's clock, seconds) and cache counters of one sequence.
 
     ttft = first_token_time - arrival_time. ``pages_selected`` is filled by the
-    engine from the op's ``selected_pages`` output (pages attended per decode step).
+    engine from the op's ``selected_pages`` output (``ScheduledBatch.record_selected_pages``).
     """
 
     arrival_time: float = 0.0
@@ -40,7 +40,7 @@ class SequenceStats:
     prefix_pages_reused: int = 0   # pages matched in the prefix cache at first admission
     prefix_tokens_reused: int = 0  # tokens whose prefill was skipped thanks to them
     num_preemptions: int = 0
-    pages_selected: list[int] = field(default_factory=list)
+    pages_selected: list[float] = field(default_factory=list)  # per step, mean over KV heads
 
     @property
     def ttft(self) -> float | None:
