@@ -1,0 +1,53 @@
+import pytest
+
+from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
+
+
+def test_defaults_are_valid():
+    CacheConfig()
+    SchedulerConfig()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"page_size": 0}, "page_size"),
+    ({"num_pages": -1}, "num_pages"),
+    ({"num_pages": 2.5}, "num_pages"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"prefix_cache": ""}, "prefix_cache"),
+])
+def test_cache_config_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CacheConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_batch": 0}, "max_batch"),
+    ({"max_tokens_per_step": True}, "max_tokens_per_step"),
+    ({"prefill_chunk": 4096, "max_tokens_per_step": 1024}, "prefill_chunk"),
+    ({"max_seq_len": 0}, "max_seq_len"),
+    ({"token_budget": -1}, "token_budget"),
+    ({"eos_token_id": -3}, "eos_token_id"),
+])
+def test_scheduler_config_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
+
+
+def test_from_memory_bytes():
+    one = CacheConfig.page_bytes(16, 2, 4, 8, "float16")
+    # K and V tokens + key_min/key_max, two bytes each, two layers
+    assert one == 2 * (2 * 4 * 16 * 8 + 2 * 4 * 8) * 2
+    cfg = CacheConfig.from_memory(num_layers=2, num_kv_heads=4, head_dim=8,
+                                  memory_bytes=10 * one + one // 2)
+    assert cfg.num_pages == 10 and cfg.page_size == 16
+
+
+def test_from_memory_fraction_and_errors():
+    cfg = CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8, memory_fraction=1e-6)
+    assert cfg.num_pages >= 1
+    with pytest.raises(ValueError, match="exactly one"):
+        CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8, memory_fraction=1.5)
+    with pytest.raises(ValueError, match="holds no page"):
+        CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8, memory_bytes=10)

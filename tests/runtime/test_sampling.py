@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+
+from tinyserve_trt.runtime.sampling import Sampler, SamplingParams
+from tinyserve_trt.runtime.sequence import Sequence
+
+
+def seqs_for(*params, history=(0,)):
+    return [Sequence(f"r{i}", list(history), p) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_p": 0}, "top_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
+    ({"token_budget": -5}, "token_budget"),
+])
+def test_params_reject(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_lists_become_tuples():
+    p = SamplingParams(stop=["x"], stop_token_ids=[3])
+    assert p.stop == ("x",) and p.stop_token_ids == (3,)
+    hash(p)
+
+
+def test_greedy_and_degenerate_filters_pick_argmax():
+    logits = np.random.default_rng(0).standard_normal((3, 50))
+    seqs = seqs_for(SamplingParams(temperature=0), SamplingParams(top_k=1, seed=1),
+                    SamplingParams(top_p=1e-9, seed=2))
+    out = Sampler()(logits, seqs)
+    np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
+    assert out.logprobs is None
+
+
+def test_seeded_rows_reproduce_whatever_the_batch():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((1, 100))
+    a = [Sampler()(logits, seqs_for(SamplingParams(seed=7))).token_ids[0] for _ in range(1)]
+    draws = []
+    for _ in range(2):
+        seq = seqs_for(SamplingParams(seed=7))[0]
+        other = seqs_for(SamplingParams())[0]
+        draws.append([int(Sampler()(np.vstack([logits, logits]), [other, seq]).token_ids[1])
+                      for _ in range(20)])
+    assert draws[0] == draws[1] and draws[0][0] == a[0]
+
+
+def test_top_k_top_p_restrict_support():
+    logits = np.log(np.array([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    seq_k = seqs_for(SamplingParams(top_k=2, seed=0))
+    seq_p = seqs_for(SamplingParams(top_p=0.85, seed=0))
+    s = Sampler()
+    got_k = {int(s(logits, seq_k).token_ids[0]) for _ in range(300)}
+    got_p = {int(s(logits, seq_p).token_ids[0]) for _ in range(300)}
+    assert got_k == {0, 1} and got_p == {0, 1, 2}
+
+
+def test_sampling_follows_softmax():
+    probs = np.array([0.6, 0.3, 0.1])
+    seq = seqs_for(SamplingParams(seed=3))
+    s = Sampler()
+    draws = np.array([s(np.log(probs)[None], seq).token_ids[0] for _ in range(4000)])
+    np.testing.assert_allclose(np.bincount(draws, minlength=3) / 4000, probs, atol=0.03)
+
+
+def test_temperature_sharpens():
+    logits = np.log(np.array([[0.6, 0.4]]))
+    seq = seqs_for(SamplingParams(temperature=0.1, seed=4))
+    assert np.mean([Sampler()(logits, seq).token_ids[0] == 0 for _ in range(500)]) > 0.95
+
+
+def test_repetition_penalty_moves_argmax():
+    logits = np.array([[2.0, 1.9, -1.0]])
+    seq = seqs_for(SamplingParams(temperature=0, repetition_penalty=2.0), history=[0, 0])
+    assert Sampler()(logits, seq).token_ids[0] == 1
+    seq = seqs_for(SamplingParams(temperature=0, repetition_penalty=1.0), history=[0])
+    assert Sampler()(logits, seq).token_ids[0] == 0
+
+
+def test_logprobs_and_inactive_rows():
+    logits = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]])
+    seqs = seqs_for(SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0))
+    out = Sampler()(logits, seqs, active=np.array([True, False]))
+    assert out.token_ids.tolist() == [2, -1]
+    lp = logits[0] - np.log(np.exp(logits[0]).sum())
+    assert out.logprobs[0] == pytest.approx(lp[2], rel=1e-6) and np.isnan(out.logprobs[1])
+    assert [t for t, _ in out.top_logprobs[0]] == [2, 1] and out.top_logprobs[1] is None
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(logits[:1], seqs)

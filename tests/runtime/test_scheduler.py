@@ -1,0 +1,231 @@
+import numpy as np
+import pytest
+
+from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
+from tinyserve_trt.runtime.pages import PagePool
+from tinyserve_trt.runtime.sampling import SamplingParams
+from tinyserve_trt.runtime.scheduler import Scheduler
+from tinyserve_trt.runtime.sequence import FinishReason, SequenceStatus
+
+from tests.runtime.fakes import check_kv_contents, check_minmax, run_model, step
+
+
+def make(num_pages=32, page_size=4, prefix_cache="hash", **sched):
+    cfg = dict(max_batch=8, max_tokens_per_step=32, prefill_chunk=16)
+    cfg.update(sched)
+    pool = PagePool(CacheConfig(page_size=page_size, num_pages=num_pages, dtype="float32",
+                                prefix_cache=prefix_cache), 2, 2, 3)
+    return Scheduler(SchedulerConfig(**cfg), pool)
+
+
+def drain(sched, rng, limit=10_000):
+    finished = []
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            break
+        finished += step(sched, rng)
+        sched.check_integrity()
+        check_kv_contents(sched)
+    assert not sched.has_unfinished()
+    return finished
+
+
+def test_batch_arrays_match_contract():
+    sched = make(prefill_chunk=6, max_tokens_per_step=8)
+    sched.add("a", list(range(10)), SamplingParams(max_tokens=2))
+    sched.add("b", [5, 6], SamplingParams(max_tokens=2, token_budget=64))
+    b = sched.schedule()
+    assert [s.request_id for s in b.seqs] == ["a", "b"]
+    assert b.num_new_tokens.tolist() == [6, 2] and b.past_lens.tolist() == [0, 0]
+    assert b.input_ids.shape == (2, 6) and b.input_ids[1].tolist() == [5, 6, 0, 0, 0, 0]
+    assert b.page_table.dtype == np.int32 and b.page_table.shape == (2, 2)
+    assert b.page_table[1, 1] == 0  # padding is a valid id
+    assert (b.slot_mapping[1, 2:] == -1).all()
+    assert b.sample_mask.tolist() == [False, True] and b.token_budget.tolist() == [0, 64]
+    a_pages = sched.running[0].pages
+    np.testing.assert_array_equal(b.slot_mapping[0], [a_pages[i // 4] * 4 + i % 4 for i in range(6)])
+    run_model(sched.pool, b)
+    sched.postprocess(b, np.array([-1, 3]))
+    b = sched.schedule()  # a: rest of its prompt (4), b: decode (1)
+    assert b.num_new_tokens.tolist() == [4, 1] and b.past_lens.tolist() == [6, 2]
+    assert b.sample_mask.tolist() == [True, True]
+
+
+def test_limits_respected():
+    sched = make(max_batch=3, max_tokens_per_step=10, prefill_chunk=4)
+    for i in range(6):
+        sched.add(str(i), [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=3))
+    rng = np.random.default_rng(0)
+    while sched.has_unfinished():
+        b = sched.schedule()
+        assert len(b) <= 3 and b.num_tokens <= 10 and (b.num_new_tokens <= 4).all()
+        run_model(sched.pool, b)
+        sched.postprocess(b, rng.integers(0, 8, len(b)))
+        sched.check_integrity()
+
+
+def test_prefix_sharing_skips_prefill_and_reuses_pages():
+    sched = make()
+    rng = np.random.default_rng(1)
+    prompt = list(range(1, 12))  # 11 tokens: two full pages of 4
+    first = sched.add("a", prompt, SamplingParams(max_tokens=2))
+    drain(sched, rng)
+    assert first.stats.prefix_tokens_reused == 0
+    assert sched.pool.num_evictable >= 2
+    second = sched.add("b", prompt + [40, 41], SamplingParams(max_tokens=2))
+    b = sched.schedule()
+    assert second.stats.prefix_pages_reused == 2 and b.past_lens.tolist() == [8]
+    assert b.num_new_tokens.tolist() == [5]
+    run_model(sched.pool, b)
+    sched.postprocess(b, np.array([0]))
+    check_kv_contents(sched)  # reused pages hold the right K/V
+    drain(sched, rng)
+
+
+def test_sharing_off_recomputes():
+    sched = make(prefix_cache="none")
+    rng = np.random.default_rng(2)
+    sched.add("a", list(range(12)), SamplingParams(max_tokens=1))
+    drain(sched, rng)
+    seq = sched.add("b", list(range(12)), SamplingParams(max_tokens=1))
+    assert sched.schedule().past_lens.tolist() == [0] and seq.stats.prefix_tokens_reused == 0
+
+
+def test_preemption_requeues_newest_and_everything_finishes():
+    sched = make(num_pages=6, page_size=4, max_batch=4)
+    rng = np.random.default_rng(3)
+    seqs = [sched.add(str(i), list(rng.integers(0, 50, 6)), SamplingParams(max_tokens=10)) for i in range(4)]
+    finished = drain(sched, rng)
+    assert sched.num_preemptions > 0
+    assert {s.request_id for s in finished} == {"0", "1", "2", "3"}
+    assert all(s.num_output_tokens == 10 for s in seqs)
+    assert sched.pool.num_free + sched.pool.num_evictable == 6
+
+
+def test_cancel_frees_pages_at_once_even_in_flight():
+    sched = make()
+    sched.add("a", list(range(9)), SamplingParams(max_tokens=5))
+    sched.add("b", list(range(50, 59)), SamplingParams(max_tokens=5))
+    b = sched.schedule()
+    free_before = sched.pool.num_free
+    assert sched.cancel("a") and not sched.cancel("zzz")
+    assert sched.pool.num_free == free_before + 3
+    assert (b.slot_mapping[0] == -1).all()
+    run_model(sched.pool, b)  # writes only b's slots
+    assert sched.postprocess(b, np.array([1, 1])) == []
+    assert b.seqs[0].finish_reason is FinishReason.CANCELLED
+    sched.check_integrity()
+    sched.add("a", [1], SamplingParams(max_tokens=1))  # id free again
+
+
+def test_fork_shares_then_copies_on_write():
+    sched = make()
+    rng = np.random.default_rng(4)
+    parent = sched.add("a", list(range(6)), SamplingParams(max_tokens=4, temperature=0))
+    step(sched, rng)  # prefill; one token sampled; last page partial
+    (child,) = sched.fork(parent, 1)
+    assert child.pages == parent.pages and sched.pool.refcount(parent.pages[-1]) == 2
+    shared = parent.pages[-1]
+    before = sched.pool.k_pages(0)[shared].copy()
+    b = sched.schedule()
+    assert parent.pages[-1] != child.pages[-1]  # both got a private copy
+    for s in (parent, child):
+        np.testing.assert_array_equal(sched.pool.k_pages(0)[s.pages[-1]][:, :2], before[:, :2])
+    run_model(sched.pool, b)
+    sched.postprocess(b, np.array([7, 9]))
+    check_kv_contents(sched)
+    check_minmax(sched.pool)
+    assert parent.token_ids[-1] == 7 and child.token_ids[-1] == 9
+    sched.check_integrity()
+
+
+def test_parallel_sampling_n():
+    sched = make()
+    rng = np.random.default_rng(5)
+    sched.add("a", list(range(8)), SamplingParams(max_tokens=3, n=3))  # prompt ends on a page edge
+    finished = drain(sched, rng)
+    assert sorted(s.index for s in finished) == [0, 1, 2]
+    assert all(s.num_output_tokens == 3 and s.token_ids[:8] == list(range(8)) for s in finished)
+
+
+def test_stop_conditions():
+    sched = make(eos_token_id=2, max_seq_len=12)
+    a = sched.add("a", [1, 1], SamplingParams(max_tokens=8, stop_token_ids=[5]))
+    b = sched.add("b", [1, 1], SamplingParams(max_tokens=8))
+    c = sched.add("c", [1, 1], SamplingParams(max_tokens=8, ignore_eos=True))
+    d = sched.add("d", [1] * 9, SamplingParams(max_tokens=8))
+    b_ = sched.schedule()
+    run_model(sched.pool, b_)
+    sched.postprocess(b_, np.array([5, 2, 2, 3]))
+    assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.STOP
+    assert c.status is SequenceStatus.RUNNING
+    while sched.has_unfinished():  # never EOS from here on
+        b_ = sched.schedule()
+        run_model(sched.pool, b_)
+        sched.postprocess(b_, np.full(len(b_), 3))
+    assert d.num_tokens == 12 and d.finish_reason is FinishReason.LENGTH
+    assert c.num_output_tokens == 8 and c.finish_reason is FinishReason.LENGTH
+
+
+def test_add_rejects():
+    sched = make(num_pages=4, page_size=4, max_seq_len=20)
+    sched.add("a", [1], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already live"):
+        sched.add("a", [1])
+    with pytest.raises(ValueError, match="non-empty"):
+        sched.add("b", [])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sched.add("b", [1] * 20)
+    with pytest.raises(ValueError, match="pool holds"):
+        make(num_pages=2, page_size=4).add("b", [1] * 5, SamplingParams(max_tokens=4))
+
+
+def test_protocol_misuse_raises():
+    sched = make()
+    sched.add("a", [1, 2])
+    b = sched.schedule()
+    with pytest.raises(RuntimeError, match="before postprocess"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="sampled tokens"):
+        sched.postprocess(b, np.array([1, 2, 3]))
+
+
+def test_stats_timestamps():
+    t = iter(range(100))
+    sched = make()
+    sched.clock = lambda: float(next(t))
+    seq = sched.add("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    drain(sched, np.random.default_rng(7))
+    s = seq.stats
+    assert s.arrival_time < s.first_scheduled_time < s.first_token_time < s.finish_time
+    assert s.ttft == s.first_token_time - s.arrival_time
+
+
+def test_record_selected_pages():
+    sched = make()
+    sched.add("a", list(range(9)))
+    b = sched.schedule()
+    sel = np.zeros((1, 2, b.page_table.shape[1]), bool)
+    sel[0, 0, :2] = True
+    sel[0, 1, :1] = True
+    b.record_selected_pages(sel)
+    assert b.seqs[0].stats.pages_selected == [1.5]
+    with pytest.raises(ValueError, match="selected_pages"):
+        b.record_selected_pages(sel[0])
+
+
+def test_engine_loop_shape():
+    """The loop an engine will run: schedule -> backend -> sample -> postprocess."""
+    from tinyserve_trt.runtime import Sampler
+
+    sched, sampler = make(), Sampler(seed=0)
+    sched.add("a", [3, 1, 4, 1, 5], SamplingParams(max_tokens=4, seed=1, logprobs=1))
+    rng = np.random.default_rng(0)
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        run_model(sched.pool, batch)
+        logits = rng.standard_normal((len(batch), 16))
+        sched.postprocess(batch, sampler(logits, batch.seqs, batch.sample_mask))
+    (seq,) = [s for s in batch.seqs if s.request_id == "a"]
+    assert seq.num_output_tokens == 4 and len(seq.output_logprobs) == 4
+    assert len(seq.output_top_logprobs[0]) == 1

@@ -1,0 +1,124 @@
+"""Runtime configuration: the KV page cache and the scheduler.
+
+Frozen dataclasses validated in ``__post_init__`` (ValueError with the field
+name); the CLI takes its defaults from them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+KV_DTYPES = ("float32", "float16")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def total_ram_bytes() -> int:
+    """Physical memory of this machine in bytes (POSIX sysconf)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    page_size:    tokens per page (``ps`` in the op schema).
+    num_pages:    hot pages in the pool (``P``); page ids are ``[0, num_pages)``.
+    dtype:        K/V pool and key_min/key_max dtype, ``float32`` or ``float16``.
+    prefix_cache: name in the prefix-cache registry (``hash`` or ``none``).
+
+    Use :meth:`from_memory` to size ``num_pages`` from a byte budget.
+    """
+
+    page_size: int = 16
+    num_pages: int = 1024
+    dtype: str = "float16"
+    prefix_cache: str = "hash"
+
+    def __post_init__(self):
+        _positive_int("page_size", self.page_size)
+        _positive_int("num_pages", self.num_pages)
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.prefix_cache, str) or not self.prefix_cache:
+            raise ValueError(f"prefix_cache must be a registry name, got {self.prefix_cache!r}")
+
+    @staticmethod
+    def page_bytes(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: str = "float16") -> int:
+        """Bytes one page costs over all layers: K and V tokens plus key_min/key_max."""
+        for name, value in (("page_size", page_size), ("num_layers", num_layers),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            _positive_int(name, value)
+        if dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {KV_DTYPES}, got {dtype!r}")
+        item = np.dtype(dtype).itemsize
+        per_layer = 2 * num_kv_heads * page_size * head_dim + 2 * num_kv_heads * head_dim
+        return num_layers * per_layer * item
+
+    @classmethod
+    def from_memory(cls, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                    memory_bytes: int | None = None, memory_fraction: float | None = None,
+                    page_size: int = 16, dtype: str = "float16",
+                    prefix_cache: str = "hash") -> CacheConfig:
+        """A config whose pool fits ``memory_bytes`` or ``memory_fraction`` of physical RAM.
+
+        Exactly one of ``memory_bytes`` / ``memory_fraction`` must be given.
+        Raises ValueError when the budget holds no page at all.
+        """
+        if (memory_bytes is None) == (memory_fraction is None):
+            raise ValueError("give exactly one of memory_bytes or memory_fraction")
+        if memory_fraction is not None:
+            if not isinstance(memory_fraction, (int, float)) or not 0.0 < memory_fraction <= 1.0:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+            memory_bytes = int(total_ram_bytes() * memory_fraction)
+        _positive_int("memory_bytes", memory_bytes)
+        one = cls.page_bytes(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        num_pages = memory_bytes // one
+        if num_pages < 1:
+            raise ValueError(f"memory budget of {memory_bytes} bytes holds no page "
+                             f"(one page costs {one} bytes over {num_layers} layers)")
+        return cls(page_size=page_size, num_pages=num_pages, dtype=dtype, prefix_cache=prefix_cache)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_batch:           sequences per step.
+    max_tokens_per_step: new tokens per step over the whole batch (prefill + decode).
+    prefill_chunk:       most prompt tokens one sequence computes in one step.
+    max_seq_len:         prompt + generated tokens allowed per sequence (None: the pool's capacity).
+    token_budget:        default Quest decode budget in tokens (0 = dense); a request's
+                         ``SamplingParams.token_budget`` overrides it.
+    eos_token_id:        finishes a sequence unless its params set ``ignore_eos``; None = no EOS.
+    """
+
+    max_batch: int = 64
+    max_tokens_per_step: int = 2048
+    prefill_chunk: int = 512
+    max_seq_len: int | None = None
+    token_budget: int = 0
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        _positive_int("max_batch", self.max_batch)
+        _positive_int("max_tokens_per_step", self.max_tokens_per_step)
+        _positive_int("prefill_chunk", self.prefill_chunk)
+        if self.prefill_chunk > self.max_tokens_per_step:
+            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed "
+                             f"max_tokens_per_step ({self.max_tokens_per_step})")
+        if self.max_seq_len is not None:
+            _positive_int("max_seq_len", self.max_seq_len)
+        if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool) \
+                or self.token_budget < 0:
+            raise ValueError(f"token_budget must be an int >= 0, got {self.token_budget!r}")
+        if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int)
+                                              or self.eos_token_id < 0):
+            raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")

@@ -1,0 +1,293 @@
+"""PagePool: the owner of KV page ids, their refcounts and their storage.
+
+Every page id is in exactly one state:
+  free       refcount 0, not cached      -> on the free list
+  in use     refcount > 0                -> held by one or more sequences
+  evictable  refcount 0, cached          -> kept for prefix reuse, evicted LRU
+
+Storage is per layer, indexed by page id (the op schema's names):
+  K, V pools        [num_pages, num_kv_heads, page_size, head_dim]
+  key_min, key_max  [num_pages, num_kv_heads, head_dim]  min / max over the page's
+                    valid (written) tokens; a page with none has both = 0.
+
+Tiers: ids ``[0, num_pages)`` are hot pages in the float pools above.  Cold INT8
+pages (issue #6) will take ids ``[num_pages, num_pages + num_cold)`` in their own
+pools; the id bookkeeping here (states, refcounts, LRU) is tier-agnostic and the
+metadata arrays are the ones to grow to ``P_hot + P_cold`` rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from tinyserve_trt.runtime.config import CacheConfig
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by :meth:`PagePool.allocate` when free + evictable pages are too few."""
+
+
+class PoolIntegrityError(RuntimeError):
+    """Raised by :meth:`PagePool.check_integrity` with the violated invariant."""
+
+
+class PagePool:
+    """Page ids, refcounts, LRU of cached pages, and the K/V + min/max storage."""
+
+    def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.config = config
+        self.num_pages = config.num_pages
+        self.page_size = config.page_size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        dtype = np.dtype(config.dtype)
+        n, h, p, d = self.num_pages, num_kv_heads, self.page_size, head_dim
+        self._k = np.zeros((num_layers, n, h, p, d), dtype)
+        self._v = np.zeros((num_layers, n, h, p, d), dtype)
+        self._key_min = np.zeros((num_layers, n, h, d), dtype)
+        self._key_max = np.zeros((num_layers, n, h, d), dtype)
+        self._num_valid = np.zeros((num_layers, n), np.int32)  # per layer: layers are written one by one
+        self._refcount = np.zeros(n, np.int32)
+        self._cached = np.zeros(n, bool)
+        self._free: deque[int] = deque(range(n))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently released
+        self._on_evict: Callable[[int], None] | None = None
+
+    # ---- views the model reads (no copies) --------------------------------
+    def k_pages(self, layer: int) -> np.ndarray:
+        """Key pool of ``layer``: ``[num_pages, num_kv_heads, page_size, head_dim]``."""
+        return self._k[layer]
+
+    def v_pages(self, layer: int) -> np.ndarray:
+        """Value pool of ``layer``: ``[num_pages, num_kv_heads, page_size, head_dim]``."""
+        return self._v[layer]
+
+    def key_min(self, layer: int) -> np.ndarray:
+        """``[num_pages, num_kv_heads, head_dim]`` elementwise min of each page's valid keys."""
+        return self._key_min[layer]
+
+    def key_max(self, layer: int) -> np.ndarray:
+        """``[num_pages, num_kv_heads, head_dim]`` elementwise max of each page's valid keys."""
+        return self._key_max[layer]
+
+    def num_valid(self, layer: int) -> np.ndarray:
+        """``[num_pages]`` tokens written to each page of ``layer`` since it was allocated."""
+        return self._num_valid[layer]
+
+    # ---- state ------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_available(self) -> int:
+        """Pages :meth:`allocate` can hand out now (free, then evicted LRU)."""
+        return len(self._free) + len(self._evictable)
+
+    def refcount(self, page: int) -> int:
+        return int(self._refcount[page])
+
+    def is_cached(self, page: int) -> bool:
+        return bool(self._cached[page])
+
+    def is_writable(self, page: int) -> bool:
+        """True when one holder owns ``page`` and no prefix-cache entry points at it."""
+        return self._refcount[page] == 1 and not self._cached[page]
+
+    def set_evict_callback(self, fn: Callable[[int], None] | None) -> None:
+        """``fn(page)`` is called when a cached page is evicted to be reused."""
+        self._on_evict = fn
+
+    # ---- id lifecycle -----------------------------------------------------
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` pages (free first, then evicting cached pages LRU), refcount 1 each.
+
+        Each page's metadata is reset (no valid tokens, key_min = key_max = 0).
+        Raises OutOfPagesError, allocating nothing, when fewer than ``n`` are available.
+        """
+        if n > self.num_available:
+            raise OutOfPagesError(f"need {n} pages, {self.num_free} free + "
+                                  f"{self.num_evictable} evictable of {self.num_pages}")
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._cached[page] = False
+                if self._on_evict is not None:
+                    self._on_evict(page)
+            self._refcount[page] = 1
+            self._num_valid[:, page] = 0
+            self._key_min[:, page] = 0
+            self._key_max[:, page] = 0
+            pages.append(page)
+        return pages
+
+    def incref(self, page: int) -> None:
+        """Add a holder. A cached unreferenced page leaves the LRU; a free page is an error."""
+        if self._refcount[page] == 0:
+            if page not in self._evictable:
+                raise ValueError(f"page {page} is free; allocate it instead of incref")
+            del self._evictable[page]
+        self._refcount[page] += 1
+
+    def decref(self, page: int) -> None:
+        """Drop a holder. At zero a cached page becomes evictable (most recent), else free."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"page {page} has no holder to release")
+        self._refcount[page] -= 1
+        if self._refcount[page] == 0:
+            if self._cached[page]:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def mark_cached(self, page: int) -> None:
+        """The prefix cache registered ``page`` (in use): keep it when its holders leave."""
+        if self._refcount[page] <= 0:
+            raise ValueError(f"only an in-use page can be cached; page {page} has refcount 0")
+        self._cached[page] = True
+
+    def unmark_cached(self, page: int) -> None:
+        """The prefix cache dropped ``page``: an unreferenced one becomes free."""
+        self._cached[page] = False
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
+    def in_use_pages(self) -> list[int]:
+        """Ids of pages with at least one holder."""
+        return np.flatnonzero(self._refcount > 0).tolist()
+
+    def cached_pages(self) -> list[int]:
+        """Ids of pages the prefix cache registered (in use or evictable)."""
+        return np.flatnonzero(self._cached).tolist()
+
+    # ---- data -------------------------------------------------------------
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy K, V, key_min/key_max and valid counts of ``src`` into ``dst``, all layers.
+
+        ``dst`` must be writable (copy-on-write target); ``src`` must be in use.
+        """
+        if self._refcount[src] <= 0:
+            raise ValueError(f"copy source page {src} is not in use")
+        if not self.is_writable(dst):
+            raise ValueError(f"copy target page {dst} is shared or cached")
+        for arr in (self._k, self._v, self._key_min, self._key_max, self._num_valid):
+            arr[:, dst] = arr[:, src]
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Write token K/V into ``layer`` and update key_min/key_max of the touched pages.
+
+        slots: ``[tokens]`` int, ``page * page_size + offset``; no duplicates.
+        k, v:  ``[tokens, num_kv_heads, head_dim]``.
+        Each touched page must be writable, and after the write its tokens
+        ``[0, valid)`` must all have been written (appends or overwrites, no gap).
+        Min/max are recomputed from the stored keys of the valid tokens, so they
+        are exact (in the pool dtype) whatever the write order.
+        """
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        n_tok = slots.shape[0]
+        shape = (n_tok, self.num_kv_heads, self.head_dim)
+        if k.shape != shape or v.shape != shape:
+            raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
+        if n_tok == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.num_pages * self.page_size:
+            raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
+        if np.unique(slots).shape[0] != n_tok:
+            raise ValueError("duplicate slots in one write")
+        pages, offs = slots // self.page_size, slots % self.page_size
+        upages, inv = np.unique(pages, return_inverse=True)
+        bad = [int(p) for p in upages if not self.is_writable(p)]
+        if bad:
+            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
+        valid = self._num_valid[layer]
+        old = valid[upages]
+        last = np.full(upages.shape, -1, np.int64)
+        np.maximum.at(last, inv, offs)
+        new = np.maximum(old, last + 1)
+        appended = np.zeros(upages.shape, np.int64)
+        np.add.at(appended, inv, (offs >= old[inv]).astype(np.int64))
+        if np.any(appended != new - old):
+            raise ValueError("write leaves a gap of unwritten tokens inside a page")
+
+        kl, vl = self._k[layer], self._v[layer]
+        kl[pages, :, offs, :] = k
+        vl[pages, :, offs, :] = v
+        valid[upages] = new
+        keys = kl[upages]  # [U, Hkv, page_size, D]
+        mask = (np.arange(self.page_size)[None, :] < new[:, None])[:, None, :, None]
+        big = np.array(np.inf, keys.dtype)
+        self._key_min[layer, upages] = np.where(mask, keys, big).min(axis=2)
+        self._key_max[layer, upages] = np.where(mask, keys, -big).max(axis=2)
+
+    def write_batch(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Write a step's new K/V as the model returns them.
+
+        slot_mapping: ``[batch, new_tokens]`` int, -1 for padding (``ScheduledBatch.slot_mapping``).
+        k, v:         ``[batch, num_kv_heads, new_tokens, head_dim]``.
+        """
+        slot_mapping = np.asarray(slot_mapping)
+        b, t = slot_mapping.shape
+        if k.shape[0] != b or k.shape[2] != t or k.shape != v.shape:
+            raise ValueError(f"k/v {k.shape}/{v.shape} do not match slot_mapping {slot_mapping.shape}")
+        keep = slot_mapping >= 0
+        k_tok = np.swapaxes(k, 1, 2)[keep]  # [tokens, Hkv, D]
+        v_tok = np.swapaxes(v, 1, 2)[keep]
+        self.write_tokens(layer, slot_mapping[keep], k_tok, v_tok)
+
+    # ---- invariant --------------------------------------------------------
+    def check_integrity(self, holders: Iterable[Sequence[int]] | None = None) -> None:
+        """Raise PoolIntegrityError unless every page is in exactly one state.
+
+        Checks free + in use + evictable == num_pages with no overlap, the
+        free/evictable pages' flags, and, when ``holders`` (each holder's page
+        list, e.g. every live sequence's page table) is given, that each page's
+        refcount equals the number of times holders reference it.
+        """
+        n = self.num_pages
+        free = list(self._free)
+        free_set, evict_set = set(free), set(self._evictable)
+        in_use = set(np.flatnonzero(self._refcount > 0).tolist())
+
+        def fail(msg: str):
+            raise PoolIntegrityError(f"page pool integrity: {msg}")
+
+        if len(free_set) != len(free):
+            fail("a page is on the free list twice")
+        if np.any(self._refcount < 0):
+            fail(f"negative refcount on pages {np.flatnonzero(self._refcount < 0).tolist()}")
+        for a, b, name in ((free_set, in_use, "free and in use"), (evict_set, in_use, "evictable and in use"),
+                           (free_set, evict_set, "free and evictable")):
+            if a & b:
+                fail(f"pages {sorted(a & b)[:10]} are both {name}")
+        if len(free_set) + len(evict_set) + len(in_use) != n:
+            fail(f"free {len(free_set)} + in use {len(in_use)} + cached {len(evict_set)} != {n}")
+        if any(self._cached[p] for p in free_set):
+            fail("a free page is marked cached")
+        if not all(self._cached[p] for p in evict_set):
+            fail("an evictable page is not marked cached")
+        if holders is not None:
+            counts = Counter(p for pages in holders for p in pages)
+            expected = np.zeros(n, np.int64)
+            for p, c in counts.items():
+                if not 0 <= p < n:
+                    fail(f"a holder references page {p} outside [0, {n})")
+                expected[p] = c
+            wrong = np.flatnonzero(expected != self._refcount)
+            if wrong.size:
+                p = int(wrong[0])
+                fail(f"page {p} refcount {self._refcount[p]} but {expected[p]} holders "
+                     f"({wrong.size} pages wrong)")
