@@ -40,7 +40,7 @@ def special_tokens(files: list[Path]) -> dict:
 
 
 def write_package(outdir: Path, model: onnx.ModelProto, manifest: dict, extra_files: list[Path],
-                  overwrite: bool = False) -> int:
+                  overwrite: bool = False, finalize=None) -> int:
     """Write and return the package's size in bytes."""
     outdir = Path(outdir)
     if outdir.exists() and not overwrite:
@@ -53,6 +53,8 @@ def write_package(outdir: Path, model: onnx.ModelProto, manifest: dict, extra_fi
                         location=MODEL_FILE + ".data", size_threshold=1024)
         for f in extra_files:
             shutil.copy2(f, tmp / f.name)
+        if finalize is not None:  # e.g. build a TensorRT engine next to the model
+            finalize(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         size = sum(p.stat().st_size for p in tmp.iterdir())
         if outdir.exists():

@@ -53,6 +53,10 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     if outdir.exists() and not overwrite:
         raise InputError(f"{outdir} exists (use --force to replace it)")
     times = {}
+    if config.backend == "trt":  # fail before minutes of work, not after
+        from .trt_build import require_tensorrt
+
+        require_tensorrt()
     t0 = time.perf_counter()
     _progress(f"loading {source}", quiet)
     model = load_source(source)
@@ -116,15 +120,36 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         if not figure <= config.validate_tolerance:
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
                                   f"{config.validate_tolerance:g}")
-    if config.backend == "trt":
-        from .trt_build import require_tensorrt
-
-        require_tensorrt()
     t0 = time.perf_counter()
-    _progress(f"writing {outdir}", quiet)
-    size = write_package(outdir, proto, manifest, files, overwrite=overwrite)
+    _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
+    finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else None
+    size = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
     return ExportReport(outdir, counts, len(plans), figure, size, times)
+
+
+def _build_trt_engine(manifest: dict, config: ExportConfig):
+    """A hook that builds ``model.plan`` inside the package's temporary directory,
+    with one optimization profile over batch, new tokens and page-table width."""
+    from .trt_build import build_engine
+
+    def finalize(tmp: Path) -> None:
+        io, ps = manifest["io"], manifest["page_size"]
+        max_pages = -(-config.max_context // ps)
+        batch, chunk = (1, 8, 64), (1, 1, 512)
+        profiles = {io["inputs"]["input_ids"]: ((1, 1), (batch[1], chunk[1]), (batch[2], chunk[2])),
+                    io["inputs"]["page_table"]: ((1, 1), (batch[1], max_pages // 2), (batch[2], max_pages))}
+        for role in ("position_ids",):
+            if role in io["inputs"]:
+                profiles[io["inputs"][role]] = profiles[io["inputs"]["input_ids"]]
+        for role in ("past_lens", "token_budget", "logits_index"):
+            if role in io["inputs"]:
+                profiles[io["inputs"][role]] = ((1,), (batch[1],), (batch[2],))
+        build_engine(tmp / "model.onnx", tmp / "model.plan", profiles, fp16=config.fp16)
+        manifest["engine"] = dict(file="model.plan", max_batch=batch[2], max_new_tokens=chunk[2],
+                                  max_pages=max_pages)
+
+    return finalize
 
 
 def _onnx_opset(proto: onnx.ModelProto) -> int:

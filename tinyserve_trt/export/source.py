@@ -45,6 +45,28 @@ def load_source(path: str | Path) -> ir.Model:
     return ir.from_proto(proto)
 
 
+def _refuse_windowed_cache(g: ir.Graph) -> None:
+    """present = Slice(Concat(past..., new)): a cache that keeps only the last W
+    tokens, i.e. sliding-window attention, which the op does not implement."""
+    for out in g.outputs:
+        node = out.producer()
+        if node is None or node.op_type != "Slice":
+            continue
+        src = node.inputs[0].producer()
+        if src is not None and src.op_type == "Concat" and any(
+                i is not None and _reaches_graph_input(i) for i in src.inputs):
+            raise UnsupportedError(f"unsupported attention at node {node.name or '<unnamed>'} (Slice): the KV "
+                                   "cache output is a window of the concatenated cache (sliding-window attention)")
+
+
+def _reaches_graph_input(v: ir.Value, depth: int = 0) -> bool:
+    if v.is_graph_input():
+        return True
+    node = v.producer()
+    return node is not None and depth < 4 and node.op_type in ("Slice", "Identity", "Concat") and \
+        _reaches_graph_input(node.inputs[0], depth + 1)
+
+
 def find_attention(model: ir.Model) -> tuple[list[AttentionMatch], Counter]:
     """Every attention block, in graph order, with a count per rule. Refuses
     (with the node's name) a KV cache that no rule accounts for."""
@@ -52,6 +74,7 @@ def find_attention(model: ir.Model) -> tuple[list[AttentionMatch], Counter]:
     cache_concats = [n for n in g if n.op_type == "Concat" and n.outputs[0].is_graph_output()
                      and len(n.inputs) == 2 and is_past_input(n.inputs[0], g) is not None]
     if not cache_concats:
+        _refuse_windowed_cache(g)
         softmaxes = sum(1 for n in g if n.op_type in ("Softmax", "Attention"))
         what = "encoder-only model or exported without KV cache" if softmaxes else "no attention either"
         raise InputError("no KV-cache I/O (past_key_values inputs concatenated into present outputs): " + what)

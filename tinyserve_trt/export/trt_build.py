@@ -1,0 +1,82 @@
+"""Build a TensorRT engine from a rewritten model, with the tinyserve plugin.
+
+TensorRT imports the op node as the ``tinyserve::QueryAwareSparseAttention``
+plugin (the node carries ``plugin_namespace``), so the plugin library must be
+loaded before parsing. Every missing piece is a one-line UnsupportedError
+(exit 3): no tensorrt module, no plugin library, no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from .errors import UnsupportedError
+
+PLUGIN_ENV = "TINYSERVE_TRT_PLUGIN"
+PLUGIN_DEFAULT = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libtinyserve_trt_plugin.so"
+
+
+def plugin_library() -> Path:
+    path = Path(os.environ.get(PLUGIN_ENV, PLUGIN_DEFAULT))
+    if not path.is_file():
+        raise UnsupportedError(f"TensorRT plugin library not found at {path} (build plugins/ with "
+                               f"-DTINYSERVE_BUILD_TRT_PLUGIN=ON, or set {PLUGIN_ENV})")
+    return path
+
+
+def require_tensorrt():
+    """The tensorrt module, with the plugin library loaded and a GPU present."""
+    try:
+        import tensorrt as trt
+    except Exception:  # ImportError, or a placeholder wheel that fails on import
+        raise UnsupportedError("TensorRT is not installed (pip install 'tinyserve-trt[trt]' on a machine with "
+                               "TensorRT >= 10 libraries)") from None
+    lib = plugin_library()
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise UnsupportedError(f"cannot load the TensorRT plugin library {lib}: {e}") from None
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart  # older cuda-python
+        except ImportError:
+            raise UnsupportedError("cuda-python is not installed (pip install 'tinyserve-trt[gpu]')") from None
+    err, count = cudart.cudaGetDeviceCount()
+    if int(err) != 0 or count < 1:
+        raise UnsupportedError("no CUDA GPU is visible; TensorRT engines are built on the GPU they run on")
+    return trt
+
+
+def build_engine(onnx_path: Path, plan_path: Path, profiles: dict[str, tuple], fp16: bool = True,
+                 workspace_bytes: int = 1 << 30) -> Path:
+    """Parse ``onnx_path`` and serialize an engine to ``plan_path``.
+
+    ``profiles`` maps each dynamic input to its (min, opt, max) shapes - batch,
+    new tokens and page-table width - in one optimization profile.
+    """
+    trt = require_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    trt.init_libnvinfer_plugins(logger, "")
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise UnsupportedError(f"TensorRT could not parse {onnx_path}: {errors[:300]}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+    if fp16:
+        config.set_flag(trt.BuilderFlag.FP16)
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in profiles.items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise UnsupportedError("TensorRT failed to build the engine (see the log above)")
+    plan_path.write_bytes(bytes(serialized))
+    return plan_path
