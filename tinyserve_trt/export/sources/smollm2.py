@@ -21,6 +21,7 @@ CLI: ``python -m tinyserve_trt.export.sources.smollm2 [--cache-root DIR] [--forc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -105,8 +106,18 @@ def _cache_valid(directory: Path, key: dict, required: tuple[str, ...]) -> bool:
         return False
 
 
-def _publish(tmp: Path, final: Path, key: dict) -> None:
-    """Stamp ``tmp`` and move it to ``final`` (replacing a stale cache)."""
+@contextlib.contextmanager
+def _staging(final: Path, key: dict):
+    """Yield an empty sibling temp dir; on success stamp it with ``key`` and
+    move it to ``final`` (replacing a stale cache), on failure delete it."""
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / "source.json").write_text(json.dumps(key, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)
@@ -159,12 +170,9 @@ def ensure_hf(cache: SmolLM2Cache | None = None, force: bool = False) -> Path:
         except AttributeError:  # a read-only property in some versions
             pass
     model.config.architectures = [type(model).__name__]
-    tmp = cache.hf_dir.with_name(f"{cache.hf_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp))
-    _save_tokenizer(tokenizer, tmp)
-    _publish(tmp, cache.hf_dir, key)
+    with _staging(cache.hf_dir, key) as tmp:
+        model.save_pretrained(str(tmp))
+        _save_tokenizer(tokenizer, tmp)
     return cache.hf_dir
 
 
@@ -192,19 +200,19 @@ def ensure_onnx(cache: SmolLM2Cache | None = None, force: bool = False) -> Path:
 
     style = get_style(cache.style)
     model, tokenizer = load_hf(cache, attn_implementation=style.attn_implementation)
-    tmp = cache.onnx_dir.with_name(f"{cache.onnx_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    raw = export_causal_lm(model, tmp / "raw" / "model.onnx", style)
-    proto = onnx.load(str(raw))
-    onnx.save(proto, str(tmp / "model.onnx"), save_as_external_data=True,
-              all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
-    shutil.rmtree(tmp / "raw")
-    _save_tokenizer(tokenizer, tmp)
-    model.config.to_json_file(str(tmp / "config.json"))
-    if model.generation_config is not None:
-        model.generation_config.to_json_file(str(tmp / "generation_config.json"))
-    _publish(tmp, cache.onnx_dir, key)
+    with _staging(cache.onnx_dir, key) as tmp:
+        raw = export_causal_lm(model, tmp / "raw" / "model.onnx", style)
+        # Re-save with one external data file: the 650 MB proto fits under
+        # 2 GB, but runtimes mmap external data and the graph stays small to load.
+        proto = onnx.load(str(raw))
+        onnx.save(proto, str(tmp / "model.onnx"), save_as_external_data=True,
+                  all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+        del proto
+        shutil.rmtree(tmp / "raw")
+        _save_tokenizer(tokenizer, tmp)
+        model.config.to_json_file(str(tmp / "config.json"))
+        if model.generation_config is not None:
+            model.generation_config.to_json_file(str(tmp / "generation_config.json"))
     return cache.onnx_path
 
 
