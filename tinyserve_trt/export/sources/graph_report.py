@@ -82,6 +82,8 @@ def attention_block(model, layer: int = 0) -> list:
         core.add(id(node))
         if is_weight_matmul(node) and node not in concats:
             continue  # o_proj: stop
+        if node.op_type in ("Shape", "Size"):
+            continue  # legacy exports read later layers' lengths off present.*: not data flow
         for o in node.output:
             stack.extend(consumers.get(o, []))
     block, stack = set(core), [n for n in graph.node if id(n) in core]
@@ -121,11 +123,14 @@ def _small_constants(model) -> dict[str, str]:
                     tensors[n.output[0]] = a.t
     out = {}
     for name, t in tensors.items():
+        size = 1
+        for d in t.dims:
+            size *= d
+        if size > 4 or t.data_location == onnx.TensorProto.EXTERNAL:
+            out[name] = f"W{list(t.dims)}"  # never read (external) weight data
+            continue
         arr = onnx.numpy_helper.to_array(t)
-        if arr.size <= 4:
-            out[name] = f"{arr.tolist()}" if arr.ndim else f"{arr.item():.6g}"
-        else:
-            out[name] = f"W{list(arr.shape)}"
+        out[name] = f"{arr.tolist()}" if arr.ndim else f"{arr.item():.6g}"
     return out
 
 
