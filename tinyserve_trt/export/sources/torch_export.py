@@ -193,6 +193,8 @@ def export_causal_lm(model, out_path: str | Path, style: str | ExportStyle) -> P
         # the parity tests cover prefill with past = 0.
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+        # Negative indices never reach the padding-mask gather (arange-based).
+        warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
         if style.dynamo:
             program = torch.onnx.export(
                 wrapper, args, dynamo=True, opset_version=style.opset,
