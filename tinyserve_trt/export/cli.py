@@ -76,7 +76,7 @@ def run(argv=None) -> int:
     if args.model is None:
         from .sources import smollm2
 
-        source = smollm2.ensure_onnx(progress=not args.quiet)
+        source = smollm2.ensure_onnx()
         extra = {"model_name": "SmolLM2-135M-Instruct"}
         out = Path(args.output or DEMO_OUT)
     else:

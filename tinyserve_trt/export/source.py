@@ -15,10 +15,15 @@ from .rules import AttentionMatch, rules
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of the model file followed by its external data files (siblings
+    named after it, e.g. model.onnx.data), so a change of weights changes it."""
+    path = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    files = [path] + sorted(p for p in path.parent.glob(path.name + "*") if p != path and p.is_file())
+    for p in files:
+        with open(p, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
     return h.hexdigest()
 
 

@@ -16,7 +16,7 @@ import onnx_ir as ir
 from ..graph_walk import LAYOUT_OPS, ancestors, as_cache_concat, consumers, is_scalar_like, walk_up
 from .base import AttentionMatch, AttentionRule, MaskUse, Refusal, register
 
-_POST_SOFTMAX_PASSTHROUGH = ("Cast", "Dropout", "Identity")
+_POST_SOFTMAX_PASSTHROUGH = ("Cast", "Dropout", "Identity", "Reshape")
 
 
 def _has_matmul_ancestor(value: ir.Value) -> bool:
@@ -78,7 +78,7 @@ def match_softmax_core(softmax: ir.Node, rule: str) -> tuple[AttentionMatch, boo
             x = node.inputs[1]
         elif node.op_type == "Tanh":
             raise Refusal(node, "logit soft-capping (Tanh before Softmax) is not implemented by the op")
-        elif node.op_type == "Cast":
+        elif node.op_type in ("Cast", "Reshape"):  # Reshape: bmm-style exports (Bloom) go 3-D and back
             x = node.inputs[0]
         else:
             raise Refusal(node, f"{node.op_type} between the attention logits and Softmax is not supported")
