@@ -51,6 +51,8 @@ int32_t qsa_check(const QsaForwardParams* p) {
     if (!p->query || !p->key || !p->value || !p->key_cache || !p->value_cache || !p->key_min || !p->key_max ||
         !p->page_table || !p->past_lens || !p->token_budget || !p->output)
         return QSA_ERR_INVALID_ARGUMENT;
+    if (p->selected_pages && p->selected_pages_elem_size != 1 && p->selected_pages_elem_size != 4)
+        return QSA_ERR_INVALID_ARGUMENT;
     if (p->key_cache_int8 || p->value_cache_int8 || p->key_scale || p->value_scale) return QSA_ERR_UNSUPPORTED;
     const bool decode = p->dims.new_tokens == 1;
     if (decode && p->attrs.policy == QSA_POLICY_ORACLE) return QSA_ERR_UNSUPPORTED;  // reference-only

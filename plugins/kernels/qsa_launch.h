@@ -9,7 +9,8 @@
  *   query [B, H, S, D]   key/value [B, Hkv, S, D]   output [B, H, S, D]
  *   key_cache/value_cache [P, Hkv, ps, D]   key_min/key_max [Ptot, Hkv, D]
  *   page_table [B, NP] int32   past_lens/token_budget [B] int32
- *   selected_pages [B, Hkv, NP] bool stored as one byte (0/1), may be NULL.
+ *   selected_pages [B, Hkv, NP] 0/1, one byte (numpy/torch bool) or int32
+ *   (TensorRT plugins cannot output kBOOL), per selected_pages_elem_size; may be NULL.
  * Float tensors are all float32 or all float16 (`dtype`); accumulation is fp32.
  *
  * Every entry point returns a QsaStatus and never aborts, allocates, or
@@ -73,6 +74,7 @@ typedef struct QsaForwardParams {
     QsaAttrs attrs;
     int32_t dtype;      /* QsaDtype of every float tensor */
     int32_t num_splits; /* decode split-K partitions; 0 = choose from dims and the SM count */
+    int32_t selected_pages_elem_size; /* 1 (bool/uint8) or 4 (int32) */
     const void* query;
     const void* key;
     const void* value;
@@ -88,7 +90,7 @@ typedef struct QsaForwardParams {
     const void* key_scale;
     const void* value_scale;
     void* output;
-    uint8_t* selected_pages; /* may be NULL */
+    void* selected_pages; /* may be NULL */
 } QsaForwardParams;
 
 /* Writes S new tokens' K/V into their page slots (slot = past_lens[b] + i,

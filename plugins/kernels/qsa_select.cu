@@ -34,6 +34,20 @@ __device__ __forceinline__ uint32_t order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
+struct SelOut {
+    void* base;
+    size_t row;
+    bool wide;
+    __device__ void put(int i, bool v) const {
+        if (!base) return;
+        if (wide)
+            static_cast<int32_t*>(base)[row + i] = v;
+        else
+            static_cast<uint8_t*>(base)[row + i] = v;
+    }
+};
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     select_kernel(QsaForwardParams p, Workspace ws, int all_pages, int scores_in_smem) {
@@ -52,7 +66,7 @@ __global__ void __launch_bounds__(kThreads)
     const int past = max(p.past_lens[b], 0);
     const int n = min((past + ps - 1) / ps, NP);
     int32_t* kept = ws.kept_idx + size_t(bh) * NP;
-    uint8_t* sel = p.selected_pages ? p.selected_pages + size_t(bh) * NP : nullptr;
+    const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
 
     const int n_sink = min(p.attrs.sink_pages, n);
     const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
@@ -63,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
     if (dense) {
         for (int i = threadIdx.x; i < NP; i += blockDim.x) {
             if (i < n) kept[i] = i;
-            if (sel) sel[i] = i < n;
+            sel.put(i, i < n);
         }
         if (threadIdx.x == 0) ws.kept_cnt[bh] = n;
         return;
@@ -164,12 +178,11 @@ __global__ void __launch_bounds__(kThreads)
         BlockScan(scan_tmp).ExclusiveSum(keep, pos, total);
         __syncthreads();
         if (keep) kept[out_base + pos] = i;
-        if (valid && sel) sel[i] = uint8_t(keep);
+        if (valid) sel.put(i, keep);
         eq_base += eq_total;
         out_base += total;
     }
-    if (sel)
-        for (int i = n + threadIdx.x; i < NP; i += blockDim.x) sel[i] = 0;
+    for (int i = n + threadIdx.x; i < NP; i += blockDim.x) sel.put(i, false);
     if (threadIdx.x == 0) ws.kept_cnt[bh] = out_base;
 }
 
