@@ -191,7 +191,9 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool all_pages, cudaStream_t stream) {
     const QsaDims& d = p.dims;
     const bool in_smem = select_scores_in_smem(d);
-    const size_t smem = select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
+    // all_pages (prefill) returns before touching shared memory: ask for none.
+    const size_t smem =
+        all_pages ? 0 : select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
     const dim3 grid(d.num_kv_heads, d.batch);
     if (p.dtype == QSA_DTYPE_FLOAT16)
         select_kernel<__half><<<grid, kThreads, smem, stream>>>(p, ws, int(all_pages), int(in_smem));
