@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Build libqsa_kernels.so (the CUDA kernels, extern "C" launchers) with nvcc.
+
+One command, no CMake needed (the GPU check machine may lack it):
+    python plugins/build.py                 # all archs below, into build/plugins/
+    python plugins/build.py --arch 90       # one arch, fast
+    python plugins/build.py --check         # compile only (-c), no library: what CI runs
+nvcc is taken from $CUDACXX, then PATH, then the PyPI ``nvidia-cuda-nvcc`` wheel.
+The TensorRT plugin needs TensorRT headers and is built by CMake instead
+(plugins/README.md). Keep ARCHS equal to plugins/CMakeLists.txt (a test checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SOURCES = sorted((HERE / "kernels").glob("*.cu"))
+ARCHS = ("75", "80", "86", "87", "89", "90")  # + PTX of the last, for newer GPUs to JIT
+
+
+def find_nvcc() -> str:
+    """nvcc from $CUDACXX, PATH, or the nvidia-cuda-nvcc wheel; raises with what was tried."""
+    tried = []
+    env = os.environ.get("CUDACXX")
+    if env:
+        if Path(env).is_file():
+            return env
+        tried.append(f"$CUDACXX={env}")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        return on_path
+    tried.append("PATH")
+    try:
+        import nvidia.cuda_nvcc as wheel  # PyPI nvidia-cuda-nvcc(-cu12)
+        for base in getattr(wheel, "__path__", []):
+            cand = Path(base) / "bin" / "nvcc"
+            if cand.is_file():
+                return str(cand)
+        tried.append("nvidia.cuda_nvcc wheel (no bin/nvcc)")
+    except ImportError:
+        tried.append("nvidia.cuda_nvcc wheel (not installed)")
+    raise SystemExit(f"build.py: no nvcc found (tried {', '.join(tried)})")
+
+
+def supported_archs(nvcc: str) -> set[str]:
+    """Real archs this nvcc can target (``--list-gpu-arch`` prints compute_XX)."""
+    out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return set(ARCHS)  # older nvcc without the flag: assume the list is fine
+    return {line.strip().removeprefix("compute_") for line in out.stdout.split() if line.startswith("compute_")}
+
+
+def gencode_flags(archs, nvcc: str) -> list[str]:
+    have = supported_archs(nvcc)
+    dropped = [a for a in archs if a not in have]
+    if dropped:
+        print(f"build.py: this nvcc cannot target sm_{', sm_'.join(dropped)}; skipping them", file=sys.stderr)
+    keep = sorted((a for a in archs if a in have), key=int)
+    if not keep:
+        raise SystemExit(f"build.py: none of {archs} is supported by {nvcc}")
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in keep]
+    flags.append(f"-gencode=arch=compute_{keep[-1]},code=compute_{keep[-1]}")
+    return flags
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", action="append", help="SM arch like 90 (repeatable); default: all of ARCHS")
+    ap.add_argument("--out", default=str(ROOT / "build" / "plugins"), help="output directory")
+    ap.add_argument("--check", action="store_true", help="compile each source to an object only")
+    args = ap.parse_args(argv)
+    nvcc = find_nvcc()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-lineinfo", f"-I{HERE / 'kernels'}",
+              *gencode_flags(tuple(args.arch or ARCHS), nvcc)]
+    if args.check:
+        for src in SOURCES:
+            cmd = [*common, "-c", str(src), "-o", str(out / (src.stem + ".o"))]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+        return 0
+    lib = out / "libqsa_kernels.so"
+    cmd = [*common, "-shared", *map(str, SOURCES), "-o", str(lib)]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    print(f"built {lib}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+// extern "C" entry points of libqsa_kernels (declared in qsa_launch.h): check
+// the arguments, lay out the workspace, pick decode or prefill, launch.
+// No allocation, no synchronisation, no abort: every failure is a QsaStatus.
+#include "qsa_common.cuh"
+
+namespace {
+
+bool dims_ok(const QsaDims& d) {
+    return d.batch >= 0 && d.num_heads >= 1 && d.num_kv_heads >= 1 && d.num_heads % d.num_kv_heads == 0 &&
+           d.new_tokens >= 1 && d.head_dim >= 1 && d.head_dim <= QSA_MAX_HEAD_DIM && d.num_pages >= 1 &&
+           d.page_size >= 1 && d.table_width >= 1 && d.num_meta_pages >= d.num_pages && d.batch <= 65535 &&
+           d.num_kv_heads * ((d.num_heads / d.num_kv_heads + QSA_MAX_GROUP_PER_BLOCK - 1) /
+                             QSA_MAX_GROUP_PER_BLOCK) <= 65535;
+}
+
+bool attrs_ok(const QsaAttrs& a) {
+    return a.scale >= 0.f && a.policy >= 0 && a.policy < QSA_NUM_POLICIES && a.sink_pages >= QSA_ATTR_SINK_PAGES_MIN &&
+           a.sink_pages <= QSA_ATTR_SINK_PAGES_MAX && a.recent_pages >= QSA_ATTR_RECENT_PAGES_MIN &&
+           a.recent_pages <= QSA_ATTR_RECENT_PAGES_MAX && a.group_reduce >= 0 &&
+           a.group_reduce < QSA_NUM_GROUP_REDUCTIONS;
+}
+
+bool dtype_ok(int32_t t) { return t == QSA_DTYPE_FLOAT32 || t == QSA_DTYPE_FLOAT16; }
+
+}  // namespace
+
+extern "C" {
+
+size_t qsa_workspace_size(const QsaDims* dims) {
+    if (!dims || !dims_ok(*dims)) return 0;
+    return qsa::layout_workspace(*dims, nullptr).bytes;
+}
+
+int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms) {
+    if (!dims || !dims_ok(*dims)) return 1;
+    const int32_t cap = qsa::splits_cap(*dims);
+    int32_t s = requested;
+    if (s <= 0) {  // about two blocks per SM in flight, counted over (sequence, KV head, group chunk)
+        const int32_t G = dims->num_heads / dims->num_kv_heads;
+        const int64_t base = int64_t(dims->batch > 0 ? dims->batch : 1) * dims->num_kv_heads *
+                             ((G + QSA_MAX_GROUP_PER_BLOCK - 1) / QSA_MAX_GROUP_PER_BLOCK);
+        const int64_t target = 2 * int64_t(num_sms > 0 ? num_sms : 108);
+        s = int32_t((target + base - 1) / base);
+    }
+    return s < 1 ? 1 : (s > cap ? cap : s);
+}
+
+int32_t qsa_check(const QsaForwardParams* p) {
+    if (!p || !dims_ok(p->dims) || !attrs_ok(p->attrs) || !dtype_ok(p->dtype)) return QSA_ERR_INVALID_ARGUMENT;
+    if (p->dims.batch == 0) return QSA_OK;
+    if (!p->query || !p->key || !p->value || !p->key_cache || !p->value_cache || !p->key_min || !p->key_max ||
+        !p->page_table || !p->past_lens || !p->token_budget || !p->output)
+        return QSA_ERR_INVALID_ARGUMENT;
+    if (p->selected_pages && p->selected_pages_elem_size != 1 && p->selected_pages_elem_size != 4)
+        return QSA_ERR_INVALID_ARGUMENT;
+    if (p->key_cache_int8 || p->value_cache_int8 || p->key_scale || p->value_scale) return QSA_ERR_UNSUPPORTED;
+    const bool decode = p->dims.new_tokens == 1;
+    if (decode && p->attrs.policy == QSA_POLICY_ORACLE) return QSA_ERR_UNSUPPORTED;  // reference-only
+    if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
+    return QSA_OK;
+}
+
+int32_t qsa_forward(const QsaForwardParams* p, void* workspace, size_t workspace_bytes, void* stream) {
+    const int32_t st = qsa_check(p);
+    if (st != QSA_OK || p->dims.batch == 0) return st;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p->dims.new_tokens > 1) {
+        // Prefill attends every valid page; the selection output says so.
+        if (p->selected_pages) {
+            const qsa::Workspace ws = qsa::layout_workspace(p->dims, workspace);
+            if (!workspace || workspace_bytes < ws.bytes) return QSA_ERR_WORKSPACE;
+            if (qsa::launch_select(*p, ws, true, s) != cudaSuccess) return QSA_ERR_CUDA;
+        }
+        return qsa::launch_prefill(*p, s) == cudaSuccess ? QSA_OK : QSA_ERR_CUDA;
+    }
+    const qsa::Workspace ws = qsa::layout_workspace(p->dims, workspace);
+    if (!workspace || workspace_bytes < ws.bytes) return QSA_ERR_WORKSPACE;
+    int32_t num_sms = 0;
+    if (p->num_splits <= 0) {  // host-side attribute queries: no device work, no sync
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+            num_sms = 0;
+    }
+    const int32_t splits = qsa_num_splits(&p->dims, p->num_splits, num_sms);
+    if (qsa::launch_select(*p, ws, false, s) != cudaSuccess) return QSA_ERR_CUDA;
+    return qsa::launch_decode(*p, ws, splits, s) == cudaSuccess ? QSA_OK : QSA_ERR_CUDA;
+}
+
+int32_t qsa_append_kv(const QsaAppendParams* p, void* stream) {
+    if (!p || !dtype_ok(p->dtype)) return QSA_ERR_INVALID_ARGUMENT;
+    QsaDims d = p->dims;
+    d.num_heads = d.num_kv_heads;  // not read by the append kernel
+    d.num_meta_pages = d.num_pages;
+    if (!dims_ok(d)) return QSA_ERR_INVALID_ARGUMENT;
+    if (d.batch == 0) return QSA_OK;
+    if (!p->key || !p->value || !p->key_cache || !p->value_cache || !p->key_min || !p->key_max || !p->page_table ||
+        !p->past_lens)
+        return QSA_ERR_INVALID_ARGUMENT;
+    QsaAppendParams q = *p;
+    q.dims = d;
+    return qsa::launch_append(q, static_cast<cudaStream_t>(stream)) == cudaSuccess ? QSA_OK : QSA_ERR_CUDA;
+}
+
+const char* qsa_status_string(int32_t status) {
+    switch (status) {
+        case QSA_OK: return "ok";
+        case QSA_ERR_INVALID_ARGUMENT: return "invalid argument (dims, pointers, dtype or attributes)";
+        case QSA_ERR_UNSUPPORTED: return "unsupported here (int8 cold pages, oracle policy, or group*head_dim too large)";
+        case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
+        case QSA_ERR_CUDA: return "CUDA launch failed";
+        default: return "unknown status";
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,92 @@
+// Internal to plugins/kernels: dtype helpers, warp reductions, the workspace
+// layout, and the host-side launch functions each .cu file provides.
+// No TensorRT types here (STYLE principle 10).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+
+#include "qsa_launch.h"
+
+namespace qsa {
+
+template <typename T> __device__ __forceinline__ float to_f(T x);
+template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Scratch carved out of the caller's workspace; the same function sizes it
+// (base == nullptr) and lays it out, so qsa_workspace_size cannot drift from
+// what the kernels index.
+struct Workspace {
+    int32_t* kept_idx;  // [B, Hkv, NP] logical page indices a decode step attends, ascending
+    int32_t* kept_cnt;  // [B, Hkv]
+    float* scores;      // [B, Hkv, NP] page scores when they do not fit in shared memory
+    float* part_m;      // [B, H, splits_cap] running max of each split (log-sum-exp state)
+    float* part_l;      // [B, H, splits_cap] softmax denominator of each split
+    float* part_acc;    // [B, H, splits_cap, D] unnormalised output of each split
+    int32_t splits_cap;
+    size_t bytes;
+};
+
+inline size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
+
+inline int32_t splits_cap(const QsaDims& d) {
+    int32_t np = d.table_width > 0 ? d.table_width : 1;
+    return np < QSA_MAX_SPLITS ? np : QSA_MAX_SPLITS;
+}
+
+inline Workspace layout_workspace(const QsaDims& d, void* base) {
+    Workspace w{};
+    w.splits_cap = splits_cap(d);
+    const size_t bkv = size_t(d.batch) * d.num_kv_heads;
+    const size_t bh = size_t(d.batch) * d.num_heads;
+    const size_t np = size_t(d.table_width);
+    size_t off = 0;
+    char* p = static_cast<char*>(base);
+    auto take = [&](size_t bytes) -> void* {
+        void* r = p ? p + off : nullptr;
+        off += align_up(bytes);
+        return r;
+    };
+    w.kept_idx = static_cast<int32_t*>(take(bkv * np * sizeof(int32_t)));
+    w.kept_cnt = static_cast<int32_t*>(take(bkv * sizeof(int32_t)));
+    w.scores = static_cast<float*>(take(bkv * np * sizeof(float)));
+    w.part_m = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
+    w.part_l = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
+    w.part_acc = static_cast<float*>(take(bh * w.splits_cap * size_t(d.head_dim) * sizeof(float)));
+    w.bytes = off;
+    return w;
+}
+
+// Host launchers, one per kernel file. Each returns the launch's cudaError_t.
+cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool all_pages, cudaStream_t stream);
+cudaError_t launch_decode(const QsaForwardParams& p, const Workspace& ws, int32_t splits, cudaStream_t stream);
+cudaError_t launch_prefill(const QsaForwardParams& p, cudaStream_t stream);
+cudaError_t launch_append(const QsaAppendParams& p, cudaStream_t stream);
+
+// Shared memory the select kernel needs: the group's queries, plus the page
+// scores when they fit (the fused path); 0 scores bytes means they go to the workspace.
+// 40 KB of dynamic shared memory leaves room for the kernel's static part
+// (scan storage, histogram) under the 48 KB default without opt-in attributes.
+constexpr size_t kSelectSmemLimit = 40 * 1024;
+inline size_t select_query_smem(const QsaDims& d) {
+    return size_t(d.num_heads / d.num_kv_heads) * d.head_dim * sizeof(float);
+}
+inline bool select_scores_in_smem(const QsaDims& d) {
+    return select_query_smem(d) + size_t(d.table_width) * sizeof(float) <= kSelectSmemLimit;
+}
+
+}  // namespace qsa

@@ -1,0 +1,135 @@
+/* Launch interface of the QueryAwareSparseAttention CUDA kernels.
+ *
+ * Plain C (no CUDA, no TensorRT types) so that three consumers share it:
+ * the TensorRT plugin (plugins/tensorrt/), the Python harness via ctypes
+ * (tinyserve_trt/kernels/library.py mirrors these structs; a CPU test compiles
+ * this header with the host C compiler and checks every offset), and tests.
+ *
+ * Layouts (row-major, named dims as in tinyserve_trt/ops/schema.py):
+ *   query [B, H, S, D]   key/value [B, Hkv, S, D]   output [B, H, S, D]
+ *   key_cache/value_cache [P, Hkv, ps, D]   key_min/key_max [Ptot, Hkv, D]
+ *   page_table [B, NP] int32   past_lens/token_budget [B] int32
+ *   selected_pages [B, Hkv, NP] 0/1, one byte (numpy/torch bool) or int32
+ *   (TensorRT plugins cannot output kBOOL), per selected_pages_elem_size; may be NULL.
+ * Float tensors are all float32 or all float16 (`dtype`); accumulation is fp32.
+ *
+ * Every entry point returns a QsaStatus and never aborts, allocates, or
+ * synchronizes the stream. The kernels read page ids from device memory and
+ * cannot report a bad id to the host: ids outside [0, P) are skipped (their
+ * tokens contribute nothing) instead of read out of bounds, and a sequence
+ * needing more than NP pages is truncated to NP pages. The numpy reference
+ * raises on both; callers (the runtime's PagePool) must not produce them.
+ */
+#ifndef TINYSERVE_QSA_LAUNCH_H
+#define TINYSERVE_QSA_LAUNCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../generated/qsa_schema.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum QsaStatus {
+    QSA_OK = 0,
+    QSA_ERR_INVALID_ARGUMENT = 1, /* a dim, pointer or attribute is out of range */
+    QSA_ERR_UNSUPPORTED = 2,      /* valid per the schema, not implemented here (int8 cold pages, oracle) */
+    QSA_ERR_WORKSPACE = 3,        /* workspace smaller than qsa_workspace_size() */
+    QSA_ERR_CUDA = 4              /* a launch failed (cudaGetLastError) */
+} QsaStatus;
+
+typedef enum QsaDtype { QSA_DTYPE_FLOAT32 = 0, QSA_DTYPE_FLOAT16 = 1 } QsaDtype;
+
+/* Largest head dim and GQA group one block handles; larger groups are split
+ * across blocks, larger head dims are refused. */
+#define QSA_MAX_HEAD_DIM 256
+#define QSA_MAX_GROUP_PER_BLOCK 8
+/* Upper bound of split-K partitions per (sequence, query head). */
+#define QSA_MAX_SPLITS 64
+
+typedef struct QsaDims {
+    int32_t batch;          /* B */
+    int32_t num_heads;      /* H */
+    int32_t num_kv_heads;   /* Hkv; H % Hkv == 0 */
+    int32_t new_tokens;     /* S; S == 1 is a decode step (selection applies) */
+    int32_t head_dim;       /* D <= QSA_MAX_HEAD_DIM */
+    int32_t num_pages;      /* P: hot pool pages */
+    int32_t page_size;      /* ps */
+    int32_t table_width;    /* NP */
+    int32_t num_meta_pages; /* Ptot: rows of key_min/key_max (>= P) */
+} QsaDims;
+
+typedef struct QsaAttrs {
+    float scale;          /* 0: 1/sqrt(D) */
+    int32_t policy;       /* QSA_POLICY_* */
+    int32_t sink_pages;
+    int32_t recent_pages;
+    int32_t group_reduce; /* QSA_GROUP_REDUCE_* */
+} QsaAttrs;
+
+typedef struct QsaForwardParams {
+    QsaDims dims;
+    QsaAttrs attrs;
+    int32_t dtype;      /* QsaDtype of every float tensor */
+    int32_t num_splits; /* decode split-K partitions; 0 = choose from dims and the SM count */
+    int32_t selected_pages_elem_size; /* 1 (bool/uint8) or 4 (int32) */
+    const void* query;
+    const void* key;
+    const void* value;
+    const void* key_cache;
+    const void* value_cache;
+    const void* key_min;
+    const void* key_max;
+    const int32_t* page_table;
+    const int32_t* past_lens;
+    const int32_t* token_budget;
+    const void* key_cache_int8; /* cold tier: must be NULL for now (QSA_ERR_UNSUPPORTED) */
+    const void* value_cache_int8;
+    const void* key_scale;
+    const void* value_scale;
+    void* output;
+    void* selected_pages; /* may be NULL */
+} QsaForwardParams;
+
+/* Writes S new tokens' K/V into their page slots (slot = past_lens[b] + i,
+ * page = page_table[b, slot / ps]) and recomputes key_min/key_max of every
+ * page it touched from the page's valid keys. Does not change past_lens. */
+typedef struct QsaAppendParams {
+    QsaDims dims; /* num_heads and num_meta_pages are not read */
+    int32_t dtype;
+    const void* key;   /* [B, Hkv, S, D] */
+    const void* value; /* [B, Hkv, S, D] */
+    void* key_cache;
+    void* value_cache;
+    void* key_min;
+    void* key_max;
+    const int32_t* page_table;
+    const int32_t* past_lens;
+} QsaAppendParams;
+
+/* Bytes of scratch qsa_forward needs for these dims; sized for the largest
+ * split count it may choose, so a plugin can size it once from max dims. */
+size_t qsa_workspace_size(const QsaDims* dims);
+
+/* Checks dims and attributes without touching device memory. */
+int32_t qsa_check(const QsaForwardParams* params);
+
+/* Decode (S == 1): select pages, split-K attention over them, combine.
+ * Prefill (S > 1): exact causal attention over every cached page and the new
+ * tokens. Asynchronous on `stream` (a cudaStream_t; NULL = legacy default). */
+int32_t qsa_forward(const QsaForwardParams* params, void* workspace, size_t workspace_bytes, void* stream);
+
+int32_t qsa_append_kv(const QsaAppendParams* params, void* stream);
+
+const char* qsa_status_string(int32_t status);
+
+/* Number of split-K partitions qsa_forward uses for these dims (0 = auto). */
+int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TINYSERVE_QSA_LAUNCH_H */

@@ -1,0 +1,205 @@
+// Page scoring + top-K page selection for a decode step, fused: one block per
+// (sequence, KV head).
+//
+// CPU reference: tinyserve_trt/ops/policies.py (score_ref, reduce_group,
+// select_pages). Semantics copied exactly:
+//   forced = the first sink_pages and last recent_pages of the n valid pages;
+//   keep_n = max(budget // ps, #forced); budget <= 0 or keep_n >= n -> all pages;
+//   otherwise the forced pages plus the keep_n - #forced best-scored others,
+//   ties broken by the lower page index (numpy's stable argsort of -score).
+// The non-forced pages are the contiguous range [n_sink, recent_start).
+//
+// Why fused: the scores of one (sequence, KV head) are consumed only by its own
+// selection, so they stay in shared memory (n * 4 bytes; 2048 pages = 8 KB)
+// and never round-trip through HBM; the workspace is the fallback when they
+// do not fit. Top-K is a 4-pass 8-bit radix select on the float's order-
+// preserving bits (O(n) per pass) followed by an ordered block scan that breaks
+// ties by index and compacts the kept list, instead of a sort.
+//
+// Bytes moved per (sequence, KV head): n pages * 2 * D * sizeof(T) of
+// key_min/key_max (1/ps of the dense K+V bytes) + NP bytes of selected_pages.
+#include <cub/block/block_scan.cuh>
+
+#include "qsa_common.cuh"
+
+namespace qsa {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxEptMeta = QSA_MAX_HEAD_DIM / 32;
+
+// Larger float -> larger unsigned key; -0.0 was folded into +0.0 by the caller.
+__device__ __forceinline__ uint32_t order_key(float f) {
+    uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
+struct SelOut {
+    void* base;
+    size_t row;
+    bool wide;
+    __device__ void put(int i, bool v) const {
+        if (!base) return;
+        if (wide)
+            static_cast<int32_t*>(base)[row + i] = v;
+        else
+            static_cast<uint8_t*>(base)[row + i] = v;
+    }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    select_kernel(QsaForwardParams p, Workspace ws, int all_pages, int scores_in_smem) {
+    using BlockScan = cub::BlockScan<int, kThreads>;
+    __shared__ typename BlockScan::TempStorage scan_tmp;
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_krem;
+    extern __shared__ float smem[];
+
+    const QsaDims& d = p.dims;
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int NP = d.table_width, ps = d.page_size, D = d.head_dim;
+    const int G = d.num_heads / d.num_kv_heads;
+    const int bh = b * d.num_kv_heads + h;
+    const int past = max(p.past_lens[b], 0);
+    const int n = min((past + ps - 1) / ps, NP);
+    int32_t* kept = ws.kept_idx + size_t(bh) * NP;
+    const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
+
+    const int n_sink = min(p.attrs.sink_pages, n);
+    const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
+    const int forced = n_sink + (n - recent_start);
+    const int budget = p.token_budget[b];
+    const int keep_n = max(budget / ps, forced);  // budget > 0 whenever keep_n is used
+    const bool dense = all_pages || p.attrs.policy == QSA_POLICY_DENSE || budget <= 0 || keep_n >= n;
+    if (dense) {
+        for (int i = threadIdx.x; i < NP; i += blockDim.x) {
+            if (i < n) kept[i] = i;
+            sel.put(i, i < n);
+        }
+        if (threadIdx.x == 0) ws.kept_cnt[bh] = n;
+        return;
+    }
+
+    // ---- scores of the non-forced pages, one warp per page, lanes over D ----
+    float* q_s = smem;  // [G, D], float
+    float* scores = scores_in_smem ? smem + G * D : ws.scores + size_t(bh) * NP;
+    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;  // S == 1
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (p.attrs.policy == QSA_POLICY_WINDOW) {
+        for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) scores[i] = float(i);
+    } else {  // query_aware: sum_d max(q*min, q*max), combined over the group
+        const T* kmin = static_cast<const T*>(p.key_min);
+        const T* kmax = static_cast<const T*>(p.key_max);
+        for (int i = n_sink + warp; i < recent_start; i += nwarps) {
+            const int page = p.page_table[size_t(b) * NP + i];
+            float lo[kMaxEptMeta], hi[kMaxEptMeta];
+            const bool ok = page >= 0 && page < d.num_meta_pages;
+            const size_t row = (size_t(ok ? page : 0) * d.num_kv_heads + h) * D;
+#pragma unroll
+            for (int e = 0; e < kMaxEptMeta; ++e) {
+                const int dd = lane + 32 * e;
+                lo[e] = (ok && dd < D) ? to_f(kmin[row + dd]) : 0.f;
+                hi[e] = (ok && dd < D) ? to_f(kmax[row + dd]) : 0.f;
+            }
+            float r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? -INFINITY : 0.f;
+            for (int g = 0; g < G; ++g) {
+                float t = 0.f;
+#pragma unroll
+                for (int e = 0; e < kMaxEptMeta; ++e) {
+                    const int dd = lane + 32 * e;
+                    if (dd < D) {
+                        const float qq = q_s[g * D + dd];
+                        t += fmaxf(qq * lo[e], qq * hi[e]);
+                    }
+                }
+                t = warp_sum(t);
+                r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? fmaxf(r, t) : r + t;
+            }
+            if (lane == 0) scores[i] = ok ? r + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
+        }
+    }
+    __syncthreads();
+
+    // ---- radix select: the key T of the k-th best, and how many ties at T to take ----
+    const int k = keep_n - forced;  // 0 <= k < recent_start - n_sink
+    uint32_t prefix = 0xffffffffu;
+    int krem = 0;
+    if (k > 0) {
+        prefix = 0;
+        krem = k;
+        uint32_t mask = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int j = threadIdx.x; j < 256; j += blockDim.x) hist[j] = 0;
+            __syncthreads();
+            for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) {
+                const uint32_t key = order_key(scores[i]);
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int cum = 0;
+                for (int bin = 255; bin >= 0; --bin) {
+                    const int c = int(hist[bin]);
+                    if (cum + c >= krem) {
+                        s_prefix = prefix | (uint32_t(bin) << shift);
+                        s_krem = krem - cum;
+                        break;
+                    }
+                    cum += c;
+                }
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            krem = s_krem;
+            mask |= 0xffu << shift;
+            __syncthreads();  // everyone has read s_prefix/hist before the next pass rewrites them
+        }
+    }
+
+    // ---- ordered pass: ties at T go to the lowest indices; compact the kept list ----
+    int eq_base = 0, out_base = 0;
+    for (int c = 0; c < n; c += blockDim.x) {
+        const int i = c + threadIdx.x;
+        const bool valid = i < n;
+        const bool is_forced = valid && (i < n_sink || i >= recent_start);
+        const bool cand = valid && !is_forced && k > 0;
+        const uint32_t key = cand ? order_key(scores[i]) : 0u;
+        const int is_eq = cand && key == prefix;
+        int eq_rank, eq_total;
+        BlockScan(scan_tmp).ExclusiveSum(is_eq, eq_rank, eq_total);
+        __syncthreads();
+        const int keep = is_forced || (cand && (key > prefix || (is_eq && eq_base + eq_rank < krem)));
+        int pos, total;
+        BlockScan(scan_tmp).ExclusiveSum(keep, pos, total);
+        __syncthreads();
+        if (keep) kept[out_base + pos] = i;
+        if (valid) sel.put(i, keep);
+        eq_base += eq_total;
+        out_base += total;
+    }
+    for (int i = n + threadIdx.x; i < NP; i += blockDim.x) sel.put(i, false);
+    if (threadIdx.x == 0) ws.kept_cnt[bh] = out_base;
+}
+
+}  // namespace
+
+cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool all_pages, cudaStream_t stream) {
+    const QsaDims& d = p.dims;
+    const bool in_smem = select_scores_in_smem(d);
+    // all_pages (prefill) returns before touching shared memory: ask for none.
+    const size_t smem =
+        all_pages ? 0 : select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
+    const dim3 grid(d.num_kv_heads, d.batch);
+    if (p.dtype == QSA_DTYPE_FLOAT16)
+        select_kernel<__half><<<grid, kThreads, smem, stream>>>(p, ws, int(all_pages), int(in_smem));
+    else
+        select_kernel<float><<<grid, kThreads, smem, stream>>>(p, ws, int(all_pages), int(in_smem));
+    return cudaGetLastError();
+}
+
+}  // namespace qsa

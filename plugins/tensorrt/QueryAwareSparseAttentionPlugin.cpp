@@ -1,0 +1,380 @@
+// TensorRT IPluginV3 glue for tinyserve::QueryAwareSparseAttention. See the header.
+// Structure follows NVIDIA/TensorRT plugin/roiAlignPlugin (ROIAlignV3) and the
+// plugin-library entry points of plugin/vc/vfcCommon.cpp (getCreators,
+// setLoggerFinder), which IPluginRegistry::loadLibrary and
+// `trtexec --dynamicPlugins` look up.
+#include "QueryAwareSparseAttentionPlugin.h"
+
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+
+using namespace nvinfer1;
+
+namespace tinyserve {
+namespace {
+
+char const* const kPolicyNames[] = QSA_POLICY_NAMES;
+char const* const kGroupReduceNames[] = QSA_GROUP_REDUCE_NAMES;
+
+// ---- logging through the logger TensorRT hands the library ----
+std::mutex gLoggerMutex;
+ILoggerFinder* gLoggerFinder{nullptr};
+
+void logError(std::string const& msg) noexcept {
+    try {
+        std::lock_guard<std::mutex> lock(gLoggerMutex);
+        ILogger* logger = gLoggerFinder ? gLoggerFinder->findLogger() : nullptr;
+        if (logger) logger->log(ILogger::Severity::kERROR, (std::string(QSA_OP_TYPE ": ") + msg).c_str());
+    } catch (...) {
+    }
+}
+
+QsaAttrs defaultAttrs() {
+    QsaAttrs a{};
+    a.scale = QSA_ATTR_SCALE_DEFAULT;
+    a.policy = -1;
+    for (int i = 0; i < QSA_NUM_POLICIES; ++i)
+        if (std::strcmp(kPolicyNames[i], QSA_ATTR_POLICY_DEFAULT) == 0) a.policy = i;
+    a.sink_pages = QSA_ATTR_SINK_PAGES_DEFAULT;
+    a.recent_pages = QSA_ATTR_RECENT_PAGES_DEFAULT;
+    a.group_reduce = -1;
+    for (int i = 0; i < QSA_NUM_GROUP_REDUCTIONS; ++i)
+        if (std::strcmp(kGroupReduceNames[i], QSA_ATTR_GROUP_REDUCE_DEFAULT) == 0) a.group_reduce = i;
+    return a;
+}
+
+// The ONNX parser may pass an int attribute as INT32 or INT64 and a float as
+// FLOAT32 or FLOAT64, depending on its version; accept any numeric width.
+bool readNumber(PluginField const& f, double& out) {
+    if (f.data == nullptr || f.length < 1) return false;
+    switch (f.type) {
+        case PluginFieldType::kFLOAT64: out = *static_cast<double const*>(f.data); return true;
+        case PluginFieldType::kFLOAT32: out = *static_cast<float const*>(f.data); return true;
+        case PluginFieldType::kINT64: out = double(*static_cast<int64_t const*>(f.data)); return true;
+        case PluginFieldType::kINT32: out = *static_cast<int32_t const*>(f.data); return true;
+        case PluginFieldType::kINT16: out = *static_cast<int16_t const*>(f.data); return true;
+        case PluginFieldType::kINT8: out = *static_cast<int8_t const*>(f.data); return true;
+        default: return false;
+    }
+}
+
+// Strings arrive as kCHAR of `length` bytes, with or without a trailing NUL.
+bool readString(PluginField const& f, std::string& out) {
+    if (f.type != PluginFieldType::kCHAR || f.data == nullptr) return false;
+    out.assign(static_cast<char const*>(f.data), size_t(f.length > 0 ? f.length : 0));
+    out = out.substr(0, out.find('\0'));
+    return true;
+}
+
+bool readEnum(PluginField const& f, char const* const* names, int count, int32_t& out) {
+    std::string s;
+    if (!readString(f, s)) return false;
+    for (int i = 0; i < count; ++i)
+        if (s == names[i]) {
+            out = i;
+            return true;
+        }
+    return false;
+}
+
+PluginFieldType fieldType(int schemaType) {
+    return schemaType == 0 ? PluginFieldType::kINT32
+                           : (schemaType == 1 ? PluginFieldType::kFLOAT32 : PluginFieldType::kCHAR);
+}
+
+}  // namespace
+
+bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& error) noexcept {
+    try {
+        attrs = defaultAttrs();
+        if (fc == nullptr) return true;
+        for (int32_t i = 0; i < fc->nbFields; ++i) {
+            PluginField const& f = fc->fields[i];
+            std::string const name = f.name ? f.name : "";
+            double v = 0;
+            bool ok = true;
+            if (name == QSA_ATTR_SCALE_NAME) {
+                ok = readNumber(f, v) && v >= QSA_ATTR_SCALE_MIN;
+                attrs.scale = float(v);
+            } else if (name == QSA_ATTR_SINK_PAGES_NAME) {
+                ok = readNumber(f, v) && v >= QSA_ATTR_SINK_PAGES_MIN && v <= QSA_ATTR_SINK_PAGES_MAX &&
+                     v == double(int32_t(v));
+                attrs.sink_pages = int32_t(v);
+            } else if (name == QSA_ATTR_RECENT_PAGES_NAME) {
+                ok = readNumber(f, v) && v >= QSA_ATTR_RECENT_PAGES_MIN && v <= QSA_ATTR_RECENT_PAGES_MAX &&
+                     v == double(int32_t(v));
+                attrs.recent_pages = int32_t(v);
+            } else if (name == QSA_ATTR_POLICY_NAME) {
+                ok = readEnum(f, kPolicyNames, QSA_NUM_POLICIES, attrs.policy);
+            } else if (name == QSA_ATTR_GROUP_REDUCE_NAME) {
+                ok = readEnum(f, kGroupReduceNames, QSA_NUM_GROUP_REDUCTIONS, attrs.group_reduce);
+            } else if (name == "plugin_namespace" || name == "plugin_version") {
+                continue;  // the ONNX parser's routing attributes, not ours
+            } else {
+                error = "unknown field '" + name + "'";
+                return false;
+            }
+            if (!ok) {
+                error = "bad value or type for field '" + name + "'";
+                return false;
+            }
+        }
+        return true;
+    } catch (std::exception const& e) {
+        error = e.what();
+        return false;
+    }
+}
+
+// ============================ plugin ============================
+
+QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, std::string ns)
+    : mAttrs(attrs), mNamespace(std::move(ns)) {}
+
+QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other)
+    : IPluginV3(), IPluginV3OneCore(), IPluginV3OneBuild(), IPluginV3OneRuntime(),
+      mAttrs(other.mAttrs), mNamespace(other.mNamespace), mDims(other.mDims), mDtype(other.mDtype), mNbInputs(other.mNbInputs) {}
+
+IPluginCapability* QueryAwareSparseAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
+    switch (type) {
+        case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuild*>(this);
+        case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+        case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+    }
+    return nullptr;
+}
+
+IPluginV3* QueryAwareSparseAttentionPlugin::clone() noexcept {
+    try {
+        return new QueryAwareSparseAttentionPlugin(*this);
+    } catch (std::exception const& e) {
+        logError(e.what());
+    }
+    return nullptr;
+}
+
+char const* QueryAwareSparseAttentionPlugin::getPluginName() const noexcept { return QSA_OP_TYPE; }
+char const* QueryAwareSparseAttentionPlugin::getPluginVersion() const noexcept { return QSA_PLUGIN_VERSION; }
+char const* QueryAwareSparseAttentionPlugin::getPluginNamespace() const noexcept { return mNamespace.c_str(); }
+
+// Both outputs always exist; selected_pages is int32 0/1 because plugin
+// outputs cannot be kBOOL (NvInferRuntime.h, getOutputDataTypes).
+int32_t QueryAwareSparseAttentionPlugin::getNbOutputs() const noexcept { return QSA_NUM_OUTPUTS; }
+
+int32_t QueryAwareSparseAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+                                                         DynamicPluginTensorDesc const* out,
+                                                         int32_t nbOutputs) noexcept {
+    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_INPUTS) ||
+        nbOutputs != QSA_NUM_OUTPUTS) {
+        logError("expects 10 or 14 inputs and 2 outputs");
+        return -1;
+    }
+    return 0;
+}
+
+bool QueryAwareSparseAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
+                                                                int32_t nbInputs, int32_t nbOutputs) noexcept {
+    if (inOut == nullptr || pos < 0 || pos >= nbInputs + nbOutputs) return false;
+    PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != TensorFormat::kLINEAR) return false;
+    DataType const t = desc.type;
+    if (pos == QSA_IN_QUERY) return t == DataType::kFLOAT || t == DataType::kHALF;
+    DataType const ft = inOut[QSA_IN_QUERY].desc.type;
+    if (pos >= nbInputs) return pos - nbInputs == QSA_OUT_OUTPUT ? t == ft : t == DataType::kINT32;
+    switch (pos) {
+        case QSA_IN_KEY:
+        case QSA_IN_VALUE:
+        case QSA_IN_KEY_CACHE:
+        case QSA_IN_VALUE_CACHE:
+        case QSA_IN_KEY_MIN:
+        case QSA_IN_KEY_MAX: return t == ft;
+        case QSA_IN_PAGE_TABLE:
+        case QSA_IN_PAST_LENS:
+        case QSA_IN_TOKEN_BUDGET: return t == DataType::kINT32;
+        // Cold tier: accepted so a 14-input graph builds; enqueue reports unsupported for now.
+        case QSA_IN_KEY_CACHE_INT8:
+        case QSA_IN_VALUE_CACHE_INT8: return t == DataType::kINT8;
+        case QSA_IN_KEY_SCALE:
+        case QSA_IN_VALUE_SCALE: return t == DataType::kFLOAT;
+        default: return false;
+    }
+}
+
+int32_t QueryAwareSparseAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs,
+                                                            DataType const* inputTypes,
+                                                            int32_t nbInputs) const noexcept {
+    if (outputTypes == nullptr || inputTypes == nullptr || nbOutputs != QSA_NUM_OUTPUTS || nbInputs < 1) return -1;
+    outputTypes[QSA_OUT_OUTPUT] = inputTypes[QSA_IN_QUERY];
+    outputTypes[QSA_OUT_SELECTED_PAGES] = DataType::kINT32;
+    return 0;
+}
+
+int32_t QueryAwareSparseAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
+                                                         DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/,
+                                                         DimsExprs* outputs, int32_t nbOutputs,
+                                                         IExprBuilder& /*exprBuilder*/) noexcept {
+    if (inputs == nullptr || outputs == nullptr || nbInputs < QSA_NUM_REQUIRED_INPUTS || nbOutputs != QSA_NUM_OUTPUTS)
+        return -1;
+    if (inputs[QSA_IN_QUERY].nbDims != 4 || inputs[QSA_IN_KEY].nbDims != 4 || inputs[QSA_IN_PAGE_TABLE].nbDims != 2)
+        return -1;
+    outputs[QSA_OUT_OUTPUT] = inputs[QSA_IN_QUERY];  // [B, H, S, D]
+    DimsExprs& sel = outputs[QSA_OUT_SELECTED_PAGES];  // [B, Hkv, NP]
+    sel.nbDims = 3;
+    sel.d[0] = inputs[QSA_IN_QUERY].d[0];
+    sel.d[1] = inputs[QSA_IN_KEY].d[1];
+    sel.d[2] = inputs[QSA_IN_PAGE_TABLE].d[1];
+    return 0;
+}
+
+namespace {
+// Dims from the eight shapes that define them; false if ranks are wrong.
+template <typename GetDims>
+bool dimsFrom(GetDims dimsOf, QsaDims& d) {
+    Dims const q = dimsOf(QSA_IN_QUERY), k = dimsOf(QSA_IN_KEY), kc = dimsOf(QSA_IN_KEY_CACHE),
+               km = dimsOf(QSA_IN_KEY_MIN), pt = dimsOf(QSA_IN_PAGE_TABLE);
+    if (q.nbDims != 4 || k.nbDims != 4 || kc.nbDims != 4 || km.nbDims != 3 || pt.nbDims != 2) return false;
+    d.batch = int32_t(q.d[0]);
+    d.num_heads = int32_t(q.d[1]);
+    d.new_tokens = int32_t(q.d[2]);
+    d.head_dim = int32_t(q.d[3]);
+    d.num_kv_heads = int32_t(k.d[1]);
+    d.num_pages = int32_t(kc.d[0]);
+    d.page_size = int32_t(kc.d[2]);
+    d.table_width = int32_t(pt.d[1]);
+    d.num_meta_pages = int32_t(km.d[0]);
+    return kc.d[1] == k.d[1] && kc.d[3] == q.d[3] && km.d[2] == q.d[3] && pt.d[0] == q.d[0];
+}
+}  // namespace
+
+size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+                                                         DynamicPluginTensorDesc const* /*outputs*/,
+                                                         int32_t /*nbOutputs*/) const noexcept {
+    if (inputs == nullptr || nbInputs < QSA_NUM_REQUIRED_INPUTS) return 0;
+    QsaDims d{};
+    // Sized once from the profile's max dims; enqueue uses a prefix of it.
+    if (!dimsFrom([&](int i) { return inputs[i].max; }, d)) return 0;
+    return qsa_workspace_size(&d);
+}
+
+int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
+                                                       PluginTensorDesc const* out, int32_t nbOutputs) noexcept {
+    if (in == nullptr || out == nullptr || nbInputs < QSA_NUM_REQUIRED_INPUTS || nbOutputs != QSA_NUM_OUTPUTS)
+        return -1;
+    if (!dimsFrom([&](int i) { return in[i].dims; }, mDims)) {
+        logError("inconsistent input shapes");
+        return -1;
+    }
+    mNbInputs = nbInputs;
+    mDtype = in[QSA_IN_QUERY].type == DataType::kHALF ? QSA_DTYPE_FLOAT16 : QSA_DTYPE_FLOAT32;
+    return 0;
+}
+
+int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
+                                                 void const* const* inputs, void* const* outputs, void* workspace,
+                                                 cudaStream_t stream) noexcept {
+    if (inputDesc == nullptr || outputDesc == nullptr || inputs == nullptr || outputs == nullptr) return -1;
+    QsaForwardParams p{};
+    p.dims = mDims;
+    p.attrs = mAttrs;
+    p.dtype = mDtype;
+    p.num_splits = 0;
+    p.selected_pages_elem_size = 4;
+    p.query = inputs[QSA_IN_QUERY];
+    p.key = inputs[QSA_IN_KEY];
+    p.value = inputs[QSA_IN_VALUE];
+    p.key_cache = inputs[QSA_IN_KEY_CACHE];
+    p.value_cache = inputs[QSA_IN_VALUE_CACHE];
+    p.key_min = inputs[QSA_IN_KEY_MIN];
+    p.key_max = inputs[QSA_IN_KEY_MAX];
+    p.page_table = static_cast<int32_t const*>(inputs[QSA_IN_PAGE_TABLE]);
+    p.past_lens = static_cast<int32_t const*>(inputs[QSA_IN_PAST_LENS]);
+    p.token_budget = static_cast<int32_t const*>(inputs[QSA_IN_TOKEN_BUDGET]);
+    if (mNbInputs == QSA_NUM_INPUTS) {  // cold tier given: the kernels answer QSA_ERR_UNSUPPORTED for now
+        p.key_cache_int8 = inputs[QSA_IN_KEY_CACHE_INT8];
+        p.value_cache_int8 = inputs[QSA_IN_VALUE_CACHE_INT8];
+        p.key_scale = inputs[QSA_IN_KEY_SCALE];
+        p.value_scale = inputs[QSA_IN_VALUE_SCALE];
+    }
+    p.output = outputs[QSA_OUT_OUTPUT];
+    p.selected_pages = outputs[QSA_OUT_SELECTED_PAGES];
+    int32_t const status = qsa_forward(&p, workspace, qsa_workspace_size(&mDims), stream);
+    if (status != QSA_OK) logError(qsa_status_string(status));
+    return status;
+}
+
+IPluginV3* QueryAwareSparseAttentionPlugin::attachToContext(IPluginResourceContext* /*context*/) noexcept {
+    return clone();
+}
+
+PluginFieldCollection const* QueryAwareSparseAttentionPlugin::getFieldsToSerialize() noexcept {
+    mPolicyName = kPolicyNames[mAttrs.policy];
+    mGroupReduceName = kGroupReduceNames[mAttrs.group_reduce];
+    mFields.clear();
+    mFields.emplace_back(QSA_ATTR_SCALE_NAME, &mAttrs.scale, PluginFieldType::kFLOAT32, 1);
+    mFields.emplace_back(QSA_ATTR_POLICY_NAME, mPolicyName.c_str(), PluginFieldType::kCHAR,
+                         int32_t(mPolicyName.size() + 1));
+    mFields.emplace_back(QSA_ATTR_SINK_PAGES_NAME, &mAttrs.sink_pages, PluginFieldType::kINT32, 1);
+    mFields.emplace_back(QSA_ATTR_RECENT_PAGES_NAME, &mAttrs.recent_pages, PluginFieldType::kINT32, 1);
+    mFields.emplace_back(QSA_ATTR_GROUP_REDUCE_NAME, mGroupReduceName.c_str(), PluginFieldType::kCHAR,
+                         int32_t(mGroupReduceName.size() + 1));
+    mFieldCollection.nbFields = int32_t(mFields.size());
+    mFieldCollection.fields = mFields.data();
+    return &mFieldCollection;
+}
+
+// ============================ creator ============================
+
+QueryAwareSparseAttentionPluginCreator::QueryAwareSparseAttentionPluginCreator() {
+    // One field per schema attribute, in schema order (the generated X-macro).
+#define TINYSERVE_FIELD(IDENT, NAME, TYPE) mFieldNames.emplace_back(NAME, nullptr, fieldType(TYPE), 1);
+    QSA_FOR_EACH_ATTRIBUTE(TINYSERVE_FIELD)
+#undef TINYSERVE_FIELD
+    mFieldCollection.nbFields = int32_t(mFieldNames.size());
+    mFieldCollection.fields = mFieldNames.data();
+}
+
+char const* QueryAwareSparseAttentionPluginCreator::getPluginName() const noexcept { return QSA_OP_TYPE; }
+char const* QueryAwareSparseAttentionPluginCreator::getPluginVersion() const noexcept { return QSA_PLUGIN_VERSION; }
+char const* QueryAwareSparseAttentionPluginCreator::getPluginNamespace() const noexcept {
+    return QSA_PLUGIN_NAMESPACE;
+}
+PluginFieldCollection const* QueryAwareSparseAttentionPluginCreator::getFieldNames() noexcept {
+    return &mFieldCollection;
+}
+
+IPluginV3* QueryAwareSparseAttentionPluginCreator::createPlugin(char const* /*name*/, PluginFieldCollection const* fc,
+                                                                TensorRTPhase /*phase*/) noexcept {
+    try {
+        QsaAttrs attrs{};
+        std::string error;
+        if (!parseFields(fc, attrs, error)) {
+            logError(error);
+            return nullptr;
+        }
+        return new QueryAwareSparseAttentionPlugin(attrs, QSA_PLUGIN_NAMESPACE);
+    } catch (std::exception const& e) {
+        logError(e.what());
+    }
+    return nullptr;
+}
+
+}  // namespace tinyserve
+
+// ============================ library entry points ============================
+// TensorRT >= 10 loads a plugin library (IPluginRegistry::loadLibrary, Python
+// `trt.get_plugin_registry().load_library(path)`, trtexec --dynamicPlugins)
+// through these two symbols.
+
+extern "C" TENSORRTAPI void setLoggerFinder(nvinfer1::ILoggerFinder* finder) {
+    std::lock_guard<std::mutex> lock(tinyserve::gLoggerMutex);
+    if (tinyserve::gLoggerFinder == nullptr) tinyserve::gLoggerFinder = finder;
+}
+
+extern "C" TENSORRTAPI nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
+    static tinyserve::QueryAwareSparseAttentionPluginCreator sCreator;
+    static nvinfer1::IPluginCreatorInterface* const sCreators[] = {&sCreator};
+    nbCreators = 1;
+    return sCreators;
+}

@@ -1,0 +1,100 @@
+"""ctypes view of ``libqsa_kernels.so`` (plugins/kernels/qsa_launch.h).
+
+The structs below mirror the C header field by field;
+``tests/kernels/test_launch_abi.py`` compiles the header with the host C
+compiler and checks every offset, so a change on one side fails on CPU.
+Loading the library needs no GPU; calling it does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from ..ops import schema
+
+DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"
+LIB_ENV = "TINYSERVE_QSA_LIB"
+
+QSA_OK = 0
+STATUS_NAMES = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "workspace too small", 4: "CUDA launch failed"}
+DTYPES = {"float32": 0, "float16": 1}
+POLICY_IDS = {name: i for i, name in enumerate(schema.POLICIES)}
+GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
+
+_i32, _f32, _vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class QsaDims(ctypes.Structure):
+    _fields_ = [("batch", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("new_tokens", _i32),
+                ("head_dim", _i32), ("num_pages", _i32), ("page_size", _i32), ("table_width", _i32),
+                ("num_meta_pages", _i32)]
+
+
+class QsaAttrs(ctypes.Structure):
+    _fields_ = [("scale", _f32), ("policy", _i32), ("sink_pages", _i32), ("recent_pages", _i32),
+                ("group_reduce", _i32)]
+
+
+FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
+                    "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale",
+                    "output", "selected_pages")
+
+
+class QsaForwardParams(ctypes.Structure):
+    _fields_ = [("dims", QsaDims), ("attrs", QsaAttrs), ("dtype", _i32), ("num_splits", _i32),
+                ("selected_pages_elem_size", _i32)] + [(n, _vp) for n in FORWARD_POINTERS]
+
+
+APPEND_POINTERS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens")
+
+
+class QsaAppendParams(ctypes.Structure):
+    _fields_ = [("dims", QsaDims), ("dtype", _i32)] + [(n, _vp) for n in APPEND_POINTERS]
+
+
+class KernelError(RuntimeError):
+    """A launcher returned a non-OK QsaStatus."""
+
+    def __init__(self, status: int, what: str):
+        super().__init__(f"{what}: status {status} ({STATUS_NAMES.get(status, 'unknown')})")
+        self.status = status
+
+
+_LIB = None
+
+
+def library_path() -> Path:
+    return Path(os.environ.get(LIB_ENV, DEFAULT_LIB))
+
+
+def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load (once) and type the library; raises FileNotFoundError naming the build command."""
+    global _LIB
+    if _LIB is not None and path is None:
+        return _LIB
+    p = Path(path) if path else library_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: build it with `python plugins/build.py` or set ${LIB_ENV}")
+    lib = ctypes.CDLL(str(p))
+    lib.qsa_workspace_size.argtypes = [ctypes.POINTER(QsaDims)]
+    lib.qsa_workspace_size.restype = ctypes.c_size_t
+    lib.qsa_num_splits.argtypes = [ctypes.POINTER(QsaDims), _i32, _i32]
+    lib.qsa_num_splits.restype = _i32
+    lib.qsa_check.argtypes = [ctypes.POINTER(QsaForwardParams)]
+    lib.qsa_check.restype = _i32
+    lib.qsa_forward.argtypes = [ctypes.POINTER(QsaForwardParams), _vp, ctypes.c_size_t, _vp]
+    lib.qsa_forward.restype = _i32
+    lib.qsa_append_kv.argtypes = [ctypes.POINTER(QsaAppendParams), _vp]
+    lib.qsa_append_kv.restype = _i32
+    lib.qsa_status_string.argtypes = [_i32]
+    lib.qsa_status_string.restype = ctypes.c_char_p
+    if path is None:
+        _LIB = lib
+    return lib
+
+
+def make_attrs(attrs: schema.OpAttributes) -> QsaAttrs:
+    return QsaAttrs(float(attrs.scale), POLICY_IDS[attrs.policy], attrs.sink_pages, attrs.recent_pages,
+                    GROUP_REDUCE_IDS[attrs.group_reduce])
