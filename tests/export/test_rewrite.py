@@ -83,3 +83,15 @@ def test_sparse_budget_changes_logits(export_fixture, tmp_path):
     dense = validate(orig, new, manifest, lengths=(40, 33), decode_steps=3, budget=0).max_abs_diff
     sparse = validate(orig, new, manifest, lengths=(40, 33), decode_steps=3, budget=8).max_abs_diff
     assert dense <= 1e-4 < sparse and np.isfinite(sparse)
+
+
+def test_fp16_pages(export_fixture, tmp_path):
+    """--fp16: page pools and new K/V in fp16, the rest of the model fp32."""
+    src = export_fixture("qwen2", "dynamo20")
+    report = export_model(src / "model.onnx", tmp_path / "pkg", ExportConfig(page_size=4, dense_layers=0, fp16=True),
+                          quiet=True)
+    assert 0 < report.validation <= 5e-2
+    model = onnx.load(str(tmp_path / "pkg" / "model.onnx"))
+    types = {i.name: i.type.tensor_type.elem_type for i in list(model.graph.input) + list(model.graph.output)}
+    assert types["key_cache.0"] == types["key_min.1"] == types["new_value.1"] == onnx.TensorProto.FLOAT16
+    assert types["logits"] == onnx.TensorProto.FLOAT

@@ -78,16 +78,22 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         caches = [_input(g, f"{n}.{i}", dtype, ["num_pages", hkv, page_size, d]) for n in ("key_cache", "value_cache")]
         meta = [_input(g, f"{n}.{i}", dtype, ["num_pages", hkv, d]) for n in ("key_min", "key_max")]
         anchor = m.output.producer()
-        op = ir.node(schema.OP_TYPE, [m.query, m.key.new, m.value.new, *caches, *meta, page_table, past_lens, budget],
+        act = m.key.past_input.dtype  # the model's activation dtype
+        q, k_new, v_new = (_cast(g, anchor, x, dtype) if dtype != act else x
+                           for x in (m.query, m.key.new, m.value.new))
+        op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
                      overload=plan.attrs.function_overload(), num_outputs=2, name=f"tinyserve_attention_{i}")
         op.outputs[0].name = f"attention_output.{i}"
         g.insert_before(anchor, op)
-        m.output.replace_all_uses_with(op.outputs[0])
-        new_k = _named_output(g, op, m.key.new, f"new_key.{i}", dtype, hkv, d)
-        new_v = _named_output(g, op, m.value.new, f"new_value.{i}", dtype, hkv, d)
+        out = op.outputs[0]
+        if dtype != act:  # FP16 KV pages: the op runs on fp16 tensors (fp32 math inside), the model stays fp32
+            out = _cast(g, anchor, out, act, after=op)
+        m.output.replace_all_uses_with(out)
+        new_k = _named_output(g, op, k_new, f"new_key.{i}", dtype, hkv, d)
+        new_v = _named_output(g, op, v_new, f"new_value.{i}", dtype, hkv, d)
         op.outputs[1].name = f"selected_pages.{i}"
-        op.outputs[0].type = ir.TensorType(plan.match.key.past_input.dtype)
+        op.outputs[0].type = ir.TensorType(dtype)
         op.outputs[1].type = ir.TensorType(ir.DataType.BOOL)
         op.outputs[1].shape = ir.Shape(["batch", hkv, "max_pages"])
         for present, new in ((m.key.present, new_k), (m.value.present, new_v)):
@@ -102,6 +108,16 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         paged.inputs["logits_index"] = LOGITS_INDEX
     paged.outputs["logits"] = io.logits.name
     return paged
+
+
+def _cast(g: ir.Graph, anchor: ir.Node, x: ir.Value, dtype: ir.DataType, after: ir.Node | None = None) -> ir.Value:
+    node = ir.node("Cast", [x], attributes={"to": dtype})
+    node.outputs[0].type = ir.TensorType(dtype)
+    if after is not None:
+        g.insert_after(after, node)
+    else:
+        g.insert_before(anchor, node)
+    return node.outputs[0]
 
 
 def _drop_past_inputs(model: ir.Model, plans: list[LayerPlan], io: SourceIO) -> None:

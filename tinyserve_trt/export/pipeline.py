@@ -82,8 +82,6 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
-    if config.fp16:
-        raise UnsupportedError("--fp16 is not implemented yet for ONNX Runtime packages (fp32 only)")
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -115,11 +113,11 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         t0 = time.perf_counter()
         _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
         figure = _validate(original_bytes, proto, manifest)
-        manifest["validation"] = dict(max_abs_logit_diff=figure, tolerance=config.validate_tolerance)
+        manifest["validation"] = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
         times["validate"] = time.perf_counter() - t0
-        if not figure <= config.validate_tolerance:
+        if not figure <= config.tolerance():
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
-                                  f"{config.validate_tolerance:g}")
+                                  f"{config.tolerance():g}")
     t0 = time.perf_counter()
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
     finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else None

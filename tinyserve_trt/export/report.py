@@ -13,7 +13,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
              ("dense layers", str(min(config.dense_layers, report.layers))),
              ("validation max |logit diff|",
-              f"{report.validation:.2e} (<= {config.validate_tolerance:g})" if report.validation is not None
+              f"{report.validation:.2e} (<= {config.tolerance():g})" if report.validation is not None
               else "skipped"),
              ("package size", f"{report.size_bytes / 2**20:.1f} MiB"),
              ("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))]
