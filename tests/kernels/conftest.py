@@ -10,13 +10,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def rng(request):
-    # fresh inputs each run; the seed is printed on failure so a case can be replayed
-    seed = np.random.SeedSequence().entropy % (1 << 32)
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
 
 
 def nvcc_or_skip() -> str:

@@ -20,10 +20,3 @@ def run_op(case: dict, attrs: schema.OpAttributes, dtype: str):
     return _SESSIONS[key].run(None, feeds)
 
 
-@pytest.fixture
-def rng(request):
-    # fresh inputs each run; the seed is printed on failure so a case can be replayed
-    seed = np.random.SeedSequence().entropy % (1 << 32)
-    request.node.user_properties.append(("seed", seed))
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
