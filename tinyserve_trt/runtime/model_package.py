@@ -171,8 +171,10 @@ class ModelPackage:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (special tokens as the tokenizer's post-processor adds them,
+        like HF's default; pass False for text rendered by a chat template)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
