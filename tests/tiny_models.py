@@ -9,6 +9,7 @@ outputs ``logits, present.{i}.key/value``, then ``export_model`` into a package.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 VOCAB = 256
@@ -73,12 +74,56 @@ def export_source(arch: str, outdir: Path, seed: int = 0) -> Path:
     axes.update({n: {0: "batch", 2: "total"} for n in present_names})
     outdir.mkdir(parents=True, exist_ok=True)
     path = outdir / "model.onnx"
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer / deprecation chatter of the exporters
         torch.onnx.export(Flat(model), (ids, mask, pos, *past), str(path), dynamo=False, opset_version=17,
                           input_names=["input_ids", "attention_mask", "position_ids", *past_names],
                           output_names=["logits", *present_names], dynamic_axes=axes)
     (outdir / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    write_byte_tokenizer(outdir)
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_byte_tokenizer(outdir: Path) -> None:
+    """A byte-level tokenizer whose 256 tokens are the bytes (id = rank in the ByteLevel
+    alphabet), plus a minimal chat template - enough to test text in and out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(outdir / "tokenizer.json"))
+    (outdir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+def original_greedy(source: Path, source_io: dict, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy ids from the ORIGINAL export in ONNX Runtime, with its own past/present cache."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    past = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in source_io["past_inputs"]}
+    names = [o.name for o in sess.get_outputs()]
+    out, cur, pos = [], list(prompt), 0
+    for _ in range(max_tokens):
+        feeds = {source_io["input_ids"]: np.asarray([cur], np.int64), **past}
+        if source_io.get("attention_mask"):
+            feeds[source_io["attention_mask"]] = np.ones((1, pos + len(cur)), np.int64)
+        if source_io.get("position_ids"):
+            feeds[source_io["position_ids"]] = np.arange(pos, pos + len(cur), dtype=np.int64)[None]
+        res = dict(zip(names, sess.run(None, feeds)))
+        token = int(np.argmax(res[source_io["logits"]][0, -1]))
+        out.append(token)
+        past = {p: res[o] for p, o in zip(source_io["past_inputs"], source_io["present_outputs"])}
+        pos += len(cur)
+        cur = [token]
+    return out
 
 
 def build_package(arch: str, root: Path, **export_kwargs) -> tuple[Path, Path]:
