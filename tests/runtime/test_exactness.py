@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime.conftest import ARCHS
+from tests.conftest import ARCHS
 from tests.tiny_models import original_greedy
 from tinyserve_trt import LLM, SamplingParams
 
