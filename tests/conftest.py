@@ -1,5 +1,43 @@
+"""Session-scoped tiny model packages (random LLaMA / Qwen2 / GPT-2), built once per run.
+
+Needs torch + transformers to build; tests that use them skip without.
+"""
+
+from __future__ import annotations
+
+import json
+
 import numpy as np
 import pytest
+ARCHS = ("llama", "qwen2", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_packages(tiny_root):
+    """arch -> (source model.onnx, package dir, manifest), built lazily and cached."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.tiny_models import build_package
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            src, pkg = build_package(arch, tiny_root)
+            cache[arch] = (src, pkg, json.loads((pkg / "tinyserve.json").read_text()))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_packages):
+    return tiny_packages("llama")
 
 
 @pytest.fixture

@@ -53,18 +53,21 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return int(self.num_new_tokens.sum())
 
-    def record_selected_pages(self, selected_pages: np.ndarray) -> None:
+    def record_selected_pages(self, selected_pages: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Append each row's mean pages attended per KV head to its ``stats.pages_selected``.
 
-        selected_pages: ``[batch, num_kv_heads, max_pages]`` bool, the op's output.
+        selected_pages: ``[batch, num_kv_heads, max_pages]`` bool, the op's output (stack
+                        several layers along the head axis to average over them too).
+        rows:           ``[batch]`` bool, rows to record (e.g. decode rows only); None = all.
         """
         selected_pages = np.asarray(selected_pages, bool)
         if selected_pages.shape[0] != len(self.seqs) or selected_pages.ndim != 3:
             raise ValueError(f"selected_pages must be [batch={len(self.seqs)}, Hkv, max_pages], "
                              f"got {selected_pages.shape}")
         per_row = selected_pages.sum(axis=2).mean(axis=1)
-        for seq, n in zip(self.seqs, per_row):
-            seq.stats.pages_selected.append(float(n))
+        for i, (seq, n) in enumerate(zip(self.seqs, per_row)):
+            if rows is None or rows[i]:
+                seq.stats.pages_selected.append(float(n))
 
     @classmethod
     def build(cls, rows: list[tuple[Sequence, int]], page_size: int, default_budget: int) -> ScheduledBatch:

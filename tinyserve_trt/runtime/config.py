@@ -122,3 +122,69 @@ class SchedulerConfig:
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int)
                                               or self.eos_token_id < 0):
             raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What ``LLM`` / ``AsyncLLM`` / ``tinyserve generate`` take; resolved against a package.
+
+    backend:             backend registry name (``ort``; ``trt`` with issue #5).
+    token_budget:        default Quest decode budget in tokens; None = the package's default.
+    dense:               attend every page at decode (budget 0); overrides token_budget.
+    memory:              KV pool size: bytes (int > 1) or a fraction of RAM (float in (0, 1]);
+                         None = room for ``max_batch`` sequences of the package's max context,
+                         capped at half the RAM.
+    prefix_sharing:      reuse full KV pages of identical prompt prefixes.
+    max_batch, max_tokens_per_step, prefill_chunk, max_seq_len: see SchedulerConfig.
+    threads:             backend intra-op threads (None: the backend's default).
+    """
+
+    backend: str = "ort"
+    token_budget: int | None = None
+    dense: bool = False
+    memory: int | float | None = None
+    prefix_sharing: bool = True
+    max_batch: int = 64
+    max_tokens_per_step: int = 2048
+    prefill_chunk: int = 512
+    max_seq_len: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend must be a registry name, got {self.backend!r}")
+        if self.token_budget is not None and (not isinstance(self.token_budget, int)
+                                              or isinstance(self.token_budget, bool) or self.token_budget < 0):
+            raise ValueError(f"token_budget must be an int >= 0 or None, got {self.token_budget!r}")
+        if self.memory is not None:
+            ok_fraction = isinstance(self.memory, float) and 0.0 < self.memory <= 1.0
+            ok_bytes = isinstance(self.memory, int) and not isinstance(self.memory, bool) and self.memory > 1
+            if not (ok_fraction or ok_bytes):
+                raise ValueError(f"memory must be bytes (int > 1) or a RAM fraction in (0, 1], got {self.memory!r}")
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        # the scheduler's own checks, with its field names
+        SchedulerConfig(max_batch=self.max_batch, max_tokens_per_step=self.max_tokens_per_step,
+                        prefill_chunk=self.prefill_chunk, max_seq_len=self.max_seq_len)
+
+    def resolved_budget(self, package_default: int) -> int:
+        return 0 if self.dense else package_default if self.token_budget is None else self.token_budget
+
+    def cache_config(self, *, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: str, max_context: int) -> CacheConfig:
+        prefix = "hash" if self.prefix_sharing else "none"
+        kw = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                  dtype=dtype, prefix_cache=prefix)
+        if self.memory is None:
+            by_ram = CacheConfig.from_memory(memory_fraction=0.5, **kw)
+            wanted = self.max_batch * -(-(self.max_seq_len or max_context) // page_size)
+            return CacheConfig(page_size=page_size, num_pages=min(wanted, by_ram.num_pages), dtype=dtype,
+                               prefix_cache=prefix)
+        if isinstance(self.memory, float):
+            return CacheConfig.from_memory(memory_fraction=self.memory, **kw)
+        return CacheConfig.from_memory(memory_bytes=self.memory, **kw)
+
+    def scheduler_config(self, *, token_budget: int, eos_token_id: int | None) -> SchedulerConfig:
+        return SchedulerConfig(max_batch=self.max_batch, max_tokens_per_step=self.max_tokens_per_step,
+                               prefill_chunk=self.prefill_chunk, max_seq_len=self.max_seq_len,
+                               token_budget=token_budget, eos_token_id=eos_token_id)

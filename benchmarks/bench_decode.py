@@ -1,0 +1,236 @@
+"""Decode tokens/s on CPU: tinyserve sparse vs tinyserve dense vs the original export.
+
+Side by side in one run, per (context, batch):
+  sparse    - tinyserve runtime, Quest budget --budget tokens
+  dense     - tinyserve runtime, dense budget (0)
+  original  - the source export in ONNX Runtime with its own past/present cache
+  genai     - onnxruntime-genai on --genai-model, when the package and model are there
+The batch shares one prompt of `context` tokens but for its last token (each
+row decodes its own stream): tinyserve prefills it once and every row, sparse
+and dense, reuses its pages; the original prefills it once in chunks and stacks the cache
+B times (its batch-8 x 8K prefill would need ~29 GB). Only decode steps are
+timed: the median over --steps steps, best of --passes passes.
+Writes benchmarks/results/decode_cpu.md; the LAST line printed is
+``RESULT speedup_8k_b8_vs_original=<original step time / sparse step time>``
+(named after the largest context and batch measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tinyserve_trt.runtime import SamplingParams  # noqa: E402
+from tinyserve_trt.runtime.config import CacheConfig, EngineConfig  # noqa: E402
+from tinyserve_trt.runtime.engine import Engine  # noqa: E402
+from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def find_source(package: ModelPackage, given: Path | None) -> Path | None:
+    """The original export: --source, else a file with the manifest's sha256 next to the
+    package or under ~/.cache/tinyserve."""
+    if given is not None:
+        return given
+    src = package.manifest.get("source", {})
+    name, sha = src.get("path"), src.get("sha256")
+    if not name:
+        return None
+    dirs = [package.path.parent, *package.path.parent.iterdir(), *Path("~/.cache/tinyserve").expanduser().glob("*")]
+    for d in dirs:
+        cand = Path(d) / name
+        if cand.is_file() and (sha is None or _sha256(cand) == sha):
+            return cand
+    return None
+
+
+def prompts(vocab: int, context: int, batch: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(3, vocab, context - 1).tolist()
+    return [base + [int(3 + (7 * b) % (vocab - 3))] for b in range(batch)]
+
+
+def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[str, int], steps: int,
+                   threads: int) -> dict[str, float]:
+    """Median seconds per decode step of the whole batch, per named budget (0 = dense).
+
+    One engine: the shared prefix is prefilled once (a warm-up request) and stays in
+    the prefix cache; each budget then runs the batch over those pages (the budget
+    is a per-request parameter), so only the rows' last tokens are prefilled again."""
+    ps, context = package.page_size, len(rows[0])
+    pages = (len(rows) + 1) * -(-(context + steps + 2) // ps) + 8
+    page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim, package.dtype)
+    engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=len(rows), threads=threads,
+                                          prefill_chunk=512, max_tokens_per_step=2048))
+    warm = engine.add_request("prefix", rows[0][:-1] + [1], SamplingParams(temperature=0, max_tokens=2))
+    while not warm.is_finished:
+        engine.step()
+    result = {}
+    for name, budget in budgets.items():
+        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, token_budget=budget)
+        seqs = [engine.add_request(f"{name}{i}", r, params) for i, r in enumerate(rows)]
+        while any(s.num_output_tokens == 0 for s in seqs):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+        result[name] = statistics.median(times)
+    engine.close()
+    return result
+
+
+def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: int, threads: int,
+                  chunk: int = 1024) -> float:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads, so.log_severity_level = threads, 3
+    sess = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    names = [o.name for o in sess.get_outputs()]
+    pasts, presents = source_io["past_inputs"], source_io["present_outputs"]
+    past = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in pasts}
+
+    def run(ids: np.ndarray, pos: int, past: dict) -> dict:
+        b, s = ids.shape
+        feeds = {source_io["input_ids"]: ids, **past}
+        if source_io.get("attention_mask"):
+            feeds[source_io["attention_mask"]] = np.ones((b, pos + s), np.int64)
+        if source_io.get("position_ids"):
+            feeds[source_io["position_ids"]] = np.broadcast_to(np.arange(pos, pos + s, dtype=np.int64), (b, s)).copy()
+        return dict(zip(names, sess.run(None, feeds)))
+
+    prefix = np.asarray(rows[0][:-1], np.int64)[None]
+    for start in range(0, prefix.shape[1], chunk):  # chunked prefill of the shared prefix, batch 1
+        out = run(prefix[:, start:start + chunk], start, past)
+        past = {p: out[o] for p, o in zip(pasts, presents)}
+    b, pos = len(rows), prefix.shape[1]
+    past = {k: np.repeat(v, b, axis=0) for k, v in past.items()}
+    tokens = np.asarray([[r[-1]] for r in rows], np.int64)
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        out = run(tokens, pos, past)
+        times.append(time.perf_counter() - t0)
+        past = {p: out[o] for p, o in zip(pasts, presents)}
+        tokens = out[source_io["logits"]][:, -1].argmax(-1).astype(np.int64)[:, None]
+        pos += 1
+    return statistics.median(times[1:])
+
+
+def time_genai(model_dir: Path, rows: list[list[int]], steps: int) -> float | None:
+    """onnxruntime-genai decode step (its own batch prefill: may not fit at large batch x context)."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    model = og.Model(str(model_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(rows[0]) + steps + 2, batch_size=len(rows), do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(rows, np.int32))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        gen.generate_next_token()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True, help="tinyserve package (tinyserve-export output)")
+    ap.add_argument("--source", type=Path, help="the original export (default: found by the manifest's sha256)")
+    ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same model")
+    ap.add_argument("--contexts", default="1024,4096,8000")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=31)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.md")
+    args = ap.parse_args(argv)
+    package = ModelPackage.load(args.model)
+    source = find_source(package, args.source)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    rows_out = []
+    for context in contexts:
+        for batch in batches:
+            rows = prompts(package.vocab_size, context, batch)
+            best: dict[str, float] = {}
+            for _ in range(args.passes):  # interleaved, so a slow spell hits every column alike
+                res = time_tinyserve(package, rows, {"sparse": args.budget, "dense": 0}, args.steps, args.threads)
+                if source is not None:
+                    res["original"] = time_original(source, package.manifest["source_io"], rows, args.steps,
+                                                    args.threads)
+                if args.genai_model is not None:
+                    try:
+                        res["genai"] = time_genai(args.genai_model, rows, args.steps)
+                    except Exception as e:  # out of memory at large batch x context, ...
+                        print(f"genai {context}x{batch}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
+                for k, v in res.items():
+                    if v is not None:
+                        best[k] = min(best.get(k, float("inf")), v)
+            rows_out.append((context, batch, best))
+            line = " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in best.items())
+            print(f"context {context} batch {batch}: {line}", flush=True)
+    write_table(args, package, source, rows_out)
+    context, batch, best = max(rows_out, key=lambda r: (r[0], r[1]))
+    ratio = best["original"] / best["sparse"] if "original" in best else float("nan")
+    label = f"{round(context / 1024)}k" if context >= 1000 else str(context)
+    print(f"RESULT speedup_{label}_b{batch}_vs_original={ratio:.2f}")
+    return 0
+
+
+def write_table(args, package: ModelPackage, source, rows) -> None:
+    import onnxruntime as ort
+
+    cols = ["sparse", "dense", "original", "genai"]
+    lines = [
+        "# Decode speed on CPU: tinyserve sparse / dense vs the original export",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {args.threads} ORT threads; onnxruntime "
+        f"{ort.__version__}. Model: `{package.path.name}` ({package.num_layers} layers, {package.num_heads} heads / "
+        f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}). Original: "
+        f"`{source.name if source else 'not found'}`. Command: `python benchmarks/bench_decode.py --model "
+        f"{args.model} --contexts {args.contexts} --batches {args.batches} --budget {args.budget}` "
+        f"(median of {args.steps} decode steps, best of {args.passes} passes).",
+        "",
+        "| context | batch | " + " | ".join(f"{c} ms/step (tok/s)" for c in cols) + " | sparse vs original |",
+        "|---|---|" + "---|" * (len(cols) + 1),
+    ]
+    for context, batch, best in rows:
+        cells = [f"{best[c] * 1e3:.1f} ({batch / best[c]:.0f})" if c in best else "n/a" for c in cols]
+        ratio = f"{best['original'] / best['sparse']:.2f}x" if "original" in best else "n/a"
+        lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {ratio} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

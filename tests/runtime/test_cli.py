@@ -1,0 +1,46 @@
+"""``tinyserve generate``: JSON shape, text mode, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyserve_trt.runtime.cli import main
+
+
+def test_generate_json(llama, capsys):
+    assert main(["generate", str(llama[1]), "--prompt-ids", "5,6,7", "--max-tokens", "6", "--temperature", "0",
+                 "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # exactly one JSON object
+    assert set(out) == {"token_ids", "text", "stats"}
+    assert len(out["token_ids"]) == 6 and all(isinstance(t, int) for t in out["token_ids"])
+    assert out["stats"]["request"]["prompt_tokens"] == 3 and out["stats"]["engine"]["token_budget"] == 16
+
+
+def test_generate_dense_text(llama, capsys):
+    assert main(["generate", str(llama[1]), "--prompt", "Hi", "--max-tokens", "3", "--dense", "--json",
+                 "--seed", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["engine"]["token_budget"] == 0 and isinstance(out["text"], str)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt-ids", "1,x"], "token ids"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "1", "--dense", "--token-budget", "4"], "not allowed"),
+    (["--prompt-ids", "1", "--max-tokens", "0"], "max_tokens"),
+    (["--prompt-ids", "999"], "token ids must be in"),
+    ([], "required"),
+])
+def test_bad_input_one_line_exit_2(llama, capsys, args, match):
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main(["generate", str(llama[1]), *args]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def test_missing_package_exit_2(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert "not a directory" in capsys.readouterr().err

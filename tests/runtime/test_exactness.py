@@ -1,0 +1,80 @@
+"""The paged runtime against the ORIGINAL export driven by ORT with its own cache.
+
+Dense budget: greedy ids must be identical. Then runtime features that must not
+change a token: prefix sharing, batching, chunked prefill, preemption.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ARCHS
+from tests.tiny_models import original_greedy
+from tinyserve_trt import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+PROMPTS = [list(range(7, 12)), [(i * 37 + 11) % 256 for i in range(23)], [(i * 91 + 5) % 256 for i in range(41)]]
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_greedy_equals_original_export(tiny_packages, arch):
+    src, pkg, manifest = tiny_packages(arch)
+    llm = LLM(pkg, dense=True)
+    for prompt in PROMPTS[:2]:
+        (out,) = llm.generate(prompt_token_ids=[prompt], params=GREEDY)
+        assert out.outputs[0].token_ids == original_greedy(src, manifest["source_io"], prompt, 32)
+
+
+def test_batch_of_different_lengths_equals_each_alone(llama):
+    _, pkg, _ = llama
+    for dense in (True, False):
+        llm = LLM(pkg, dense=dense, prefix_sharing=False)
+        alone = [ids(llm.generate(prompt_token_ids=[p], params=GREEDY))[0] for p in PROMPTS]
+        assert ids(llm.generate(prompt_token_ids=PROMPTS, params=GREEDY)) == alone
+
+
+def test_prefix_sharing_on_and_off_agree(llama):
+    _, pkg, _ = llama
+    prefix = [(i * 13 + 3) % 256 for i in range(26)]  # 6 full pages of 4 + 2 tokens
+    prompts = [prefix + [200, 201, 202], prefix + [17], prefix]
+    results = {}
+    for sharing in (True, False):
+        llm = LLM(pkg, prefix_sharing=sharing)
+        outs = [llm.generate(prompt_token_ids=[p], params=GREEDY)[0] for p in prompts]
+        results[sharing] = ids(outs)
+        reused = [o.stats.prefix_pages_reused for o in outs]
+        if sharing:
+            assert reused == [0, 6, 6] and llm.stats()["prefix_hit_rate"] > 0.5
+        else:
+            assert reused == [0, 0, 0] and llm.stats()["prefix_hit_rate"] == 0
+    assert results[True] == results[False]
+
+
+def test_chunked_prefill_and_preemption_do_not_change_tokens(llama):
+    _, pkg, _ = llama
+    reference = ids(LLM(pkg, dense=True).generate(prompt_token_ids=PROMPTS, params=GREEDY))
+    chunked = LLM(pkg, dense=True, prefill_chunk=4, max_tokens_per_step=16)
+    assert ids(chunked.generate(prompt_token_ids=PROMPTS, params=GREEDY)) == reference
+    page_bytes = 2 * (2 * 2 * 4 * 16 + 2 * 2 * 16) * 4  # layers * (K+V pages + min/max) * fp32
+    tight = LLM(pkg, dense=True, memory=20 * page_bytes, prefix_sharing=False)  # 20 pages: one long sequence
+    assert ids(tight.generate(prompt_token_ids=PROMPTS, params=GREEDY)) == reference
+    assert tight.stats()["preemptions"] > 0
+
+
+def test_sparse_budget_selects_fewer_pages_and_runs(llama):
+    _, pkg, manifest = llama
+    prompt = [(i * 7 + 1) % 256 for i in range(80)]  # 20 pages of 4
+    sparse = LLM(pkg, token_budget=16)  # 4 pages per decode step on the sparse layer
+    (out,) = sparse.generate(prompt_token_ids=[prompt], params=SamplingParams(temperature=0, max_tokens=8,
+                                                                               ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 8
+    assert out.stats.pages_selected_per_step == pytest.approx(4.0)
+    assert sparse.stats()["page_selection_rate"] < 0.25
+    (dense,) = LLM(pkg, dense=True).generate(prompt_token_ids=[prompt], params=SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True))
+    assert dense.stats.pages_selected_per_step > 20
+    assert manifest["dense_layers"] == 1  # the other layer is sparse: what the stats average over

@@ -1,0 +1,134 @@
+"""AsyncLLM: one Engine stepped by a background thread, requests as async generators.
+
+For the HTTP server (issue #7). The engine is single-threaded: the event
+loop never touches it; ``generate``/``abort`` post commands to a queue the
+engine thread drains between steps, and the thread hands each request's
+snapshots back through ``loop.call_soon_threadsafe`` into that request's
+asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence as Seq
+from pathlib import Path
+
+from tinyserve_trt.runtime.llm import engine_from, normalize_prompts
+from tinyserve_trt.runtime.model_package import ModelPackage
+from tinyserve_trt.runtime.outputs import RequestOutput, RequestTracker
+from tinyserve_trt.runtime.sampling import SamplingParams
+
+
+class AsyncLLM:
+    """Same constructor as ``LLM``; call ``shutdown()`` (or use ``async with``) when done."""
+
+    def __init__(self, model_dir: str | Path | ModelPackage, *, seed: int | None = None,
+                 backend_options: dict | None = None, **config):
+        self.engine = engine_from(model_dir, seed, backend_options or {}, **config)
+        self.package = self.engine.package
+        self._ids = itertools.count()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, tuple[RequestTracker, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="tinyserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side ------------------------------------------------------
+    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                       prompt_token_ids: Seq[int] | None = None, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield snapshots of one request as it advances (the last has ``finished``).
+        Cancelling or closing the generator aborts the request."""
+        if self._error is not None:
+            raise RuntimeError(f"engine thread died: {self._error!r}")
+        reqs = normalize_prompts(self.package, prompt, prompt_token_ids)
+        if len(reqs) != 1:
+            raise ValueError("generate takes one prompt")
+        ((text, ids),) = reqs
+        params = params or SamplingParams()
+        rid = request_id or f"req-{next(self._ids)}"
+        decoder = self.package if (self.package.path / "tokenizer.json").is_file() else None
+        tracker = RequestTracker(rid, text, ids, params, decoder)
+        out: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", tracker, out, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", rid))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        return self.engine.stats()  # plain counters read without the lock: good enough for metrics
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+        self.engine.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self.shutdown()
+
+    # ---- engine thread --------------------------------------------------------
+    def _send(self, rid: str, item) -> None:
+        _, q, loop = self._live[rid]
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, tracker, q, loop = cmd
+            try:
+                self.engine.add_request(tracker.request_id, tracker.prompt_token_ids, tracker.params)
+            except ValueError as e:
+                loop.call_soon_threadsafe(q.put_nowait, e)
+                return
+            self._live[tracker.request_id] = (tracker, q, loop)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            self._live.pop(cmd[1], None)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                try:  # idle: block until a command; busy: take pending ones between steps
+                    cmd = self._commands.get_nowait() if busy else self._commands.get()
+                except queue.Empty:
+                    cmd = None
+                if cmd is not None:
+                    self._handle(cmd)
+                    continue  # drain every pending command before the next step
+                for seq in self.engine.step():
+                    entry = self._live.get(seq.request_id)
+                    if entry is None:
+                        continue
+                    tracker = entry[0]
+                    if tracker.update(seq):
+                        self.engine.finish(seq)
+                    snap = tracker.snapshot()
+                    self._send(seq.request_id, snap)
+                    if snap.finished:
+                        del self._live[seq.request_id]
+        except BaseException as e:  # surface to every waiting request, then stop
+            self._error = e
+            for rid in list(self._live):
+                self._send(rid, RuntimeError(f"engine thread died: {e!r}"))
+            self._live.clear()

@@ -1,0 +1,113 @@
+"""``tinyserve``: the runtime's command line.
+
+    tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
+                       [--temperature T] [--dense | --token-budget N] [--json]
+
+With ``--json`` stdout holds exactly one JSON object:
+``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
+Bad input: one line on stderr, exit status 2. (``serve`` arrives with issue #7.)
+Defaults come from SamplingParams and EngineConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tinyserve_trt.runtime.config import EngineConfig
+from tinyserve_trt.runtime.sampling import SamplingParams
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    sp, ec = SamplingParams(), EngineConfig()
+    parser = _Parser(prog="tinyserve", description="Serve tinyserve model packages (ONNX Runtime / TensorRT).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("model_dir", metavar="MODEL_DIR", help="package written by tinyserve-export")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the package's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn in the chat template")
+    g.add_argument("--max-tokens", type=int, default=sp.max_tokens)
+    g.add_argument("--temperature", type=float, default=sp.temperature)
+    g.add_argument("--top-p", type=float, default=sp.top_p)
+    g.add_argument("--top-k", type=int, default=sp.top_k)
+    g.add_argument("--seed", type=int, default=sp.seed)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--dense", action="store_true", help="attend every page (no sparse selection)")
+    budget.add_argument("--token-budget", type=int, default=ec.token_budget,
+                        help="decode token budget (default: the package's)")
+    g.add_argument("--backend", default=ec.backend)
+    g.add_argument("--threads", type=int, default=ec.threads)
+    g.add_argument("--no-prefix-sharing", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _generate(args) -> int:
+    from tinyserve_trt.runtime.llm import LLM
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
+    package = ModelPackage.load(args.model_dir)
+    llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
+              threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1)
+    if args.chat:
+        if args.prompt is None:
+            raise ValueError("--chat needs --prompt")
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    elif args.prompt is not None:
+        (out,) = llm.generate([args.prompt], params)
+    else:
+        (out,) = llm.generate(prompt_token_ids=[args.prompt_ids], params=params)
+    completion = out.outputs[0]
+    if args.json:
+        stats = {"request": out.stats.as_dict() if out.stats else {}, "engine": llm.stats(),
+                 "finish_reason": completion.finish_reason}
+        print(json.dumps({"token_ids": completion.token_ids, "text": completion.text, "stats": stats}))
+    else:
+        print(completion.text if completion.text else " ".join(map(str, completion.token_ids)))
+        s = out.stats
+        if s is not None and s.ttft is not None:
+            rate = f", {s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else ""
+            print(f"[{s.output_tokens} tokens, ttft {s.ttft * 1e3:.1f} ms{rate}]", file=sys.stderr)
+    llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (ValueError, RuntimeError, OSError) as e:  # PackageError is a ValueError
+        msg = " ".join(str(e).split())
+        print(f"tinyserve: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Engine: the serving loop - schedule -> backend.run -> sample -> postprocess.
+
+Owns the page pool, the scheduler (and through it the prefix cache), the
+backend and the sampler. Single-threaded: ``LLM`` drives it directly,
+``AsyncLLM`` from one background thread. Text (tokenizer, stop strings) is
+the callers' business; the engine works on token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from tinyserve_trt.runtime.backends import make_backend
+from tinyserve_trt.runtime.batch import ScheduledBatch
+from tinyserve_trt.runtime.backends.base import StepOutput
+from tinyserve_trt.runtime.config import EngineConfig
+from tinyserve_trt.runtime.model_package import ModelPackage
+from tinyserve_trt.runtime.pages import PagePool
+from tinyserve_trt.runtime.sampling import Sampler, SamplingParams
+from tinyserve_trt.runtime.scheduler import Scheduler
+from tinyserve_trt.runtime.sequence import FinishReason, Sequence
+
+
+class Engine:
+    """A model package served over a paged KV pool; see the module docstring."""
+
+    def __init__(self, package: ModelPackage, config: EngineConfig = EngineConfig(), seed: int | None = None,
+                 **backend_options):
+        self.package, self.config = package, config
+        cache = config.cache_config(page_size=package.page_size, num_layers=package.num_layers,
+                                    num_kv_heads=package.num_kv_heads, head_dim=package.head_dim,
+                                    dtype=package.dtype, max_context=package.max_context)
+        eos = package.eos_token_ids
+        self.token_budget = config.resolved_budget(package.token_budget)
+        self.pool = PagePool(cache, package.num_layers, package.num_kv_heads, package.head_dim)
+        self.scheduler = Scheduler(config.scheduler_config(token_budget=self.token_budget,
+                                                           eos_token_id=eos[0] if eos else None), self.pool)
+        if config.threads is not None:
+            backend_options.setdefault("threads", config.threads)
+        self.backend = make_backend(config.backend, package, self.pool, **backend_options)
+        self.sampler = Sampler(seed)
+        self._sparse_layers = [i for i, layer in enumerate(package.layers) if layer.get("policy") != "dense"]
+        self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
+                             pages_selected=0.0, pages_available=0)
+
+    # ---- requests -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None
+                    ) -> Sequence:
+        """Queue a request; ValueError for ids outside the vocabulary or a request the pool cannot hold."""
+        vocab = self.package.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        params = params or SamplingParams()
+        if len(self.package.eos_token_ids) > 1 and not params.ignore_eos:  # a model may have several EOS
+            from dataclasses import replace
+
+            params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.package.eos_token_ids[1:])
+        return self.scheduler.add(request_id, prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel every sequence of ``request_id`` and free its pages; False if unknown."""
+        return self.scheduler.cancel(request_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason = FinishReason.STOP) -> None:
+        """End ``seq`` early (a stop string matched) and free its pages."""
+        self.scheduler.finish(seq, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one batch. Returns the sequences that sampled a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        out = self.backend.run(batch)
+        sampled = self.sampler(out.logits, batch.seqs, batch.sample_mask)
+        self._record(batch, out)
+        self.scheduler.postprocess(batch, sampled)
+        return [seq for seq, sampled_row in zip(batch.seqs, batch.sample_mask) if sampled_row]
+
+    def _record(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        c = self.counters
+        c["steps"] += 1
+        decode = (batch.num_new_tokens == 1) & (batch.past_lens > 0)
+        c["decode_tokens"] += int(decode.sum())
+        c["prefill_tokens"] += int(batch.num_new_tokens[~decode].sum())
+        for seq, past in zip(batch.seqs, batch.past_lens):
+            if seq.index == 0 and seq.stats.first_token_time is None and seq.stats.num_preemptions == 0 \
+                    and past == seq.stats.prefix_tokens_reused:  # first chunk of a first admission
+                c["prompt_tokens"] += seq.num_prompt_tokens
+                c["prefix_tokens_reused"] += seq.stats.prefix_tokens_reused
+        if out.selected_pages is None or not self._sparse_layers or not decode.any():
+            return
+        stacked = np.concatenate([out.selected_pages[i] for i in self._sparse_layers], axis=1)
+        batch.record_selected_pages(stacked, rows=decode)
+        per_row = stacked.sum(axis=2).mean(axis=1)
+        c["pages_selected"] += float(per_row[decode].sum())
+        c["pages_available"] += int((-(-batch.past_lens[decode] // self.pool.page_size)).sum())
+
+    # ---- stats ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Pool use, prefix hit rate and decode page-selection rate so far."""
+        c, pool = self.counters, self.pool
+        in_use = len(pool.in_use_pages())
+        return dict(
+            steps=c["steps"], prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],
+            token_budget=self.token_budget, page_size=pool.page_size,
+            pages_total=pool.num_pages, pages_in_use=in_use, pages_free=pool.num_free,
+            pages_cached_idle=pool.num_evictable, prefix_cache_entries=self.scheduler.prefix_cache.num_entries,
+            prefix_hit_rate=c["prefix_tokens_reused"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            page_selection_rate=c["pages_selected"] / c["pages_available"] if c["pages_available"] else None,
+            preemptions=self.scheduler.num_preemptions,
+        )
+
+    def close(self) -> None:
+        self.backend.close()
