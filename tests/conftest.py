@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+
 ARCHS = ("llama", "qwen2", "gpt2")
 
 
