@@ -131,7 +131,13 @@ def test_backend_registry(llama):
     assert set(BACKENDS) >= {"ort", "trt"}
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("nope", None, None)
-    with pytest.raises(RuntimeError, match="issue #5"):
+    # without TensorRT (our CI) the trt backend says what is missing in one line
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except Exception:
+        pass
+    with pytest.raises(RuntimeError, match="TensorRT is not installed"):
         LLM(llama[1], backend="trt")
 
 

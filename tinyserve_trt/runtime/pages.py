@@ -186,6 +186,15 @@ class PagePool:
             raise ValueError(f"copy target page {dst} is shared or cached")
         for arr in (self._k, self._v, self._key_min, self._key_max, self._num_valid):
             arr[:, dst] = arr[:, src]
+        for fn in getattr(self, "_copy_listeners", ()):
+            fn(src, dst)
+
+    def add_copy_listener(self, fn: Callable[[int, int], None]) -> None:
+        """Call ``fn(src, dst)`` after every ``copy_page``: a backend that keeps the
+        pages on a device mirrors copy-on-write there."""
+        if not hasattr(self, "_copy_listeners"):
+            self._copy_listeners = []
+        self._copy_listeners.append(fn)
 
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Write token K/V into ``layer`` and update key_min/key_max of the touched pages.
