@@ -147,3 +147,11 @@ def test_import_stays_light():
             "assert tinyserve_trt.SamplingParams().max_tokens == 16; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_ort_backend_loads_the_exporters_optimized_copy(llama):
+    import onnxruntime as ort
+
+    package = ModelPackage.load(llama[1])
+    assert package.ort_model_path(ort.__version__).name == "model.ort.onnx"
+    assert package.ort_model_path("0.0.0") == package.model_path  # another ORT: the portable model

@@ -31,6 +31,9 @@ from .source_io import find_source_io
 LONG_PROBE_PASTS = (4100, 1000, 250, 60)
 
 
+ORT_OPTIMIZED = "model.ort.onnx"
+
+
 @dataclass
 class ExportReport:
     outdir: Path
@@ -120,10 +123,30 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
                                   f"{config.tolerance():g}")
     t0 = time.perf_counter()
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
-    finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else None
+    finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else _save_ort_optimized(manifest)
     size = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
     return ExportReport(outdir, counts, len(plans), figure, size, times)
+
+
+def _save_ort_optimized(manifest: dict):
+    """A hook that saves ONNX Runtime's optimized graph (functions inlined, fusions
+    applied) next to the portable model: the runtime loads it ~3x faster (SmolLM2:
+    4 s instead of 13 s). Tied to this ORT version and the CPU EP; the runtime
+    falls back to model.onnx otherwise."""
+    def finalize(tmp: Path) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # not ALL: no CPU-specific layouts
+        so.optimized_model_filepath = str(tmp / ORT_OPTIMIZED)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", ORT_OPTIMIZED + ".data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        so.log_severity_level = 3
+        ort.InferenceSession(str(tmp / "model.onnx"), so, providers=["CPUExecutionProvider"])
+        manifest["ort_optimized"] = dict(file=ORT_OPTIMIZED, onnxruntime=ort.__version__, level="extended")
+
+    return finalize
 
 
 def _build_trt_engine(manifest: dict, config: ExportConfig):

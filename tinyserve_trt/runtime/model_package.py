@@ -83,6 +83,15 @@ class ModelPackage:
     def model_path(self) -> Path:
         return self.path / MODEL_FILE
 
+    def ort_model_path(self, onnxruntime_version: str) -> Path:
+        """The ORT-optimized copy the exporter saved (fast to load) when it was made by
+        this ONNX Runtime version; otherwise the portable model."""
+        opt = self.manifest.get("ort_optimized") or {}
+        path = self.path / opt.get("file", "")
+        if opt.get("onnxruntime") == onnxruntime_version and opt.get("file") and path.is_file():
+            return path
+        return self.model_path
+
     num_layers = property(lambda self: self.manifest["num_layers"])
     num_heads = property(lambda self: self.manifest["num_heads"])
     num_kv_heads = property(lambda self: self.manifest["num_kv_heads"])

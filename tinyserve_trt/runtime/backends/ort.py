@@ -63,8 +63,11 @@ class OrtBackend(Backend):
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         providers = providers or default_providers()
+        # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
+        model = package.ort_model_path(ort.__version__) if providers == ["CPUExecutionProvider"] else \
+            package.model_path
         try:
-            self.session = ort.InferenceSession(str(package.model_path), so, providers=providers)
+            self.session = ort.InferenceSession(str(model), so, providers=providers)
         except Exception as e:
             if providers == ["CPUExecutionProvider"]:
                 raise
