@@ -1,9 +1,9 @@
 """Tiny random decoder LLMs exported to ONNX with KV-cache I/O, and their packages.
 
-Built by the tests themselves (no downloads): a random ``transformers`` model,
-``torch.onnx.export(dynamo=False)`` through a wrapper with flat inputs
-``input_ids, attention_mask, position_ids, past_key_values.{i}.key/value`` and
-outputs ``logits, present.{i}.key/value``, then ``export_model`` into a package.
+Built by the tests themselves (no downloads): a seeded random model from
+``tinyserve_trt.export.sources.tiny_models``, exported with KV-cache I/O by
+``torch_export`` (legacy exporter), a byte-level tokenizer, then
+``export_model`` into a package.
 """
 
 from __future__ import annotations
@@ -15,70 +15,18 @@ from pathlib import Path
 VOCAB = 256
 
 
-def _config(arch: str):
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    if arch == "llama":
-        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
-    if arch == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                                      bos_token_id=1, eos_token_id=2)
-        return cfg, transformers.GPT2LMHeadModel
-    raise ValueError(f"unknown tiny arch {arch!r}")
-
-
 def export_source(arch: str, outdir: Path, seed: int = 0) -> Path:
-    """Write ``outdir/model.onnx`` (+ config.json) of a random tiny ``arch`` model."""
-    import torch
-    from transformers import DynamicCache
+    """Write ``outdir/model.onnx`` (+ config.json, byte tokenizer) of a random tiny ``arch`` model,
+    built and exported by the package's own fixture sources (legacy exporter, eager attention)."""
+    from tinyserve_trt.export.sources.tiny_models import TinyModelConfig, build_tiny_model
+    from tinyserve_trt.export.sources.torch_export import export_causal_lm
 
-    torch.manual_seed(seed)
-    cfg, cls = _config(arch)
-    cfg._attn_implementation = "eager"
-    model = cls(cfg).eval()
-    layers = cfg.num_hidden_layers
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-
-    class Flat(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask, position_ids, *past):
-            cache = DynamicCache([(past[2 * i], past[2 * i + 1]) for i in range(layers)])
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-            pkv = out.past_key_values
-            presents = []
-            for i in range(layers):
-                layer = pkv.layers[i]
-                presents += [layer.keys, layer.values]
-            return (out.logits, *presents)
-
-    b, p, s = 2, 3, 4
-    ids = torch.randint(0, VOCAB, (b, s))
-    mask = torch.ones(b, p + s, dtype=torch.int64)
-    pos = torch.arange(p, p + s).repeat(b, 1)
-    past = [torch.randn(b, kv_heads, p, head_dim) for _ in range(2 * layers)]
-    past_names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    present_names = [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
-    axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
-            "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
-    axes.update({n: {0: "batch", 2: "past"} for n in past_names})
-    axes.update({n: {0: "batch", 2: "total"} for n in present_names})
+    model = build_tiny_model(TinyModelConfig(kind=arch, vocab_size=VOCAB, max_positions=512, seed=seed),
+                             attn_implementation="eager")
     outdir.mkdir(parents=True, exist_ok=True)
-    path = outdir / "model.onnx"
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer / deprecation chatter of the exporters
-        torch.onnx.export(Flat(model), (ids, mask, pos, *past), str(path), dynamo=False, opset_version=17,
-                          input_names=["input_ids", "attention_mask", "position_ids", *past_names],
-                          output_names=["logits", *present_names], dynamic_axes=axes)
+        path = export_causal_lm(model, outdir / "model.onnx", "legacy_eager")
     (outdir / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     write_byte_tokenizer(outdir)
     return path
