@@ -109,6 +109,11 @@ class TieredPagePool(PagePool):
     def is_hot(self, page: int) -> bool:
         return 0 <= self._phys[page] < self.num_hot
 
+    def is_full(self, page: int) -> bool:
+        """True when ``page`` is bound and all its tokens are written in every layer."""
+        p = self._phys[page]
+        return bool(p >= 0 and np.all(self._num_valid[:, p] == self.page_size))
+
     def physical_table(self, page_table: np.ndarray) -> np.ndarray:
         """The op's ``page_table``: handles -> physical ids, int32. Unbound handles
         (page-table padding) map to 0, a valid id the op never reads."""
