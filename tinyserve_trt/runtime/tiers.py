@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page, quantize_page, scale_shape
+from tinyserve_trt.ops.quantization import (GRANULARITIES, bytes_per_page, dequantize_page, quantize_page,
+                                            scale_shape)
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.pages import OutOfPagesError, PagePool, PoolIntegrityError
 
@@ -57,6 +58,15 @@ class TierConfig:
         for name in ("k_granularity", "v_granularity"):
             if getattr(self, name) not in GRANULARITIES:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
+
+
+def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                    dtype: str = "float16") -> int:
+    """Bytes one cold page costs over all layers: int8 K/V, their float32 scales, and
+    key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
+    kv = sum(bytes_per_page(g, num_kv_heads, page_size, head_dim) for g in (tiers.k_granularity,
+                                                                            tiers.v_granularity))
+    return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
 
 
 class TieredPagePool(PagePool):
