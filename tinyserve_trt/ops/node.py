@@ -29,7 +29,8 @@ def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes 
         raise ValueError(f"{schema.OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
     n_cold = sum(1 for name in inputs[schema.NUM_REQUIRED_INPUTS:] if name)
     if cold_pages and n_cold != len(schema.COLD_INPUTS):
-        raise ValueError(f"cold_pages needs all of {schema.COLD_INPUTS}, got {list(inputs[schema.NUM_REQUIRED_INPUTS:])}")
+        raise ValueError(f"cold_pages needs all of {schema.COLD_INPUTS}, "
+                         f"got {list(inputs[schema.NUM_REQUIRED_INPUTS:])}")
     if n_cold and not cold_pages:
         raise ValueError("cold-page inputs given to a node without cold_pages=True (the plain overload ignores them)")
     if len(outputs) < len(schema.OUTPUTS):
