@@ -92,3 +92,37 @@ def test_freed_pages_lose_their_history():
     pool.decref(seqs[0][1])
     policy.plan(pool, [seqs[0][:1]])
     assert policy.hits[seqs[0][1]] == 0 and policy.hits[seqs[0][0]] == 5
+
+
+def test_engine_loop_shape_with_a_small_hot_tier():
+    """schedule -> model writes -> observe selections -> rebalance, as the engine will run it:
+    a hot tier too small for the live context keeps running because full pages go cold."""
+    from tinyserve_trt.runtime.config import SchedulerConfig
+    from tinyserve_trt.runtime.sampling import SampleOutput, SamplingParams
+    from tinyserve_trt.runtime.scheduler import Scheduler
+
+    from tests.runtime.fakes import run_model
+
+    rng = np.random.default_rng(5)
+    pool = TieredPagePool(CacheConfig(page_size=PS, num_pages=16, dtype="float32"), TierConfig(num_cold_pages=48),
+                          1, 1, 4)
+    sched = Scheduler(SchedulerConfig(max_batch=4, max_tokens_per_step=16, prefill_chunk=8), pool)
+    policy = HotnessPolicy(HotnessConfig(sink_pages=1, recent_pages=2, max_hot_pages=10, hot_fraction=None),
+                           pool.num_pages)
+    for i in range(6):
+        sched.add(f"r{i}", list(rng.integers(1, 50, 20)), SamplingParams(max_tokens=20, ignore_eos=True))
+    steps, max_live = 0, 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        run_model(pool, batch)
+        NP = batch.page_table.shape[1]
+        policy.observe(rng.random((1, len(batch), 1, NP)) < 0.3, batch.page_table,
+                       -(-batch.past_lens // PS))
+        sched.postprocess(batch, SampleOutput(rng.integers(1, 50, len(batch))))
+        policy.rebalance(pool, [s.pages for s in sched.running])
+        sched.check_integrity()
+        pool.check_integrity([s.pages for s in sched.running], check_data=True)
+        max_live = max(max_live, len(pool.hot_pages()) + len(pool.cold_pages()))
+        steps += 1
+        assert steps < 2000
+    assert max_live > pool.num_hot  # the live context did not fit the hot tier alone
