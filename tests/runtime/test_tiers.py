@@ -209,3 +209,16 @@ def test_scheduler_runs_on_a_tiered_pool_with_demotions():
         sched.check_integrity()
         pool.check_integrity([s.pages for s in sched.running], check_data=True)
     assert demoted > 10
+
+
+def test_plain_pool_reads_the_same_way():
+    from tinyserve_trt.runtime.pages import PagePool
+
+    pool = PagePool(CacheConfig(page_size=PS, num_pages=4, dtype="float32"), L, H, D)
+    table = np.array([[3, 1]], np.int64)
+    assert pool.physical_table(table).dtype == np.int32 and pool.physical_table(table).tolist() == [[3, 1]]
+    inputs = pool.cache_inputs(1)
+    assert set(inputs) == set(schema.INPUT_NAMES[3:7])
+    assert np.shares_memory(inputs["key_cache"], pool.k_pages(1))
+    tiered = make_pool()
+    assert set(tiered.cache_inputs(0)) == set(schema.INPUT_NAMES[3:7]) | set(schema.COLD_INPUTS)
