@@ -142,10 +142,12 @@ def main(argv=None) -> int:
         for x in sorted(entries, key=lambda x: (x[2], x[3])):
             mark = "yes" if x in pareto else ""
             lines.append(f"| {x[0]} | {x[1]} | {x[2]:.1f} | {x[2] / (4 * D):.2f} | {x[3]:.4f} | {x[4]:.4f} | {mark} |")
-        lines.append("")
+        lo, cheap = min(pareto, key=lambda x: x[3]), min(pareto, key=lambda x: x[2])
+        lines += ["", f"Lowest error: K {lo[0]} / V {lo[1]}, {lo[3]:.4f} at {lo[2]:.1f} B/token "
+                  f"({lo[2] / (4 * D):.2f} of fp16); the cheapest, K {cheap[0]} / V {cheap[1]}, has "
+                  f"{cheap[3] / lo[3]:.1f}x its error for {1 - cheap[2] / lo[2]:.0%} fewer bytes.", ""]
         if ps == page_sizes[0]:
-            best = min(pareto, key=lambda x: x[3])
-            cheapest = min(pareto, key=lambda x: x[2])
+            best, cheapest = lo, cheap
     lines += ["K-only / V-only rows (the other in fp16) separate the two errors. "
               "Pareto = no other INT8 pair is at most as many bytes with a lower mean error.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

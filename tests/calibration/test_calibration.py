@@ -121,6 +121,14 @@ def test_bad_data_file_exits_2_with_one_line(tmp_path, capsys, content, suffix, 
     assert len(err.splitlines()) == 1 and err.startswith("tinyserve-calibrate: error:") and msg in err
 
 
+def test_unknown_source_exits_2(tmp_path, capsys):
+    data = tmp_path / "p.txt"
+    data.write_text("a\nb\n")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path), "--data", str(data), "--samples", "1", "--heldout", "1", "--source", "nope"])
+    assert exc.value.code == 2 and "unknown calibration source" in capsys.readouterr().err
+
+
 def test_cold_pages_follow_the_runtime_rules():
     cfg = CalibrationConfig(page_size=PS, sink_pages=1, hot_recent_pages=2, hot_fraction=0.5)
     sel = np.zeros((1, 1, 1, 10), bool)

@@ -99,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tinyserve_trt.calibration.source import make_source  # noqa: PLC0415 (imports torch)
 
-    source = make_source(args.source, args.model_dir, page_size=cfg.page_size, token_budget=cfg.token_budget,
-                         decode_steps=cfg.decode_steps)
+    try:
+        source = make_source(args.source, args.model_dir, page_size=cfg.page_size, token_budget=cfg.token_budget,
+                             decode_steps=cfg.decode_steps)
+    except (OSError, ValueError) as e:  # not a model directory, unknown source
+        parser.exit(2, f"tinyserve-calibrate: error: cannot load {args.model_dir}: {str(e).splitlines()[0]}\n")
     ids = [source.tokenize(t)[: cfg.max_tokens] for t in prompts[: args.samples + args.heldout]]
     short = [i for i, x in enumerate(ids) if len(x) < 2]
     if short:
