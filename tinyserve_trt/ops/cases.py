@@ -81,3 +81,73 @@ def contiguous_kv(case: dict[str, np.ndarray], b: int) -> tuple[np.ndarray, np.n
         return np.concatenate([c[i] for i in ids], axis=1)[:, :past].astype(np.float64) if n else \
             np.zeros((c.shape[1], 0, c.shape[3]))
     return cat(case["key_cache"]), cat(case["value_cache"])
+
+
+def page_valid_tokens(case: dict[str, np.ndarray]) -> np.ndarray:
+    """``[P]`` valid tokens of each hot pool page: used pages from ``past_lens``, others full."""
+    ps = case["key_cache"].shape[2]
+    valid = np.full(case["key_cache"].shape[0], ps, np.int64)
+    for b, past in enumerate(case["past_lens"]):
+        n = -(-int(past) // ps)
+        for i, pid in enumerate(case["page_table"][b, :n]):
+            valid[pid] = min(ps, int(past) - i * ps)
+    return valid
+
+
+def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: float = 0.5,
+                    k_granularity: str = "channel", v_granularity: str = "token") -> dict[str, np.ndarray]:
+    """:func:`make_case`, then a random subset of pool pages moved to the INT8 cold tier.
+
+    Hot pages keep ids ``[0, P)``, cold ones get ``[P, P + Pcold)`` (both tiers
+    hold at least one page). Cold pages are quantized with ``ops.quantization``
+    from their valid tokens, and their ``key_min``/``key_max`` are recomputed
+    from the DEQUANTIZED keys: metadata must bound what the op attends, and
+    rounding can move a key up to scale/2 past the original extremes.
+    """
+    from .quantization import dequantize_page, quantize_page  # noqa: PLC0415 (cases only)
+
+    case = make_case(spec, rng)
+    valid = page_valid_tokens(case)
+    Ptot = case["key_cache"].shape[0]
+    if Ptot < 2:
+        raise ValueError("a mixed case needs at least 2 pool pages (one per tier)")
+    n_cold = int(np.clip(round(cold_fraction * Ptot), 1, Ptot - 1))
+    order = rng.permutation(Ptot)
+    cold_old, hot_old = np.sort(order[:n_cold]), np.sort(order[n_cold:])
+    new_id = np.empty(Ptot, np.int64)
+    new_id[hot_old] = np.arange(hot_old.size)
+    new_id[cold_old] = hot_old.size + np.arange(n_cold)
+    old_of_new = np.concatenate([hot_old, cold_old])
+
+    dt = case["key_cache"].dtype
+    key_min, key_max = case["key_min"][old_of_new].copy(), case["key_max"][old_of_new].copy()
+    kq, vq, ks, vs = [], [], [], []
+    for i, old in enumerate(cold_old):
+        qk, sk = quantize_page(case["key_cache"][old], k_granularity, int(valid[old]))
+        qv, sv = quantize_page(case["value_cache"][old], v_granularity, int(valid[old]))
+        kq.append(qk), ks.append(sk), vq.append(qv), vs.append(sv)
+        deq = dequantize_page(qk, sk, dt)
+        for h in range(deq.shape[0]):
+            key_min[hot_old.size + i, h], key_max[hot_old.size + i, h] = page_min_max(deq[h], int(valid[old]))
+    case.update(
+        key_cache=case["key_cache"][hot_old], value_cache=case["value_cache"][hot_old],
+        key_min=key_min, key_max=key_max, page_table=new_id[case["page_table"]].astype(np.int32),
+        key_cache_int8=np.stack(kq), value_cache_int8=np.stack(vq),
+        key_scale=np.stack(ks), value_scale=np.stack(vs),
+    )
+    return case
+
+
+def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The all-hot equivalent of a mixed case: cold pages dequantized into the float pools,
+    same page ids, no cold inputs. The op must give the same result on both."""
+    from .quantization import dequantize_page  # noqa: PLC0415
+
+    dt = case["key_cache"].dtype
+    out = {k: v for k, v in case.items() if k not in ("key_cache_int8", "value_cache_int8",
+                                                       "key_scale", "value_scale")}
+    cold_k = np.stack([dequantize_page(q, s, dt) for q, s in zip(case["key_cache_int8"], case["key_scale"])])
+    cold_v = np.stack([dequantize_page(q, s, dt) for q, s in zip(case["value_cache_int8"], case["value_scale"])])
+    out["key_cache"] = np.concatenate([case["key_cache"], cold_k])
+    out["value_cache"] = np.concatenate([case["value_cache"], cold_v])
+    return out

@@ -6,6 +6,12 @@ ONNX Runtime runs it natively; TensorRT ignores it and imports the plugin
 ``scale``, ``sink_pages`` and ``recent_pages`` are attribute references, so
 layers with different values share a body.
 
+Cold pages (overload ``<policy>_int8``): a page id ``>= P`` reads the INT8 pools
+and multiplies by its scale. Both pools must hold at least one page
+(``P >= 1`` and ``Pcold >= 1``: the clipped gathers need a row to read); a
+tiered pool always has both, and a cache with no cold pages uses the plain
+overload.
+
 Decode (S == 1): gather only the selected pages (TopK over page scores), so
 the bytes read scale with the budget, not the context. Prefill (S > 1): every
 valid page, causal over the new tokens - K becomes the page count.
@@ -37,11 +43,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     one as its model, so the body is written for every opset from MIN_OPSET."""
     if opset < MIN_OPSET:
         raise ValueError(f"ai.onnx opset {opset} is too old for the op's function (needs >= {MIN_OPSET})")
-    if cold_pages:
-        raise NotImplementedError("INT8 cold pages in the ONNX function arrive with mixed precision (issue #6)")
     policy = get_policy(attrs.policy)
     b = GraphBuilder("qsa", opset)
     q, k, v, kc, vc, kmin, kmax, pt, past, budget = schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]
+    kc8, vc8, kscale, vscale = schema.COLD_INPUTS
     i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
 
     # --- shapes -------------------------------------------------------------
@@ -82,10 +87,25 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     pt64 = b.op("Cast", pt, to=I64)
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
+    def gather_rows(pool, ids):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
+        a_c = b.op("Slice", b.op("Shape", pool), i64(2), i64(4), i64(0))
+        rows = b.op("Reshape", pool, b.cat(i64(-1), a_c))  # [N*Hkv, a, c]
+        return b.op("Cast", b.op("Gather", rows, b.op("Add", b.op("Mul", ids, Hkv), h_idx), axis=0), to=F)
+
     def gather_pages(cache, phys):  # phys [B, Hkv, K] -> [B, Hkv, K*ps, D] float32
-        flat = b.op("Add", b.op("Mul", phys, Hkv), h_idx)  # row of [P*Hkv, ps, D]
-        rows = b.op("Reshape", cache, b.cat(i64(-1), ps, D))
-        return b.op("Reshape", b.op("Cast", b.op("Gather", rows, flat, axis=0), to=F), b.cat(B, Hkv, i64(-1), D))
+        if not cold_pages:
+            pages = gather_rows(cache, phys)
+        else:
+            # Both tiers are gathered with clipped ids and Where picks per page: one
+            # static graph for any hot/cold mix (the CUDA kernel branches instead).
+            q8, sc = {kc: (kc8, kscale), vc: (vc8, vscale)}[cache]
+            P = b.dim(b.op("Shape", cache), 0)
+            is_cold = b.op("GreaterOrEqual", phys, P)
+            hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)))
+            cold_id = b.op("Max", b.op("Sub", phys, P), zero)
+            cold = b.op("Mul", gather_rows(q8, cold_id), gather_rows(sc, cold_id))  # int8 * [ps|1, D|1]
+            pages = b.op("Where", b.unsqueeze(is_cold, [3, 4]), cold, hot)
+        return b.op("Reshape", pages, b.cat(B, Hkv, i64(-1), D))
 
     def minmax_T():
         def t(m):  # [Ptot, Hkv, D] -> [B, NP, Hkv, D] -> [B, Hkv, D, NP]

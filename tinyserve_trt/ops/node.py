@@ -27,6 +27,12 @@ def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes 
                          f"got {len(inputs)}")
     if not 1 <= len(outputs) <= len(schema.OUTPUTS):
         raise ValueError(f"{schema.OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
+    n_cold = sum(1 for name in inputs[schema.NUM_REQUIRED_INPUTS:] if name)
+    if cold_pages and n_cold != len(schema.COLD_INPUTS):
+        raise ValueError(f"cold_pages needs all of {schema.COLD_INPUTS}, "
+                         f"got {list(inputs[schema.NUM_REQUIRED_INPUTS:])}")
+    if n_cold and not cold_pages:
+        raise ValueError("cold-page inputs given to a node without cold_pages=True (the plain overload ignores them)")
     if len(outputs) < len(schema.OUTPUTS):
         # ORT inlines a function only when the node names every output; unused ones are just dropped.
         outputs = list(outputs) + [f"{outputs[0]}_{o}" for o in schema.OUTPUT_NAMES[len(outputs):]]
@@ -68,11 +74,13 @@ def node_attributes(node: onnx.NodeProto) -> schema.OpAttributes:
 
 
 def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = None, head_dim: int | None = None,
-                  with_selected: bool = True) -> onnx.ModelProto:
-    """A model holding one op node, every input a graph input (tests, benchmarks)."""
+                  with_selected: bool = True, cold_pages: bool = False) -> onnx.ModelProto:
+    """A model holding one op node, every input a graph input (tests, benchmarks).
+
+    ``cold_pages``: the node also takes the INT8 cold-page inputs (the ``_int8`` overload)."""
     if dtype not in schema.FLOAT_TYPES:
         raise ValueError(f"dtype must be one of {schema.FLOAT_TYPES}, got {dtype!r}")
-    required = schema.INPUTS[: schema.NUM_REQUIRED_INPUTS]
+    required = schema.INPUTS if cold_pages else schema.INPUTS[: schema.NUM_REQUIRED_INPUTS]
     outputs = schema.OUTPUTS if with_selected else schema.OUTPUTS[:1]
 
     def vi(spec):
@@ -80,7 +88,7 @@ def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = No
         shape = [head_dim if (d == "D" and head_dim) else d for d in spec.shape]
         return helper.make_tensor_value_info(spec.name, t, shape)
 
-    node = make_node([s.name for s in required], [s.name for s in outputs], attrs, name="qsa")
+    node = make_node([s.name for s in required], [s.name for s in outputs], attrs, name="qsa", cold_pages=cold_pages)
     graph = helper.make_graph([node], "query_aware_sparse_attention", [vi(s) for s in required],
                               [vi(s) for s in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", schema.OPSET)], ir_version=10)

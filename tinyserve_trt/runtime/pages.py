@@ -10,10 +10,10 @@ Storage is per layer, indexed by page id (the op schema's names):
   key_min, key_max  [num_pages, num_kv_heads, head_dim]  min / max over the page's
                     valid (written) tokens; a page with none has both = 0.
 
-Tiers: ids ``[0, num_pages)`` are hot pages in the float pools above.  Cold INT8
-pages (issue #6) will take ids ``[num_pages, num_pages + num_cold)`` in their own
-pools; the id bookkeeping here (states, refcounts, LRU) is tier-agnostic and the
-metadata arrays are the ones to grow to ``P_hot + P_cold`` rows.
+Tiers: here every page is hot and a page id is its physical id. Cold INT8 pages
+(issue #6) live in ``tiers.TieredPagePool``, a subclass whose ids are handles
+bound to hot or cold slots; the engine reads both through :meth:`physical_table`
+and :meth:`cache_inputs`, which are identities here.
 """
 
 from __future__ import annotations
@@ -79,6 +79,15 @@ class PagePool:
     def num_valid(self, layer: int) -> np.ndarray:
         """``[num_pages]`` tokens written to each page of ``layer`` since it was allocated."""
         return self._num_valid[layer]
+
+    def physical_table(self, page_table: np.ndarray) -> np.ndarray:
+        """The op's ``page_table`` for a batch's page ids (int32); ids are physical here."""
+        return np.asarray(page_table, np.int32)
+
+    def cache_inputs(self, layer: int) -> dict[str, np.ndarray]:
+        """The op's cache inputs for ``layer`` by schema name (views, no copies)."""
+        return dict(key_cache=self._k[layer], value_cache=self._v[layer], key_min=self._key_min[layer],
+                    key_max=self._key_max[layer])
 
     # ---- state ------------------------------------------------------------
     @property

@@ -1,0 +1,54 @@
+"""INT8 page quantization: shapes, the round-trip error bound, partial pages."""
+
+import numpy as np
+import pytest
+
+from tinyserve_trt.ops.quantization import (GRANULARITIES, bytes_per_page, dequantize_page, quantize_page,
+                                            quantize_pages, scale_shape)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_round_trip_within_half_a_step(rng, granularity, dtype):
+    x = (rng.standard_normal((3, 16, 32)) * (1 + 9 * (rng.random(32) < 0.1))).astype(dtype)
+    q, scale = quantize_page(x, granularity)
+    assert q.dtype == np.int8 and q.shape == x.shape
+    assert scale.dtype == np.float32 and scale.shape == scale_shape(granularity, 3, 16, 32)
+    err = np.abs(x.astype(np.float64) - dequantize_page(q, scale, np.float64))
+    bound = np.broadcast_to(scale.astype(np.float64) / 2, x.shape)
+    assert np.all(err <= bound * (1 + 1e-6) + 1e-12)
+    assert np.abs(q).max() <= 127
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_batched_equals_per_page(rng, granularity):
+    x = rng.standard_normal((5, 2, 8, 16)).astype(np.float32)
+    q, s = quantize_pages(x, granularity)
+    for i in range(5):
+        qi, si = quantize_page(x[i], granularity)
+        np.testing.assert_array_equal(q[i], qi)
+        np.testing.assert_array_equal(s[i], si)
+
+
+def test_partial_page_scales_ignore_the_garbage_tail(rng):
+    x = rng.standard_normal((2, 8, 4)).astype(np.float32)
+    x[:, 5:] = 1e6  # garbage past the valid tokens
+    q, scale = quantize_page(x, "channel", valid=5)
+    assert scale.max() < 1.0  # not widened by the tail
+    err = np.abs(x[:, :5] - dequantize_page(q, scale)[:, :5])
+    assert np.all(err <= np.broadcast_to(scale, x.shape)[:, :5] / 2 * (1 + 1e-6))
+
+
+def test_zero_page_and_bad_input():
+    q, scale = quantize_page(np.zeros((1, 4, 4), np.float32), "head")
+    assert np.all(q == 0) and np.all(scale == 1)
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_page(np.zeros((1, 4, 4)), "group")
+    with pytest.raises(ValueError, match="Hkv, ps, D"):
+        quantize_page(np.zeros((4, 4)), "head")
+
+
+def test_bytes_per_page():
+    assert bytes_per_page("head", 3, 16, 64) == 3 * 16 * 64 + 4 * 3
+    assert bytes_per_page("channel", 3, 16, 64) == 3 * 16 * 64 + 4 * 3 * 64
+    assert bytes_per_page("token", 3, 16, 64) == 3 * 16 * 64 + 4 * 3 * 16

@@ -1,0 +1,224 @@
+"""TieredPagePool: handles over hot float + cold INT8 slots, demotion, integrity."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tinyserve_trt.ops import schema, sparse_attention_ref
+from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
+from tinyserve_trt.runtime.pages import OutOfPagesError, PoolIntegrityError
+from tinyserve_trt.runtime.scheduler import Scheduler
+from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
+
+from tests.runtime.fakes import step
+
+PS, L, H, D = 4, 2, 2, 8
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def make_pool(hot=6, cold=4, dtype="float32", **tier):
+    return TieredPagePool(CacheConfig(page_size=PS, num_pages=hot, dtype=dtype),
+                          TierConfig(num_cold_pages=cold, **tier), L, H, D)
+
+
+def fill(pool, page, rng, n=PS, start=0):
+    for layer in range(L):
+        k = rng.standard_normal((n, H, D)).astype(pool.k_pages(0).dtype)
+        pool.write_tokens(layer, page * PS + np.arange(start, start + n), k, -k)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_cold_pages"):
+        TierConfig(num_cold_pages=0)
+    with pytest.raises(ValueError, match="k_granularity"):
+        TierConfig(k_granularity="group")
+
+
+def test_demote_rebinds_the_handle(rng):
+    pool = make_pool()
+    a, b = pool.allocate(2)
+    fill(pool, a, rng)
+    fill(pool, b, rng, n=2)
+    keys = pool.dequantized_keys(0, a).copy()
+    old, new = pool.demote(a)
+    assert old < pool.num_hot <= new and pool.physical(a) == new and not pool.is_hot(a)
+    assert pool.num_hot_free == 5 and pool.num_cold_free == 3
+    deq = pool.dequantized_keys(0, a)
+    assert np.all(np.abs(deq - keys) <= np.broadcast_to(pool.k_scale(0)[new - pool.num_hot], keys.shape) / 2 + 1e-6)
+    pool.check_integrity([[a, b]], check_data=True)
+    np.testing.assert_array_equal(pool.physical_table(np.array([[a, b]])), [[new, pool.physical(b)]])
+    with pytest.raises(ValueError, match="cold"):
+        pool.write_tokens(0, np.array([a * PS]), np.zeros((1, H, D), np.float32), np.zeros((1, H, D), np.float32))
+    with pytest.raises(ValueError, match="not full"):
+        pool.demote(b)
+    with pytest.raises(ValueError, match="already cold"):
+        pool.demote(a)
+    pool.decref(a)  # frees the cold slot
+    assert pool.num_cold_free == 4 and pool.physical(a) == -1
+    pool.check_integrity([[b]], check_data=True)
+
+
+def test_copy_on_write_from_a_cold_page(rng):
+    pool = make_pool()
+    (a,) = pool.allocate(1)
+    fill(pool, a, rng)
+    pool.demote(a)
+    (c,) = pool.allocate(1)
+    pool.copy_page(a, c)
+    np.testing.assert_array_equal(pool.dequantized_keys(1, c), pool.dequantized_keys(1, a))
+    pool.check_integrity([[a], [c]], check_data=True)
+
+
+def test_allocation_needs_hot_slots_and_evicts_cached_ones(rng):
+    pool = make_pool(hot=2, cold=2)
+    a, b = pool.allocate(2)
+    fill(pool, a, rng)
+    pool.demote(a)  # a frees its hot slot: one more page can be allocated
+    assert pool.num_available == 1
+    (c,) = pool.allocate(1)
+    assert pool.num_available == 0
+    with pytest.raises(OutOfPagesError):
+        pool.allocate(1)
+    evicted = []
+    pool.set_evict_callback(evicted.append)
+    pool.mark_cached(b)
+    pool.decref(b)  # evictable, holds a hot slot
+    assert pool.num_available == 1
+    (d,) = pool.allocate(1)
+    assert evicted == [b] and pool.is_hot(d)
+    pool.check_integrity([[a], [c], [d]])
+
+
+def test_demote_evicts_a_cached_cold_page_when_the_tier_is_full(rng):
+    pool = make_pool(hot=3, cold=1)
+    a, b = pool.allocate(2)
+    fill(pool, a, rng), fill(pool, b, rng)
+    pool.demote(a)
+    pool.mark_cached(a)
+    pool.decref(a)
+    pool.demote(b)  # evicts a
+    assert pool.physical(a) == -1 and not pool.is_cached(a)
+    pool.check_integrity([[b]], check_data=True)
+    (c,) = pool.allocate(1)
+    fill(pool, c, rng)
+    with pytest.raises(OutOfPagesError, match="cold tier full"):
+        pool.demote(c)
+
+
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+def test_the_op_reads_a_tiered_pool(rng, dtype):
+    """Pool views + physical page table are the op's mixed-tier inputs; ORT agrees with the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = make_pool(hot=8, cold=6, dtype=dtype)
+    lens = (14, 9)
+    pages = [pool.allocate(-(-n // PS)) for n in lens]
+    for seq, n in zip(pages, lens):
+        for j, p in enumerate(seq):
+            fill(pool, p, rng, n=min(PS, n - j * PS))
+    for p in (pages[0][0], pages[0][2], pages[1][1]):
+        pool.demote(p)
+    pool.check_integrity(pages, check_data=True)
+    table = np.array([seq + [seq[0]] * (4 - len(seq)) for seq in pages])
+    feeds = dict(pool.cache_inputs(0), page_table=pool.physical_table(table),
+                 past_lens=np.array(lens, np.int32), token_budget=np.array([8, 0], np.int32),
+                 query=rng.standard_normal((2, 4, 1, D)).astype(dtype),
+                 key=rng.standard_normal((2, H, 1, D)).astype(dtype),
+                 value=rng.standard_normal((2, H, 1, D)).astype(dtype))
+    attrs = schema.OpAttributes()
+    ref, ref_sel = sparse_attention_ref(**feeds, attrs=attrs)
+    sess = onnxruntime.InferenceSession(make_op_model(dtype, attrs, cold_pages=True).SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+    out, sel = sess.run(None, {n: feeds[n] for n in schema.INPUT_NAMES})
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **schema.TOLERANCES[dtype])
+    np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+
+
+# alloc/write/demote listed twice: pages must be allocated and filled before they can be demoted
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "write", "write", "demote", "demote", "decref",
+                                          "incref", "cache", "uncache", "copy"]), st.integers(0, 1 << 16)),
+               min_size=20, max_size=80)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.sampled_from(["channel", "token", "head"]))
+def test_random_operations_keep_integrity(ops, granularity):
+    rng = np.random.default_rng(0)
+    pool = make_pool(hot=5, cold=3, k_granularity=granularity, v_granularity=granularity)
+    holders: list[list[int]] = []  # each holder references one page
+    for op, x in ops:
+        live = [h[0] for h in holders]
+        try:
+            if op == "alloc":
+                holders += [[p] for p in pool.allocate(1 + x % 2)]
+            elif op == "write" and live:
+                p = live[x % len(live)]
+                if pool.is_writable(p) and pool.is_hot(p):
+                    start = int(pool.num_valid(0)[pool.physical(p)])
+                    if start < PS:
+                        fill(pool, p, rng, n=PS - start if x % 2 else min(PS - start, 1 + x % PS), start=start)
+            elif op == "demote" and live:
+                full = [p for p in live if pool.is_hot(p) and pool.num_valid(0)[pool.physical(p)] == PS]
+                pool.demote((full or live)[x % len(full or live)])
+            elif op == "decref" and holders:
+                pool.decref(holders.pop(x % len(holders))[0])
+            elif op == "incref":
+                cands = live + list(pool._evictable)
+                if cands:
+                    p = cands[x % len(cands)]
+                    pool.incref(p)
+                    holders.append([p])
+            elif op == "cache" and live:
+                pool.mark_cached(live[x % len(live)])
+            elif op == "uncache" and pool.cached_pages():
+                pool.unmark_cached(pool.cached_pages()[x % len(pool.cached_pages())])
+            elif op == "copy" and live:
+                (dst,) = pool.allocate(1)
+                pool.copy_page(live[x % len(live)], dst)
+                holders.append([dst])
+        except (OutOfPagesError, ValueError) as e:
+            assert not isinstance(e, PoolIntegrityError)
+        pool.check_integrity(holders, check_data=True)
+
+
+def test_scheduler_runs_on_a_tiered_pool_with_demotions():
+    """The scheduler and prefix cache keep working, untouched, while pages are demoted between steps."""
+    rng = np.random.default_rng(7)
+    pool = TieredPagePool(CacheConfig(page_size=4, num_pages=24, dtype="float16"), TierConfig(num_cold_pages=24),
+                          1, 1, 4)
+    sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=16), pool)
+    from tinyserve_trt.runtime.sampling import SamplingParams
+    shared = list(rng.integers(1, 50, 12))
+    for i in range(40):
+        sched.add(f"r{i}", shared + list(rng.integers(1, 50, int(rng.integers(1, 10)))),
+                  SamplingParams(max_tokens=int(rng.integers(1, 16))))
+    demoted = 0
+    while sched.has_unfinished():
+        step(sched, rng, vocab=64)
+        for seq in sched.running:
+            for p in seq.pages[:-2]:  # never the pages being written
+                if pool.is_hot(p) and pool.num_cold_free and rng.random() < 0.5:
+                    pool.demote(p)
+                    demoted += 1
+        sched.check_integrity()
+        pool.check_integrity([s.pages for s in sched.running], check_data=True)
+    assert demoted > 10
+
+
+def test_plain_pool_reads_the_same_way():
+    from tinyserve_trt.runtime.pages import PagePool
+
+    pool = PagePool(CacheConfig(page_size=PS, num_pages=4, dtype="float32"), L, H, D)
+    table = np.array([[3, 1]], np.int64)
+    assert pool.physical_table(table).dtype == np.int32 and pool.physical_table(table).tolist() == [[3, 1]]
+    inputs = pool.cache_inputs(1)
+    assert set(inputs) == set(schema.INPUT_NAMES[3:7])
+    assert np.shares_memory(inputs["key_cache"], pool.k_pages(1))
+    tiered = make_pool()
+    assert set(tiered.cache_inputs(0)) == set(schema.INPUT_NAMES[3:7]) | set(schema.COLD_INPUTS)

@@ -1,0 +1,15 @@
+"""Calibration of mixed-precision KV pages (issue #6), in two phases.
+
+observe (``observe.py``): run prompts through a :class:`~.source.ObservationSource`
+(the model), record per layer / KV head K and V ranges and which pages the
+op's selection attends, then evaluate the cold tier on held-out prompts ->
+write a :class:`~.artifact.CalibrationArtifact` (JSON + ``.npz``).
+apply (``artifact.py``): the runtime loads the artifact and builds its
+``TierConfig`` / ``HotnessConfig`` from it; it never observes.
+
+Pure numpy here; torch/transformers are imported by the ``hf`` source's factory.
+"""
+
+from tinyserve_trt.calibration.artifact import CalibrationArtifact
+
+__all__ = ["CalibrationArtifact"]
