@@ -23,6 +23,9 @@ class RequestTimeout(Exception):
     """The request ran past the server's ``timeout``; it has been aborted."""
 
 
+_DEADLINE = object()
+
+
 class ClientGone(Exception):
     """The client disconnected before the answer was ready; the request has been aborted."""
 
@@ -47,21 +50,23 @@ async def outputs(llm: AsyncLLM, prompts: list[list[int]], params: SamplingParam
             queue.put_nowait((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, ids)) for i, ids in enumerate(prompts)]
+    # The deadline is a sentinel in the same queue, not asyncio.wait_for: on Python < 3.12
+    # wait_for swallows a cancellation that lands as its item arrives, and a client that
+    # left would keep its request decoding.
+    timer = None if deadline is None else loop.call_at(deadline, queue.put_nowait, (-1, _DEADLINE))
     pending = len(prompts)
     try:
         while pending:
-            timeout = None if deadline is None else deadline - loop.time()
-            if timeout is not None and timeout <= 0:
+            i, item = await queue.get()
+            if item is _DEADLINE:
                 raise RequestTimeout
-            try:
-                i, item = await asyncio.wait_for(queue.get(), timeout)
-            except asyncio.TimeoutError:
-                raise RequestTimeout from None
             if isinstance(item, Exception):
                 raise item
             pending -= item.finished
             yield i, item
     finally:
+        if timer is not None:
+            timer.cancel()
         for task in tasks:
             task.cancel()  # a running prompt's generator closes: AsyncLLM aborts it
         await asyncio.gather(*tasks, return_exceptions=True)
