@@ -135,7 +135,9 @@ def write(rows: list[dict], args, meta: dict, out: Path) -> None:
              f"`python benchmarks/bench_serve.py --model {args.model} --concurrency {args.concurrency} "
              f"--rounds {args.rounds} --system-chars {args.system_chars} --max-tokens {args.max_tokens}"
              f"{' --threads ' + str(args.threads) if args.threads else ''}` on {meta['machine']}, "
-             f"{meta['cpus']} CPUs; server and clients on the same machine.", "",
+             f"{meta['cpus']} CPUs (1-min load average {meta['load_avg_1min'][0]} before, "
+             f"{meta['load_avg_1min'][1]} after: other jobs share them); server and clients on the same "
+             "machine.", "",
              f"System prompt: {meta['system_tokens']} tokens of {meta['prompt_tokens']} per request; "
              f"{args.max_tokens} generated tokens per request (ignore_eos, greedy). TTFT is client-side "
              "(request sent -> first streamed token). `shared`: the same system prompt in every request "
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "serve_cpu.md")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
+    load_before = os.getloadavg()[0]
     proc, url = start_server(args.model, max(levels), args.threads, [])
     rows = []
     try:
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(model=Path(args.model).resolve().name, machine=platform.processor() or platform.machine(),
                 cpus=os.cpu_count(), system_tokens=len(package.encode(base, add_special_tokens=False)),
                 prompt_tokens=len(package.encode(package.apply_chat_template(msgs), add_special_tokens=False)),
+                load_avg_1min=[round(load_before, 2), round(os.getloadavg()[0], 2)],
                 pages_used_after=m['tinyserve_kv_pages{state="used"}'], prefix_hit_rate=m["tinyserve_prefix_cache_hit_rate"],
                 selected_page_rate=m["tinyserve_selected_page_rate"],
                 errors=sum(v for k, v in m.items() if k.startswith("tinyserve_requests_total{")

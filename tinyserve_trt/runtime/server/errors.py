@@ -14,6 +14,10 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
                503: "service_unavailable", 504: "timeout_error"}
 
 
+# one-word request fields a ValueError message may start with (others contain "_")
+_PARAMS = {"temperature", "seed", "stop", "n", "logprobs", "prompt", "messages"}
+
+
 class APIError(Exception):
     """An error answered to the client; ``status`` picks the HTTP code and the error type."""
 
@@ -45,5 +49,3 @@ def from_value_error(e: ValueError) -> APIError:
     param = first if (first.isidentifier() and "_" in first) or first in _PARAMS else None
     return bad_request(msg, param=param)
 
-
-_PARAMS = {"temperature", "seed", "stop", "n", "logprobs", "prompt", "messages"}
