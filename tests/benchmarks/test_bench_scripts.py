@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -41,3 +42,17 @@ def test_bench_prefix_smoke(llama, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"RESULT pages_ratio=(\d+\.\d+) ttft_speedup=(\d+\.\d+)", last)
     assert m and float(m.group(1)) < 1.0  # page counts are deterministic; times are not asserted
+
+
+def test_bench_serve_smoke(llama, tmp_path, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    out = tmp_path / "serve.md"
+    assert load("bench_serve").main(["--model", str(llama[1]), "--concurrency", "1,2", "--rounds", "1",
+                                     "--system-chars", "40", "--max-tokens", "3", "--threads", "1",
+                                     "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT tok_s_c2_shared=\d+\.\d+ ttft_p50_speedup_c2=\d+\.\d+", last)
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert len(data["rows"]) == 4 and data["meta"]["errors"] == 0 and data["meta"]["pages_used_after"] == 0
+    assert "| shared | 2 | 2 |" in out.read_text()

@@ -78,3 +78,16 @@ def test_sparse_budget_selects_fewer_pages_and_runs(llama):
         temperature=0, max_tokens=8, ignore_eos=True))
     assert dense.stats.pages_selected_per_step > 20
     assert manifest["dense_layers"] == 1  # the other layer is sparse: what the stats average over
+
+
+def test_prefix_cache_hit_does_not_change_sparse_outputs(llama):
+    """After a prefix-cache hit the last prompt token runs alone; it must attend densely like a
+    full prefill, so the answer (and its logprobs) do not depend on what was cached."""
+    _, pkg, _ = llama
+    prompt = [(i * 5 + 3) % 256 for i in range(37)]  # 9 full pages of 4 + 1 token
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    llm = LLM(pkg, token_budget=16)
+    cold, warm = (llm.generate(prompt_token_ids=[prompt], params=params)[0] for _ in range(2))
+    assert warm.stats.prefix_tokens_reused == 36
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].logprobs == pytest.approx(cold.outputs[0].logprobs, abs=1e-5)

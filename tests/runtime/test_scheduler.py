@@ -41,14 +41,15 @@ def test_batch_arrays_match_contract():
     assert b.page_table.dtype == np.int32 and b.page_table.shape == (2, 2)
     assert b.page_table[1, 1] == 0  # padding is a valid id
     assert (b.slot_mapping[1, 2:] == -1).all()
-    assert b.sample_mask.tolist() == [False, True] and b.token_budget.tolist() == [0, 64]
+    assert b.sample_mask.tolist() == [False, True]
+    assert b.token_budget.tolist() == [0, 0]  # prompt tokens attend densely; b's 64 applies at decode
     a_pages = sched.running[0].pages
     np.testing.assert_array_equal(b.slot_mapping[0], [a_pages[i // 4] * 4 + i % 4 for i in range(6)])
     run_model(sched.pool, b)
     sched.postprocess(b, np.array([-1, 3]))
     b = sched.schedule()  # a: rest of its prompt (4), b: decode (1)
     assert b.num_new_tokens.tolist() == [4, 1] and b.past_lens.tolist() == [6, 2]
-    assert b.sample_mask.tolist() == [True, True]
+    assert b.sample_mask.tolist() == [True, True] and b.token_budget.tolist() == [0, 64]
 
 
 def test_limits_respected():

@@ -72,6 +72,20 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    async def run_on_engine(self, fn):
+        """``fn(engine)`` run on the engine thread between two steps; its result (or
+        exception). For consistent reads (stats, ``scheduler.check_integrity()``)."""
+        if self._error is not None or self._stop.is_set():
+            raise RuntimeError(f"engine thread is not running ({self._error!r})")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put(("call", fn, fut, loop))
+        return await fut
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
     def stats(self) -> dict:
         return self.engine.stats()  # plain counters read without the lock: good enough for metrics
 
@@ -104,6 +118,17 @@ class AsyncLLM:
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
             self._live.pop(cmd[1], None)
+        elif cmd[0] == "call":
+            _, fn, fut, loop = cmd
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # handed to the caller, the loop goes on
+                result, error = None, e
+
+            def settle():
+                if not fut.done():
+                    fut.set_exception(error) if error is not None else fut.set_result(result)
+            loop.call_soon_threadsafe(settle)
 
     def _loop(self) -> None:
         try:
@@ -127,6 +152,9 @@ class AsyncLLM:
                     self._send(seq.request_id, snap)
                     if snap.finished:
                         del self._live[seq.request_id]
+            for rid in list(self._live):  # shut down with requests in flight: do not leave them waiting
+                self._send(rid, RuntimeError("engine shut down"))
+            self._live.clear()
         except BaseException as e:  # surface to every waiting request, then stop
             self._error = e
             for rid in list(self._live):

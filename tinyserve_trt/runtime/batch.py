@@ -94,6 +94,10 @@ class ScheduledBatch:
             num_new[i], past[i] = n, start
             override = seq.params.token_budget
             budget[i] = default_budget if override is None else override
+            if start + n <= seq.num_prompt_tokens:
+                # prompt tokens attend densely, as in a full prefill: a one-token step after a
+                # prefix-cache hit (or a fork's recomputed last prompt token) is not a decode step
+                budget[i] = 0
             sample[i] = start + n == seq.num_tokens
         return cls([s for s, _ in rows], input_ids, positions, num_new, past, page_table,
                    slot_mapping, budget, sample)

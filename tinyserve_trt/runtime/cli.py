@@ -2,11 +2,14 @@
 
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--json]
+    tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
+                    [--served-model-name NAME] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
-Bad input: one line on stderr, exit status 2. (``serve`` arrives with issue #7.)
-Defaults come from SamplingParams and EngineConfig.
+``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted.
+Bad input: one line on stderr, exit status 2.
+Defaults come from SamplingParams, EngineConfig and ServerConfig.
 """
 
 from __future__ import annotations
@@ -54,15 +57,52 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=sp.seed)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    budget = g.add_mutually_exclusive_group()
+    _engine_options(g, ec)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+
+    from tinyserve_trt.runtime.server.config import ServerConfig  # no fastapi import: config only
+
+    sc = ServerConfig()
+    s = sub.add_parser("serve", help="serve a package over an OpenAI-compatible HTTP API")
+    s.add_argument("model_dir", metavar="MODEL_DIR", help="package written by tinyserve-export")
+    s.add_argument("--host", default=sc.host, help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=sc.port)
+    s.add_argument("--served-model-name", default=sc.model_name,
+                   help="the model id clients send (default: the package directory's name)")
+    s.add_argument("--max-queue", type=int, default=sc.max_queue,
+                   help="requests that may wait beyond --max-batch running ones; more get 429")
+    s.add_argument("--timeout", type=float, default=sc.timeout,
+                   help="seconds a request may take before it is aborted and answered 504 (0: no limit)")
+    s.add_argument("--max-batch", type=int, default=ec.max_batch)
+    s.add_argument("--max-tokens-per-step", type=int, default=ec.max_tokens_per_step)
+    s.add_argument("--prefill-chunk", type=int, default=ec.prefill_chunk)
+    s.add_argument("--max-seq-len", type=int, default=ec.max_seq_len)
+    s.add_argument("--memory", type=_memory, default=ec.memory,
+                   help="KV pool: bytes (int) or a fraction of RAM (0 < f <= 1)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_options(s, ec)
+    return parser
+
+
+def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
+    budget = p.add_mutually_exclusive_group()
     budget.add_argument("--dense", action="store_true", help="attend every page (no sparse selection)")
     budget.add_argument("--token-budget", type=int, default=ec.token_budget,
                         help="decode token budget (default: the package's)")
-    g.add_argument("--backend", default=ec.backend)
-    g.add_argument("--threads", type=int, default=ec.threads)
-    g.add_argument("--no-prefix-sharing", action="store_true")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser
+    p.add_argument("--backend", default=ec.backend)
+    p.add_argument("--threads", type=int, default=ec.threads)
+    p.add_argument("--no-prefix-sharing", action="store_true")
+
+
+def _memory(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (int) or a RAM fraction, got {text!r}") from None
 
 
 def _generate(args) -> int:
@@ -97,11 +137,31 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from tinyserve_trt.runtime.server.config import ServerConfig
+
+    config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
+                          max_queue=args.max_queue, timeout=args.timeout or None)
+    engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
+                  prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
+                  max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
+                  max_seq_len=args.max_seq_len, memory=args.memory)
+    EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
+    try:
+        from tinyserve_trt.runtime.server.app import serve
+    except ImportError as e:
+        raise RuntimeError(f"serve needs the serve extra: pip install 'tinyserve-trt[serve]' ({e})") from None
+    serve(args.model_dir, config, log_level=args.log_level, **engine)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except (ValueError, RuntimeError, OSError) as e:  # PackageError is a ValueError
         msg = " ".join(str(e).split())
         print(f"tinyserve: error: {msg}", file=sys.stderr)

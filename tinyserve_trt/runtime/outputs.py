@@ -57,6 +57,9 @@ class CompletionOutput:
     """One sample of a request: generated tokens only (not the prompt).
 
     delta_token_ids / delta_text: what is new since the previous snapshot (streaming).
+    logprobs / top_logprobs: per generated token, its logprob and the ``k`` most likely
+    ``(token_id, logprob)`` (k = ``SamplingParams.logprobs``), under the raw model
+    distribution; None unless requested.
     """
 
     index: int
@@ -66,6 +69,7 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -136,8 +140,10 @@ class RequestTracker:
             sent_t, sent_c = self._sent_tokens.get(index, 0), self._sent_text.get(index, 0)
             self._sent_tokens[index], self._sent_text[index] = len(ids), max(sent_c, len(full))
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            logprobs = seq.output_logprobs[:len(ids)] if seq.params.logprobs is not None else None
+            want = seq.params.logprobs is not None
+            logprobs = seq.output_logprobs[:len(ids)] if want else None
+            tops = seq.output_top_logprobs[:len(ids)] if want else None
             outs.append(CompletionOutput(index, list(ids), full, reason, logprobs, list(ids[sent_t:]),
-                                         full[sent_c:]))
+                                         full[sent_c:], tops))
         stats = RequestStats.of(self.seqs[0]) if 0 in self.seqs else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, stats)

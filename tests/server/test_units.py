@@ -1,0 +1,49 @@
+"""Server pieces without HTTP: config validation, admission, the metrics text format."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyserve_trt.runtime.server.admission import Admission
+from tinyserve_trt.runtime.server.config import ServerConfig
+from tinyserve_trt.runtime.server.errors import APIError
+from tinyserve_trt.runtime.server.metrics import Histogram, ServerMetrics, parse_metrics
+
+
+@pytest.mark.parametrize("kw, match", [(dict(port=70000), "port"), (dict(max_queue=-1), "max_queue"),
+                                       (dict(timeout=0), "timeout"), (dict(model_name=""), "model_name"),
+                                       (dict(host=""), "host")])
+def test_server_config_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**kw)
+
+
+def test_admission_bounds_and_pairs():
+    a = Admission(2)
+    a.acquire(), a.acquire()
+    with pytest.raises(APIError) as e:
+        a.acquire()
+    assert e.value.status == 429 and e.value.body()["error"]["type"] == "rate_limit_error"
+    a.release(), a.release()
+    with pytest.raises(RuntimeError):
+        a.release()
+
+
+def test_histogram_is_cumulative_and_parses_back():
+    h = Histogram("x_seconds", "x", (0.1, 1.0))
+    for v in (0.05, 0.5, 0.5, 3.0):
+        h.observe(v)
+    m = parse_metrics("\n".join(h.render()))
+    assert [m['x_seconds_bucket{le="0.1"}'], m['x_seconds_bucket{le="1"}'], m['x_seconds_bucket{le="+Inf"}']] == \
+        [1, 3, 4]
+    assert m["x_seconds_count"] == 4 and m["x_seconds_sum"] == pytest.approx(4.05)
+
+
+def test_metrics_render_has_every_family():
+    engine = dict(pages_free=5, pages_in_use=2, pages_cached_idle=1, pages_total=8, prefix_hit_rate=0.5,
+                  page_selection_rate=None, token_budget=16, preemptions=0)
+    text = ServerMetrics().render(engine, waiting=1, running=2, in_flight=3)
+    m = parse_metrics(text)
+    assert m['tinyserve_kv_pages{state="used"}'] == 2 and m["tinyserve_queue_depth"] == 1
+    assert m["tinyserve_requests_in_flight"] == 3 and str(m["tinyserve_selected_page_rate"]) == "nan"
+    assert all(line.startswith(("# HELP", "# TYPE", "tinyserve_")) for line in text.splitlines())

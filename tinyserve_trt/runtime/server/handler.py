@@ -1,0 +1,220 @@
+"""CompletionHandler: one OpenAI request from body to answer, for both endpoints.
+
+validate (400) -> tokenize and check the context -> admit (429) -> generate
+on the shared AsyncLLM -> one JSON body, or a server-sent-events stream. Every
+request that reaches here is counted in the metrics once, with its final status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import aclosing
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tinyserve_trt.runtime.async_llm import AsyncLLM
+from tinyserve_trt.runtime.model_package import PackageError
+from tinyserve_trt.runtime.server.admission import Admission
+from tinyserve_trt.runtime.server.config import ServerConfig
+from tinyserve_trt.runtime.server.errors import APIError, bad_request, error_body, from_value_error
+from tinyserve_trt.runtime.server.generation import ClientGone, RequestTimeout, outputs, until_done_or_gone
+from tinyserve_trt.runtime.server.metrics import ServerMetrics
+from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from tinyserve_trt.runtime.server.responses import Responder, usage
+from tinyserve_trt.runtime.server.sse import EventStream
+
+ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class _Timing:
+    """Server-side TTFT / per-token latency / end-to-end latency of one request."""
+
+    def __init__(self, arrival: float):
+        self.arrival, self.first, self.last, self.tokens = arrival, None, None, 0
+
+    def note(self, now: float, out) -> None:
+        n = max((len(o.token_ids) for o in out.outputs), default=0)
+        if n and self.first is None:
+            self.first = now
+        if n > self.tokens:
+            self.tokens, self.last = n, now
+
+
+class CompletionHandler:
+    def __init__(self, llm: AsyncLLM, config: ServerConfig, model_name: str, metrics: ServerMetrics,
+                 admission: Admission):
+        self.llm, self.config, self.model_name = llm, config, model_name
+        self.metrics, self.admission = metrics, admission
+        engine = llm.engine
+        pool_tokens = engine.pool.num_pages * engine.pool.page_size
+        self.context = min(engine.config.max_seq_len or llm.package.max_context, pool_tokens)
+        self.vocab = llm.package.vocab_size
+
+    # ---- entry -----------------------------------------------------------------------
+    async def __call__(self, request: Request, kind: str) -> Response:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        endpoint = ENDPOINTS[kind]
+        try:
+            req, prompts, params = await self._prepare(request, kind)
+            self.admission.acquire()
+        except APIError as e:
+            self.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
+            return e.response()
+        deadline = None if self.config.timeout is None else arrival + self.config.timeout
+        responder = Responder(kind, self.model_name, self._token_text, params.logprobs is not None)
+        rid = responder.id
+        if req.stream:
+            outcome = {"status": 499}  # until the stream says otherwise: the client left
+
+            def closed():
+                self.admission.release()
+                self.metrics.requests.inc(endpoint=endpoint, status=str(outcome["status"]))
+
+            events = self._events(req, responder, prompts, params, rid, deadline, _Timing(arrival), outcome)
+            return EventStream(events, on_close=closed)
+        status = 500
+        try:
+            body = await until_done_or_gone(self._collect(req, responder, prompts, params, rid, deadline,
+                                                          _Timing(arrival)), request.receive)
+            status = 200
+            return JSONResponse(body)
+        except APIError as e:
+            status = e.status
+            return e.response()
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
+        finally:
+            self.admission.release()
+            self.metrics.requests.inc(endpoint=endpoint, status=str(status))
+
+    # ---- validation ------------------------------------------------------------------
+    async def _prepare(self, request: Request, kind: str):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON ({e})") from None
+        req = parse(CompletionRequest if kind == "completion" else ChatCompletionRequest, body)
+        if req.model != self.model_name:
+            raise APIError(400, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        req.check()
+        prompts = self._prompt_ids(req)
+        longest = max(len(p) for p in prompts)
+        if longest >= self.context:
+            raise bad_request(f"this model's maximum context length is {self.context} tokens; the prompt has "
+                              f"{longest}", param="messages" if kind == "chat" else "prompt",
+                              code="context_length_exceeded")
+        if isinstance(req, CompletionRequest):
+            max_tokens, logprobs = req.max_tokens, req.logprobs
+        else:
+            max_tokens, logprobs = req.requested_max_tokens, req.requested_logprobs
+        max_tokens = self.context - longest if max_tokens is None else max_tokens
+        if longest + max_tokens > self.context and max_tokens >= 1:
+            raise bad_request(f"this model's maximum context length is {self.context} tokens; you requested "
+                              f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} for the "
+                              f"completion)", param="max_tokens", code="context_length_exceeded")
+        return req, prompts, req.sampling_params(max_tokens, logprobs)
+
+    def _prompt_ids(self, req) -> list[list[int]]:
+        package = self.llm.package
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                text = package.apply_chat_template(req.chat_messages())
+                return [package.encode(text, add_special_tokens=False)]
+            out = []
+            for p in req.prompts():
+                ids = package.encode(p) if isinstance(p, str) else p
+                bad = [t for t in ids if not 0 <= t < self.vocab]
+                if bad:
+                    raise bad_request(f"prompt token ids must be in [0, {self.vocab}), got {bad[:5]}", param="prompt")
+                if not ids:
+                    raise bad_request("the prompt has no tokens", param="prompt")
+                out.append(ids)
+            return out
+        except PackageError as e:  # no tokenizer / no chat template
+            raise bad_request(str(e), param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                              code="unsupported") from None
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2"):  # the template's raise_exception, or a render error
+                raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+            raise
+
+    def _token_text(self, token_id: int) -> str:
+        return self.llm.package.decode([token_id], skip_special_tokens=False)
+
+    # ---- answering -------------------------------------------------------------------
+    def _observe(self, timing: _Timing, usage_: dict) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(usage_["prompt_tokens"])
+        m.generation_tokens.inc(usage_["completion_tokens"])
+        if timing.first is not None:
+            m.ttft.observe(timing.first - timing.arrival)
+            m.e2e.observe(timing.last - timing.arrival)
+            if timing.tokens > 1:
+                m.tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
+
+    async def _collect(self, req, responder, prompts, params, rid, deadline, timing) -> dict:
+        loop = asyncio.get_running_loop()
+        final = {}
+        try:
+            async with aclosing(outputs(self.llm, prompts, params, rid, deadline)) as stream:
+                async for i, out in stream:
+                    timing.note(loop.time(), out)
+                    final[i] = out
+        except RequestTimeout:
+            raise APIError(504, f"the request did not finish within the server's {self.config.timeout} s timeout",
+                           code="timeout") from None
+        except ValueError as e:
+            raise from_value_error(e) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        n = params.n
+        choices = [responder.choice(i * n + o.index, o) for i, out in final.items() for o in out.outputs]
+        use = usage(sum(map(len, prompts)), sum(len(o.token_ids) for out in final.values() for o in out.outputs))
+        self._observe(timing, use)
+        return responder.body(choices, use)
+
+    async def _events(self, req, responder, prompts, params, rid, deadline, timing, outcome: dict):
+        """The stream's payloads; an error after the headers went out is sent as an error
+        event (the openai client raises it), then ``[DONE]``. Sets ``outcome["status"]``."""
+        loop = asyncio.get_running_loop()
+        n, finished, completion_tokens = params.n, set(), 0
+        if responder.kind == "chat":
+            for index in range(len(prompts) * n):
+                yield json.dumps(responder.role_chunk(index))
+        try:
+            # aclosing: when the client leaves, the prompts are aborted now, not when GC finds them
+            async with aclosing(outputs(self.llm, prompts, params, rid, deadline)) as stream:
+                async for i, out in stream:
+                    timing.note(loop.time(), out)
+                    for o in out.outputs:
+                        index = i * n + o.index
+                        done = o.finish_reason is not None and index not in finished
+                        if done:
+                            finished.add(index)
+                            completion_tokens += len(o.token_ids)
+                        # tokens whose text is held back (a possible stop string, a partial
+                        # character) only make a chunk when their logprobs were asked for
+                        if o.delta_text or done or (responder.want_logprobs and o.delta_token_ids):
+                            yield json.dumps(responder.delta_chunk(index, o, o.finish_reason if done else None))
+        except RequestTimeout:
+            outcome["status"] = 504
+            yield json.dumps(error_body(504, f"the request did not finish within the server's "
+                                             f"{self.config.timeout} s timeout", code="timeout"))
+        except ValueError as e:
+            outcome["status"] = 400
+            yield json.dumps(from_value_error(e).body())
+        except RuntimeError as e:
+            outcome["status"] = 503
+            yield json.dumps(error_body(503, str(e), code="engine_unavailable"))
+        else:
+            use = usage(sum(map(len, prompts)), completion_tokens)
+            self._observe(timing, use)
+            if req.include_usage:
+                yield json.dumps(responder.usage_chunk(use))
+            outcome["status"] = 200
+        yield "[DONE]"
