@@ -67,7 +67,7 @@ def test_openai_client_raises_typed_errors_and_nothing_leaks(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
     with pytest.raises(openai.BadRequestError):  # rejected before the stream starts
         client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, temperature=-3)
