@@ -72,6 +72,6 @@ def test_openai_client_raises_typed_errors_and_nothing_leaks(server, client):
     with pytest.raises(openai.BadRequestError):  # rejected before the stream starts
         client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, temperature=-3)
     m = server.wait_idle()
-    assert requests_total(m, "400") - requests_total(before, "400") == 2
+    assert requests_total(m, "400") - requests_total(before, "400") == 3
     assert requests_total(m, "500") == 0 and m["tinyserve_requests_in_flight"] == 0
     assert server.check_integrity()["pages_in_use"] == 0
