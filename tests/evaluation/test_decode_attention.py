@@ -7,7 +7,8 @@ torch = pytest.importorskip("torch")
 
 from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
 from tinyserve_trt.ops.reference import page_min_max  # noqa: E402
-from tinyserve_trt.evaluation.decode_attention import SelectionSpec, decode_attention, select_pages  # noqa: E402
+from tinyserve_trt.evaluation.decode_attention import (  # noqa: E402
+    SelectionSpec, decode_attention, page_mass, page_scores, select_pages)
 from tinyserve_trt.evaluation.recall import step_recall  # noqa: E402
 
 H, HKV, D, PS, T = 4, 2, 16, 8, 75
@@ -78,12 +79,13 @@ def test_every_row_equals_reference_decode_step(rng, spec):
         np.testing.assert_allclose(out[:, t].numpy(), ref[0, :, 0], atol=1e-5, rtol=1e-5, err_msg=f"t={t}")
         if t == 0:
             continue
-        n = -(-t // PS)
-        pos = torch.tensor([t])
+        n, n_all = -(-t // PS), -(-(t + 1) // PS)
         qc = torch.tensor(q[:, t:t + 1]).view(HKV, H // HKV, 1, D)
-        probs = _dense_probs(q, k, t, scale)
-        keep = select_pages(spec, pos, qc, kmin[:, :n], kmax[:, :n], probs[..., :n * PS])
-        assert keep[:, 0].numpy().tolist() == ref_sel[0, :, :n].tolist(), f"t={t}"
+        mass = page_mass(_dense_probs(q, k, t, scale), PS, n_all)
+        if spec.is_dense:
+            continue
+        keep = select_pages(spec, torch.tensor([t]), page_scores(spec, qc, kmin[:, :n_all], kmax[:, :n_all], mass))
+        assert keep[:, 0, :n].numpy().tolist() == ref_sel[0, :, :n].tolist(), f"t={t}"
 
 
 def test_chunks_and_offset_do_not_change_rows(rng):
@@ -115,7 +117,9 @@ def test_recall_is_dense_mass_on_reference_selection(rng, spec):
         n_all = -(-(t + 1) // PS)
         probs = _dense_probs(q, k, t, scale)  # [Hkv, G, 1, t + 1]
         qc = torch.tensor(q[:, t:t + 1]).view(HKV, H // HKV, 1, D)
-        got = step_recall(spec, torch.tensor([t]), qc, kmin[:, :n_all], kmax[:, :n_all], probs)
+        mass = page_mass(probs, PS, n_all)
+        scores = page_scores(spec, qc, kmin[:, :n_all], kmax[:, :n_all], mass)
+        got = step_recall(spec, torch.tensor([t]), scores, mass)
         _, sel = sparse_attention_ref(**decode_step_case(q, k, v, t, step_budget(spec, t), rng), attrs=attrs)
         n = -(-t // PS)
         kept_tok = np.append(np.repeat(sel[0, :, :n], PS, axis=1)[:, :t], np.ones((HKV, 1), bool), axis=1)

@@ -79,28 +79,40 @@ def page_min_max(key: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return pages.amin(dim=2), pages.amax(dim=2)
 
 
-def _page_scores(spec, q, kmin, kmax, probs, n_pages):
-    """Per-head scores ``[Hkv, G, C, NP]`` for the chunk's queries ``q [Hkv, G, C, D]``."""
+def page_mass(probs: torch.Tensor, page_size: int, n_pages: int) -> torch.Tensor:
+    """Attention mass per page ``[Hkv, G, C, n_pages]`` of probabilities ``[Hkv, G, C, T]`` over keys ``0..T-1``."""
+    Hkv, G, C, T = probs.shape
+    padded = torch.nn.functional.pad(probs, (0, n_pages * page_size - T))
+    return padded.view(Hkv, G, C, n_pages, page_size).sum(-1)
+
+
+def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
+    """The group's combined page scores ``[Hkv, C, NP]`` under ``spec.policy``.
+
+    q: [Hkv, G, C, D] the chunk's queries; kmin/kmax: [Hkv, NP, D];
+    mass: ``page_mass`` of the dense attention (read by ``oracle`` only; the
+    token's own probability lands in its own page, which is forced or not yet
+    written, so it never changes a choice).
+    """
     if spec.policy == "query_aware":
-        return q.clamp(min=0) @ kmax[:, None].transpose(-1, -2) + q.clamp(max=0) @ kmin[:, None].transpose(-1, -2)
-    if spec.policy == "window":
-        return torch.arange(n_pages, dtype=q.dtype).expand(*q.shape[:3], n_pages)
-    if spec.policy == "oracle":
-        Hkv, G, C, T = probs.shape
-        padded = torch.nn.functional.pad(probs, (0, n_pages * spec.page_size - T))
-        return padded.view(Hkv, G, C, n_pages, spec.page_size).sum(-1)
-    raise ValueError(f"policy {spec.policy!r} does not select pages")
+        per_head = q.clamp(min=0) @ kmax[:, None].transpose(-1, -2) + q.clamp(max=0) @ kmin[:, None].transpose(-1, -2)
+    elif spec.policy == "window":
+        per_head = torch.arange(kmin.shape[1], dtype=q.dtype).expand(*q.shape[:3], kmin.shape[1])
+    elif spec.policy == "oracle":
+        per_head = mass
+    else:
+        raise ValueError(f"policy {spec.policy!r} does not select pages")
+    return per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)
 
 
-def select_pages(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, probs) -> torch.Tensor:
+def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
 
-    q: [Hkv, G, C, D]; kmin/kmax: [Hkv, NP, D] (NP >= pages of the last step);
-    probs: dense attention ``[Hkv, G, C, T]`` (read by ``oracle`` only). A
+    scores: ``page_scores`` ``[Hkv, C, NP]`` (NP >= pages of the last step). A
     dense row (budget 0 or one that covers every page) keeps every written page.
     """
     ps = spec.page_size
-    n_pages = kmin.shape[1]
+    n_pages = scores.shape[-1]
     n_t = (positions + ps - 1) // ps  # pages in the cache at each step
     idx = torch.arange(n_pages)
     valid = idx[None, :] < n_t[:, None]  # [C, NP]
@@ -112,9 +124,7 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, pr
     keep_n = torch.maximum(budget // ps, forced.sum(-1))
     dense_row = (budget <= 0) | (keep_n >= n_t)  # [C]
     if spec.is_dense or bool(dense_row.all()):
-        return valid.expand(kmin.shape[0], -1, -1)
-    per_head = _page_scores(spec, q, kmin, kmax, probs, n_pages)
-    scores = per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)  # [Hkv, C, NP]
+        return valid.expand(scores.shape[0], -1, -1)
     candidates = valid & ~forced
     scores = scores.masked_fill(~candidates, NEG_INF)
     # stable descending sort: ties go to the lower page index, as the reference's stable argsort
@@ -125,51 +135,53 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, pr
     return torch.where(dense_row[None, :, None], valid, keep)
 
 
-def token_mask(keep_pages: torch.Tensor, positions: torch.Tensor, page_size: int, num_keys: int) -> torch.Tensor:
-    """``[Hkv, C, num_keys]`` bool: the cached tokens of kept pages (``< t``) plus token ``t`` itself."""
-    j = torch.arange(num_keys)
-    page_of = (j // page_size).clamp(max=keep_pages.shape[-1] - 1)
-    cached = keep_pages[:, :, page_of] & (j[None, :] < positions[:, None])
-    return cached | (j[None, :] == positions[:, None])
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
                      scale: float, chunk: int = 256, probe=None, layer: int = 0) -> torch.Tensor:
     """Attention of decode steps at positions ``q_start .. q_start+S-1``.
 
     q: [H, S, D]; k, v: [Hkv, q_start + S, D] (every key up to the last query,
-    after rotary). Returns ``[H, S, D]``. ``probe`` (optional) receives, per
-    chunk, the dense probabilities and the inputs it needs to measure what
-    other selections would keep (see ``recall.RecallProbe``). Does not modify
-    its inputs; memory is ``O(H * chunk * T)``.
+    after rotary). Returns ``[H, S, D]``. ``probe`` (optional, a
+    ``recall.RecallProbe`` with the same page size unless ``spec`` is dense)
+    receives each chunk's queries, page metadata and dense page masses. Does
+    not modify its inputs; memory is ``O(H * chunk * T)``.
     """
     H, S, D = q.shape
     Hkv, T, _ = k.shape
     if T != q_start + S:
         raise ValueError(f"keys cover {T} positions, queries end at {q_start + S}")
+    ps = probe.page_size if probe is not None and spec.is_dense else spec.page_size
+    if probe is not None and probe.page_size != ps:
+        raise ValueError(f"probe page size {probe.page_size} differs from the selection's {ps}")
     G = H // Hkv
-    kmin = kmax = None
-    if not spec.is_dense or probe is not None:
-        kmin, kmax = page_min_max(k, spec.page_size)
+    kmin, kmax = page_min_max(k, ps) if (probe is not None or not spec.is_dense) else (None, None)
+    # keys padded to whole pages: logits view as [.., pages, ps]; causality masks the padding
+    pad = -(-T // ps) * ps - T
+    k_pad = torch.nn.functional.pad(k, (0, 0, 0, pad))
+    v_pad = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    q_scaled = q * scale  # scaling q scales query_aware scores by a positive constant: same choices
     out = torch.empty_like(q)
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
-        t_hi = q_start + c1  # keys this chunk can see
-        positions = torch.arange(q_start + c0, t_hi)
-        qc = q[:, c0:c1].view(Hkv, G, c1 - c0, D)
-        logits = (qc @ k[:, None, :t_hi].transpose(-1, -2)) * scale  # [Hkv, G, C, t_hi]
-        causal = torch.arange(t_hi)[None, :] <= positions[:, None]
-        logits = logits.masked_fill(~causal, NEG_INF)
-        dense_probs = torch.softmax(logits, dim=-1)
-        n_np = -(-t_hi // spec.page_size)
+        C = c1 - c0
+        positions = torch.arange(q_start + c0, q_start + c1)
+        n_np = -(-(q_start + c1) // ps)
+        width = n_np * ps
+        qc = q_scaled[:, c0:c1].reshape(Hkv, G, C, D)
+        logits = torch.bmm(qc.reshape(Hkv, G * C, D), k_pad[:, :width].transpose(1, 2)).view(Hkv, G, C, width)
+        logits.masked_fill_(torch.arange(width)[None, :] > positions[:, None], NEG_INF)
+        dense_probs = mass = None
+        if spec.is_dense or spec.policy == "oracle" or probe is not None:
+            dense_probs = torch.softmax(logits, dim=-1)
+            if spec.policy == "oracle" or probe is not None:
+                mass = dense_probs.view(Hkv, G, C, n_np, ps).sum(-1)
         if probe is not None:
-            probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], dense_probs)
+            probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
         if spec.is_dense:
             probs = dense_probs
         else:
-            keep = select_pages(spec, positions, qc, kmin[:, :n_np], kmax[:, :n_np], dense_probs)
-            mask = token_mask(keep, positions, spec.page_size, t_hi)  # [Hkv, C, t_hi]
-            probs = torch.softmax(logits.masked_fill(~mask[:, None], NEG_INF), dim=-1)
-        out[:, c0:c1] = (probs @ v[:, None, :t_hi]).reshape(H, c1 - c0, D)
+            keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))
+            keep = keep | (torch.arange(n_np)[None, :] == (positions // ps)[:, None])  # own page: the token itself
+            logits.view(Hkv, G, C, n_np, ps).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            probs = torch.softmax(logits, dim=-1)
+        out[:, c0:c1] = torch.bmm(probs.view(Hkv, G * C, width), v_pad[:, :width]).view(H, C, D)
     return out
-

@@ -14,24 +14,19 @@ from typing import Sequence
 
 import torch
 
-from .decode_attention import SelectionSpec, select_pages
+from .decode_attention import SelectionSpec, page_scores, select_pages
 
 
-def step_recall(spec: SelectionSpec, positions, q, kmin, kmax, dense_probs) -> torch.Tensor:
+def step_recall(spec: SelectionSpec, positions, scores, mass) -> torch.Tensor:
     """Recall ``[Hkv, G, C]`` of ``spec`` at decode steps ``positions [C]``.
 
-    dense_probs: ``[Hkv, G, C, T]`` causal softmax over keys ``0..t`` per row;
-    q, kmin, kmax as in ``select_pages`` (kmin/kmax cover ``ceil(T / ps)`` pages).
+    scores: ``page_scores`` of the policy ``[Hkv, C, NP]``; mass: ``page_mass``
+    of the dense causal attention ``[Hkv, G, C, NP]`` (keys ``0..t`` per row, so
+    page ``t // ps`` holds the token's own share, which is always attended).
     """
-    ps = spec.page_size
-    n_pages = kmin.shape[1]
-    Hkv, G, C, T = dense_probs.shape
-    padded = torch.nn.functional.pad(dense_probs, (0, n_pages * ps - T))
-    page_mass = padded.view(Hkv, G, C, n_pages, ps).sum(-1)  # causal: page t // ps holds the token itself
-    keep = select_pages(spec, positions, q, kmin, kmax, dense_probs)  # [Hkv, C, NP]
-    own_page = torch.arange(n_pages)[None, :] == (positions // ps)[:, None]  # the token is always attended
-    keep = keep | own_page
-    return (page_mass * keep[:, None]).sum(-1)
+    keep = select_pages(spec, positions, scores)
+    own_page = torch.arange(mass.shape[-1])[None, :] == (positions // spec.page_size)[:, None]
+    return (mass * (keep | own_page)[:, None]).sum(-1)
 
 
 class RecallProbe:
@@ -49,9 +44,14 @@ class RecallProbe:
     def page_size(self) -> int:
         return self.specs[0].page_size
 
-    def observe(self, layer: int, positions, q, kmin, kmax, dense_probs) -> None:
+    def observe(self, layer: int, positions, q, kmin, kmax, mass) -> None:
+        """One chunk of decode steps: q [Hkv, G, C, D], kmin/kmax [Hkv, NP, D], mass [Hkv, G, C, NP]."""
+        scores = {}  # one scoring per (policy, group_reduce), shared by the page fractions
         for spec in self.specs:
-            r = step_recall(spec, positions, q, kmin, kmax, dense_probs)
+            key = (spec.policy, spec.group_reduce)
+            if key not in scores:
+                scores[key] = page_scores(spec, q, kmin, kmax, mass)
+            r = step_recall(spec, positions, scores[key], mass)
             key = (spec.label(), layer)
             self._sum[key] += float(r.double().sum())
             self._count[key] += r.numel()
