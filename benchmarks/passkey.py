@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     p.add_argument("--dense-layers", type=int, default=defaults.dense_layers)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (see quality.py)")
     p.add_argument("--out", type=Path, default=RESULTS / "passkey", help="output stem (.md and .json)")
     return p.parse_args(argv)
 

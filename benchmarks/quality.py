@@ -47,13 +47,16 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     p.add_argument("--sink-pages", type=int, default=defaults.sink_pages)
     p.add_argument("--recent-pages", type=int, default=defaults.recent_pages)
+    p.add_argument("--group-reduce", default="max", help="GQA group score combination (max or sum)")
     p.add_argument("--dense-layers", type=int, default=defaults.dense_layers,
                    help="leading dense layers (default: ExportConfig, %(default)s)")
     p.add_argument("--compare-dense-layers", type=int, default=0,
                    help="also run query_aware with this many dense layers at --compare-budgets (-1: skip)")
     p.add_argument("--compare-budgets", default="512,1024")
     p.add_argument("--chunk", type=int, default=256, help="query rows per attention block (memory)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: the selection's many small ops lose more to thread sync "
+                        "than the matmuls gain on 2 busy cores)")
     p.add_argument("--out", type=Path, default=RESULTS / "quality", help="output stem (.md and .json)")
     return p.parse_args(argv)
 
@@ -86,7 +89,8 @@ def main(argv=None) -> int:
     ids = ids[:context]
     eval_tokens = min(args.eval_tokens, context // 2)
     eval_from = context - 1 - eval_tokens
-    common = dict(page_size=args.page_size, sink_pages=args.sink_pages, recent_pages=args.recent_pages)
+    common = dict(page_size=args.page_size, sink_pages=args.sink_pages, recent_pages=args.recent_pages,
+                  group_reduce=args.group_reduce)
     policies = [p for p in args.policies.split(",") if p]
     fractions = [float(f) for f in args.fractions.split(",") if f]
 
@@ -149,7 +153,8 @@ def render_markdown(data, machine, command) -> str:
         f"Text `{data['text']}`, {data['context']} tokens: {data['prefill_tokens']} prefilled densely, then "
         f"{data['eval_tokens']} decode steps scored (positions {data['prefill_tokens']}..{data['context'] - 2}, "
         f"each attending exactly what the op's decode step would). Page size {data['page_size']}, "
-        f"{data['sink_pages']} sink page(s), {data['recent_pages']} recent page(s), group_reduce max, "
+        f"{data['sink_pages']} sink page(s), {data['recent_pages']} recent page(s), "
+        f"group_reduce {data['group_reduce']}, "
         f"first {dl} layers dense. Run time {data['wall_seconds']:.0f} s.", "",
         "## Perplexity vs token budget", "",
         f"Dense perplexity: {data['dense_ppl']:.4f}. Cells: perplexity (ratio to dense).", "",

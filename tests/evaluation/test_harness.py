@@ -88,3 +88,11 @@ def test_probe_sees_every_layer(tiny):
     # (oracle is no strict bound: with group_reduce=max it maximises the best head's mass, not the mean)
     assert 0.1 < qa <= 1 + 1e-9 and 0.1 < oracle <= 1 + 1e-9
     assert probe.mean(specs[0].label(), dense_layers=3) == pytest.approx(1.0)
+
+
+def test_light_import():
+    import subprocess
+    import sys
+    code = ("import sys, tinyserve_trt.evaluation, tinyserve_trt.evaluation.results, "
+            "tinyserve_trt.evaluation.texts; assert 'torch' not in sys.modules; print('ok')")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
