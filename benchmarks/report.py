@@ -215,8 +215,8 @@ def section_quality(q: dict, results: Path) -> list[str]:
         for r in dl_runs:
             base = next((x for x in q["runs"] if x["policy"] == "query_aware" and x["budget"] == r["budget"]
                          and x["dense_layers"] == q["dense_layers"]), None)
-            lines.append(f"| {r['budget']} | {r['dense_layers']} | {r['ratio']:.4f} | "
-                         f"{base['ratio']:.4f} (dense_layers={q['dense_layers']})" if base else "-")
+            default = f"{base['ratio']:.4f} (dense_layers={q['dense_layers']})" if base else "-"
+            lines.append(f"| {r['budget']} | {r['dense_layers']} | {r['ratio']:.4f} | {default} |")
     plot_ppl(q, results / "quality_ppl.png")
     plot_recall(q, results / "quality_recall.png")
     lines += ["", "![perplexity vs budget](quality_ppl.png) ![recall vs pages](quality_recall.png)", "",
