@@ -175,7 +175,9 @@ def _save(fig, out: Path) -> Path:
 # ---- markdown ----------------------------------------------------------------------------------------
 
 def provenance(record: dict) -> str:
-    return f"Machine: {record.get('machine', '?')}. Command: `{record.get('command', '?')}`."
+    note = " **Incomplete run** (stopped before its grid finished; the cells present are measured)." \
+        if record.get("complete") is False else ""
+    return f"Machine: {record.get('machine', '?')}. Command: `{record.get('command', '?')}`.{note}"
 
 
 def section_op(op: dict, results: Path) -> list[str]:
