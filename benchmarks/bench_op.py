@@ -12,6 +12,7 @@ Writes benchmarks/results/op_cpu.md; the LAST line printed is
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -168,6 +169,14 @@ def write_table(args, rows) -> None:
                      f"| {r['bytes_ratio']:.1f}x |")
     lines += ["", NOTES]
     args.out.write_text("\n".join(lines) + "\n")
+    # the numbers again, machine-readable, for benchmarks/report.py
+    record = dict(benchmark="op", machine=f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} ORT threads, "
+                  f"onnxruntime {ort.__version__}", command="python " + " ".join(sys.argv),
+                  batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                  page_size=args.page_size, budget=args.budget,
+                  rows=[dict(context=r["ctx"], sparse_ms=r["sparse"] * 1e3, dense_op_ms=r["dense_op"] * 1e3,
+                             export_ms=r["plain"] * 1e3, bytes_ratio=r["bytes_ratio"]) for r in rows])
+    args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 NOTES = """## Reading the table

