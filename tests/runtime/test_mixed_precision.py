@@ -109,7 +109,7 @@ def test_backend_rebinds_a_cold_pool_whose_buffer_changed(llama_cold):
     while engine.has_unfinished():
         engine.step()
     name = engine.package.layers[0]["key_cache_int8"]
-    assert engine.backend._pool_values[name][0] == pool.k_pages_int8(0).__array_interface__["data"][0]
+    assert engine.backend._pool_values[name][0][0] == pool.k_pages_int8(0).__array_interface__["data"][0]
     assert seq.output_token_ids == reference[0] and engine.stats()["pages_demoted"] > 0
 
 

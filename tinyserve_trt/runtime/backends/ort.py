@@ -88,7 +88,7 @@ class OrtBackend(Backend):
         self._inputs = package.inputs
         self._binding = self.session.io_binding()
         self._ort = ort
-        self._pool_values: dict[str, tuple[int, object]] = {}  # input -> (buffer address, OrtValue kept alive)
+        self._pool_values: dict[str, tuple] = {}  # input -> ((buffer address, shape), OrtValue kept alive)
         plain = "key_cache_int8" not in pool.cache_inputs(0)
         self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else {}
         self._bind_pools()
@@ -109,7 +109,7 @@ class OrtBackend(Backend):
                 name = names.get(role)
                 if name is None:
                     continue
-                address = array.__array_interface__["data"][0]
+                address = (array.__array_interface__["data"][0], array.shape)
                 if self._pool_values.get(name, (None,))[0] == address:
                     continue
                 if not array.flags.c_contiguous:
