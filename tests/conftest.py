@@ -41,6 +41,18 @@ def llama(tiny_packages):
     return tiny_packages("llama")
 
 
+@pytest.fixture(scope="session")
+def llama_cold(llama, tiny_root):
+    """(source, package with an INT8 cold tier, manifest) of the same tiny LLaMA as ``llama``."""
+    from tests.tiny_models import build_cold_package
+
+    src, _, manifest = llama
+    root = tiny_root / "llama-cold"
+    root.mkdir(exist_ok=True)
+    pkg = build_cold_package(src, manifest, root)
+    return src, pkg, json.loads((pkg / "tinyserve.json").read_text())
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random inputs each run; the seed is printed on failure so a case can be replayed."""

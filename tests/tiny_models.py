@@ -85,3 +85,33 @@ def build_package(arch: str, root: Path, **export_kwargs) -> tuple[Path, Path]:
     cfg.update(export_kwargs)
     export_model(src, pkg, ExportConfig(**cfg), quiet=True)
     return src, pkg
+
+
+def write_calibration(path: Path, manifest: dict, hot_fraction: float = 0.5, **fields) -> Path:
+    """A calibration artifact shaped for the package ``manifest`` describes (random ranges:
+    the runtime uses dynamic scales), as ``tinyserve-calibrate`` would write it."""
+    import numpy as np
+
+    from tinyserve_trt.calibration.artifact import CalibrationArtifact
+
+    rng = np.random.default_rng(0)
+    L, hkv, d = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]
+    kw = dict(model="tiny", page_size=manifest["page_size"], k_granularity="channel", v_granularity="token",
+              hot_fraction=hot_fraction, k_absmax=rng.random((L, hkv, d)).astype(np.float32),
+              v_absmax=rng.random((L, hkv)).astype(np.float32), sink_pages=1, recent_pages=2,
+              token_budget=manifest["token_budget"], num_prompts=4)
+    kw.update(fields)
+    return CalibrationArtifact(**kw).save(path)
+
+
+def build_cold_package(source: Path, manifest: dict, root: Path, **calibration_fields) -> Path:
+    """The package of ``source`` (exported as :func:`build_package` does) with an INT8 cold tier
+    from a tiny calibration artifact."""
+    from tinyserve_trt.export.config import ExportConfig
+    from tinyserve_trt.export.pipeline import export_model
+
+    cal = write_calibration(root / "calibration.json", manifest, **calibration_fields)
+    pkg = root / "cold-pkg"
+    export_model(source, pkg, ExportConfig(page_size=manifest["page_size"], token_budget=manifest["token_budget"],
+                                           dense_layers=manifest["dense_layers"], calibration=str(cal)), quiet=True)
+    return pkg

@@ -56,3 +56,21 @@ def test_bench_serve_smoke(llama, tmp_path, capsys):
     data = json.loads(out.with_suffix(".json").read_text())
     assert len(data["rows"]) == 4 and data["meta"]["errors"] == 0 and data["meta"]["pages_used_after"] == 0
     assert "| shared | 2 | 2 |" in out.read_text()
+
+
+def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
+    from tests.tiny_models import build_cold_package
+
+    root = tiny_root / "bench-mixed"
+    root.mkdir(exist_ok=True)
+    pkg = build_cold_package(llama[0], llama[2], root)
+    data = tmp_path / "prompts.txt"
+    data.write_text("\n".join(f"prompt number {i} " * 8 for i in range(3)))
+    out = tmp_path / "mixed.md"
+    assert load("bench_mixed").main(["--model", str(pkg), "--data", str(data), "--prompts", "3", "--context", "48",
+                                     "--decode", "4", "--fractions", "1.0,0.25", "--batch", "2", "--threads", "1",
+                                     "--check-integrity", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"RESULT kv_bytes_ratio=(\d+\.\d+) top1_agreement=(\d+\.\d+)", last)
+    assert m and float(m.group(1)) < 1.0
+    assert "| 25% |" in out.read_text() and out.with_suffix(".json").is_file()

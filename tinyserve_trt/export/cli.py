@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "
                         "an FP16 engine; validated to 5e-2 instead of 1e-4")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="a tinyserve-calibrate artifact (calibration.json): emit the INT8 cold-page tier (the op's "
+                        "_int8 overload, cold-pool inputs per layer) with its scale granularities and hot/cold "
+                        "policy; the runtime then keeps rarely selected pages as INT8 (issue #6)")
+    p.add_argument("--cold-pages", action="store_true",
+                   help="emit the INT8 cold-page tier with the default granularities and policy (no calibration)")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the numerical check against the original model (prefill + 8 decode steps)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
@@ -56,7 +62,8 @@ def _config(args) -> ExportConfig:
     try:
         return ExportConfig(page_size=page_size, token_budget=args.token_budget, dense_layers=args.dense_layers,
                             policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
-                            fp16=args.fp16, validate=not args.no_validate, backend=args.backend)
+                            fp16=args.fp16, validate=not args.no_validate, backend=args.backend,
+                            cold_pages=args.cold_pages, calibration=args.calibration)
     except ValueError as e:
         raise InputError(str(e)) from None
 

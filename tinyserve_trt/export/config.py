@@ -24,6 +24,11 @@ class ExportConfig:
     backend: str = "ort"
     validate_tolerance: float | None = None  # max |logit diff|; None: 1e-4 fp32, 5e-2 fp16 pages
     last_token_logits: bool = True
+    # INT8 cold pages (issue #6): the op's ``_int8`` overload and the cold-pool inputs per
+    # layer. ``calibration`` (a tinyserve-calibrate artifact) implies ``cold_pages`` and
+    # supplies the scale granularities and the hot/cold policy parameters.
+    cold_pages: bool = False
+    calibration: str | None = None
 
     def __post_init__(self):
         if self.page_size != "auto" and (not isinstance(self.page_size, int) or self.page_size < 1
@@ -38,6 +43,16 @@ class ExportConfig:
         if self.max_context < 1:
             raise ValueError("max_context must be positive")
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
+        if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
+            raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
+        if self.has_cold_tier and self.backend == "trt":
+            # the plugin's host API refuses cold inputs until the CUDA INT8 path exists
+            raise ValueError("INT8 cold pages (--calibration / cold_pages) are not implemented by the TensorRT "
+                             "plugin yet; export for --backend ort")
+
+    @property
+    def has_cold_tier(self) -> bool:
+        return self.cold_pages or self.calibration is not None
 
     def tolerance(self) -> float:
         """FP16 pages round K/V to 11 significant bits; SmolLM2's logits then move by

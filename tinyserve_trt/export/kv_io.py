@@ -7,6 +7,13 @@ Per layer ``i`` the source's ``past_key_values.{i}.*`` inputs and
 ``[B, Hkv, S, D]`` (post-rotary, for the runtime to write into pages) and
 ``selected_pages.{i}``. Shared inputs: ``page_table``, ``past_lens``,
 ``token_budget``. The old concats, GQA repeats and masks die and are removed.
+
+With a cold tier (issue #6) each layer's node is the ``<policy>_int8`` overload
+and also takes ``key_cache_int8.{i}``, ``value_cache_int8.{i}``
+``[num_cold_pages, Hkv, page_size, D]`` int8 and ``key_scale.{i}``,
+``value_scale.{i}`` ``[num_cold_pages, Hkv, ps|1, D|1]`` float32 (the shape of
+the granularity); ``key_min``/``key_max`` then cover both tiers
+(``[total_pages, Hkv, D]``).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..ops import schema
+from ..ops.quantization import scale_shape
 from .errors import UnsupportedError
 from .graph_walk import consumers
 from .rules.base import AttentionMatch
@@ -60,8 +68,19 @@ def _named_output(graph: ir.Graph, anchor: ir.Node, value: ir.Value, name: str, 
     return node.outputs[0]
 
 
+def _cold_inputs(graph: ir.Graph, i: int, hkv: int, page_size: int, d: int, cold: tuple[str, str]) -> list[ir.Value]:
+    """``key_cache_int8``, ``value_cache_int8``, ``key_scale``, ``value_scale`` of layer ``i``
+    (``schema.COLD_INPUTS`` order); ``cold`` = (K, V) scale granularity."""
+    pools = [_input(graph, f"{n}.{i}", ir.DataType.INT8, ["num_cold_pages", hkv, page_size, d])
+             for n in schema.COLD_INPUTS[:2]]
+    scales = [_input(graph, f"{n}.{i}", ir.DataType.FLOAT, ["num_cold_pages", *scale_shape(g, hkv, page_size, d)])
+              for n, g in zip(schema.COLD_INPUTS[2:], cold)]
+    return pools + scales
+
+
 def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: int, dtype: ir.DataType,
-            last_token_logits: bool = True) -> PagedIO:
+            last_token_logits: bool = True, cold: tuple[str, str] | None = None) -> PagedIO:
+    """``cold``: (K, V) scale granularity of an INT8 cold tier, None for hot pages only."""
     g = model.graph
     paged = PagedIO()
     page_table = _input(g, PAGE_TABLE, ir.DataType.INT32, ["batch", "max_pages"])
@@ -76,14 +95,17 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         m = plan.match
         hkv, d = plan.num_kv_heads, plan.head_dim
         caches = [_input(g, f"{n}.{i}", dtype, ["num_pages", hkv, page_size, d]) for n in ("key_cache", "value_cache")]
-        meta = [_input(g, f"{n}.{i}", dtype, ["num_pages", hkv, d]) for n in ("key_min", "key_max")]
+        meta = [_input(g, f"{n}.{i}", dtype, ["total_pages" if cold else "num_pages", hkv, d])
+                for n in ("key_min", "key_max")]
+        cold_in = _cold_inputs(g, i, hkv, page_size, d, cold) if cold else []
         anchor = m.output.producer()
         act = m.key.past_input.dtype  # the model's activation dtype
         q, k_new, v_new = (_cast(g, anchor, x, dtype) if dtype != act else x
                            for x in (m.query, m.key.new, m.value.new))
-        op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget],
+        op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
-                     overload=plan.attrs.function_overload(), num_outputs=2, name=f"tinyserve_attention_{i}")
+                     overload=plan.attrs.function_overload(cold_pages=bool(cold)), num_outputs=2,
+                     name=f"tinyserve_attention_{i}")
         op.outputs[0].name = f"attention_output.{i}"
         g.insert_before(anchor, op)
         out = op.outputs[0]
@@ -102,7 +124,8 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         g.outputs.append(op.outputs[1])
         paged.layers.append(dict(key_cache=caches[0].name, value_cache=caches[1].name, key_min=meta[0].name,
                                  key_max=meta[1].name, new_key=new_k.name, new_value=new_v.name,
-                                 selected_pages=op.outputs[1].name, policy=plan.attrs.policy))
+                                 selected_pages=op.outputs[1].name, policy=plan.attrs.policy,
+                                 **{role: v.name for role, v in zip(schema.COLD_INPUTS, cold_in)}))
     _drop_past_inputs(model, plans, io)
     if last_token_logits and _gather_last_token(g, io):
         paged.inputs["logits_index"] = LOGITS_INDEX

@@ -60,6 +60,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         from .trt_build import require_tensorrt
 
         require_tensorrt()
+    artifact = _load_calibration(config)
     t0 = time.perf_counter()
     _progress(f"loading {source}", quiet)
     model = load_source(source)
@@ -85,7 +86,9 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
-    paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits)
+    cold_tier = _cold_tier(config, artifact, len(plans), dims) if config.has_cold_tier else None
+    cold = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
+    paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
     RemoveUnusedNodesPass()(model)
@@ -110,6 +113,8 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
         source_io=source_io, backend=config.backend, **special_tokens(files), **(extra_manifest or {}),
     )
+    if cold_tier:
+        manifest["cold_tier"] = cold_tier
 
     figure = None
     if config.validate:
@@ -117,6 +122,8 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
         figure = _validate(original_bytes, proto, manifest)
         manifest["validation"] = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
+        if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
+            manifest["validation"]["pages"] = "all hot (the cold-tier inputs hold one unused INT8 page)"
         times["validate"] = time.perf_counter() - t0
         if not figure <= config.tolerance():
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
@@ -124,9 +131,65 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     t0 = time.perf_counter()
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
     finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else _save_ort_optimized(manifest)
+    if artifact is not None:
+        finalize = _with_calibration(finalize, artifact)
     size = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
     return ExportReport(outdir, counts, len(plans), figure, size, times)
+
+
+def _load_calibration(config: ExportConfig):
+    """The calibration artifact of ``config``, None without one; InputError naming the problem."""
+    if config.calibration is None:
+        return None
+    from ..calibration.artifact import ArtifactError, CalibrationArtifact
+
+    try:
+        artifact = CalibrationArtifact.load(config.calibration)
+    except ArtifactError as e:
+        raise InputError(str(e)) from None
+    if artifact.page_size != config.resolved_page_size():
+        raise InputError(f"{config.calibration} was calibrated with page size {artifact.page_size}, the export uses "
+                         f"{config.resolved_page_size()}: pass --page-size {artifact.page_size}")
+    return artifact
+
+
+def _cold_tier(config: ExportConfig, artifact, num_layers: int, dims: dict) -> dict:
+    """The manifest's ``cold_tier``: granularities, hot/cold policy parameters (the calibration's,
+    else the runtime defaults) and where they came from."""
+    from ..runtime.hotness import HotnessConfig
+
+    if artifact is None:
+        from ..runtime.tiers import TierConfig
+
+        tiers, hot = TierConfig(), HotnessConfig()
+        grans, source = (tiers.k_granularity, tiers.v_granularity), None
+    else:
+        want = (num_layers, dims["kv_heads"], dims["head_dim"])
+        if artifact.k_absmax.shape != want:
+            raise InputError(f"{config.calibration} is for a model with [layers, kv heads, head dim] "
+                             f"{list(artifact.k_absmax.shape)}, this one has {list(want)}")
+        hot = artifact.hotness_config()
+        grans = (artifact.k_granularity, artifact.v_granularity)
+        source = dict(file=CALIBRATION_FILE, model=artifact.model, policy=artifact.policy,
+                      token_budget=artifact.token_budget, num_prompts=artifact.num_prompts,
+                      evaluation=artifact.evaluation)
+    # the op reads its own sinks / recent pages every step: never demote fewer than it keeps
+    return dict(inputs=list(schema.COLD_INPUTS), k_granularity=grans[0], v_granularity=grans[1],
+                hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
+                recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
+
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def _with_calibration(finalize, artifact):
+    """``finalize``, then a copy of the calibration artifact (JSON + npz) in the package."""
+    def both(tmp: Path) -> None:
+        finalize(tmp)
+        artifact.save(tmp / CALIBRATION_FILE)
+
+    return both
 
 
 def _save_ort_optimized(manifest: dict):

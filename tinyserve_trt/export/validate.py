@@ -5,6 +5,10 @@ the original runs each sequence alone with its own past/present cache; the
 rewritten model runs the whole batch at once over a paged cache (pages
 placed out of order on purpose), with a dense budget. The figure is the
 largest |logit difference| at the positions both compute.
+
+A package with an INT8 cold tier is validated with every page hot: its cold
+inputs hold one unused page (the ``_int8`` overload needs ``Pcold >= 1``), so
+the figure checks the rewrite, not the quantization.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops import schema
+from ..ops.quantization import scale_shape
 from ..ops.reference import page_min_max
 
 
@@ -28,8 +34,15 @@ class PagedState:
     out in a shuffled order, min/max maintained exactly. (The serving runtime
     has its own pool with refcounts and prefix sharing.)"""
 
-    def __init__(self, layers, kv_heads, head_dim, page_size, num_pages, dtype, rng):
+    def __init__(self, layers, kv_heads, head_dim, page_size, num_pages, dtype, rng, cold_tier: dict | None = None):
         self.ps = page_size
+        self.cold = None
+        if cold_tier:  # one cold page nobody uses: ids stay < num_pages, so the op reads the hot pools only
+            grans = (cold_tier["k_granularity"], cold_tier["v_granularity"])
+            q8 = np.zeros((1, kv_heads, page_size, head_dim), np.int8)
+            self.cold = dict(zip(schema.COLD_INPUTS, [q8, q8] + [np.ones((1, *scale_shape(g, kv_heads, page_size,
+                                                                                            head_dim)), np.float32)
+                                                                  for g in grans]))
         shape = (num_pages, kv_heads, page_size, head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(layers)]
@@ -53,6 +66,10 @@ class PagedState:
         for i, layer in enumerate(names):
             f.update({layer["key_cache"]: self.k[i], layer["value_cache"]: self.v[i],
                       layer["key_min"]: self.kmin[i], layer["key_max"]: self.kmax[i]})
+            if self.cold is not None:
+                f.update({layer[role]: array for role, array in self.cold.items()})
+                for role in ("key_min", "key_max"):  # [P + Pcold] rows
+                    f[layer[role]] = np.concatenate([f[layer[role]], np.zeros_like(f[layer[role]][:1])])
         return f
 
     def write(self, b: int, new_k: list[np.ndarray], new_v: list[np.ndarray], count: int) -> None:
@@ -86,7 +103,7 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
     ps = manifest["page_size"]
     total = [n + decode_steps for n in lengths]
     state = PagedState(layers, manifest["num_kv_heads"], manifest["head_dim"], ps,
-                       sum(-(-t // ps) for t in total) + 3, dtype, rng)
+                       sum(-(-t // ps) for t in total) + 3, dtype, rng, manifest.get("cold_tier"))
     tokens = [rng.integers(0, vocab, t) for t in total]
     # original: each sequence alone, with its own cache
     ref_logits = [[] for _ in lengths]

@@ -137,6 +137,12 @@ class EngineConfig:
     prefix_sharing:      reuse full KV pages of identical prompt prefixes.
     max_batch, max_tokens_per_step, prefill_chunk, max_seq_len: see SchedulerConfig.
     threads:             backend intra-op threads (None: the backend's default).
+    kv_tiers:            keep rarely selected pages as INT8 when the package has a cold tier
+                         (``tinyserve-export --calibration``); False: every page hot.
+    hot_fraction:        share of live pages kept hot, in [0, 1]; None = the package's calibrated
+                         value; 1.0 never demotes.
+    hot_pages:           most pages kept hot (with or instead of hot_fraction); None = no cap.
+    hot_decay:           per-step decay of the page hit counts, in (0, 1]; None = the package's.
     """
 
     backend: str = "ort"
@@ -149,8 +155,22 @@ class EngineConfig:
     prefill_chunk: int = 512
     max_seq_len: int | None = None
     threads: int | None = None
+    kv_tiers: bool = True
+    hot_fraction: float | None = None
+    hot_pages: int | None = None
+    hot_decay: float | None = None
 
     def __post_init__(self):
+        if self.hot_fraction is not None and (not isinstance(self.hot_fraction, (int, float))
+                                              or isinstance(self.hot_fraction, bool)
+                                              or not 0.0 <= self.hot_fraction <= 1.0):
+            raise ValueError(f"hot_fraction must be in [0, 1] or None, got {self.hot_fraction!r}")
+        if self.hot_pages is not None and (not isinstance(self.hot_pages, int) or isinstance(self.hot_pages, bool)
+                                           or self.hot_pages < 0):
+            raise ValueError(f"hot_pages must be an int >= 0 or None, got {self.hot_pages!r}")
+        if self.hot_decay is not None and (not isinstance(self.hot_decay, (int, float))
+                                           or not 0.0 < self.hot_decay <= 1.0):
+            raise ValueError(f"hot_decay must be in (0, 1] or None, got {self.hot_decay!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a registry name, got {self.backend!r}")
         if self.token_budget is not None and (not isinstance(self.token_budget, int)

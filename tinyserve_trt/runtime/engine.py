@@ -4,6 +4,10 @@ Owns the page pool, the scheduler (and through it the prefix cache), the
 backend and the sampler. Single-threaded: ``LLM`` drives it directly,
 ``AsyncLLM`` from one background thread. Text (tokenizer, stop strings) is
 the callers' business; the engine works on token ids.
+
+With a package that has an INT8 cold tier (and ``EngineConfig.kv_tiers``), the
+pool is a ``TieredPagePool`` and each step also feeds the op's page
+selections to the hotness policy and demotes between steps (``tiering.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tinyserve_trt.runtime.pages import PagePool
 from tinyserve_trt.runtime.sampling import Sampler, SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.sequence import FinishReason, Sequence
+from tinyserve_trt.runtime.tiering import Tiering
 
 
 class Engine:
@@ -34,14 +39,19 @@ class Engine:
                                     dtype=package.dtype, max_context=package.max_context)
         eos = package.eos_token_ids
         self.token_budget = config.resolved_budget(package.token_budget)
-        self.pool = PagePool(cache, package.num_layers, package.num_kv_heads, package.head_dim)
+        self.tiering = Tiering(package, cache, config) if config.kv_tiers and package.cold_tier else None
+        self.pool = self.tiering.pool if self.tiering else PagePool(cache, package.num_layers, package.num_kv_heads,
+                                                                    package.head_dim)
         self.scheduler = Scheduler(config.scheduler_config(token_budget=self.token_budget,
                                                            eos_token_id=eos[0] if eos else None), self.pool)
         if config.threads is not None:
             backend_options.setdefault("threads", config.threads)
         self.backend = make_backend(config.backend, package, self.pool, **backend_options)
+        if self.tiering and not self.backend.reads_cold_pages:
+            raise ValueError(f"backend {config.backend!r} cannot read INT8 cold pages; use kv_tiers=False")
         self.sampler = Sampler(seed)
         self._sparse_layers = [i for i, layer in enumerate(package.layers) if layer.get("policy") != "dense"]
+        self._observed_layers = self._sparse_layers or list(range(package.num_layers))  # hotness: selections
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
                              pages_selected=0.0, pages_available=0)
 
@@ -78,7 +88,11 @@ class Engine:
         out = self.backend.run(batch)
         sampled = self.sampler(out.logits, batch.seqs, batch.sample_mask)
         self._record(batch, out)
+        if self.tiering:  # while the batch's page handles are still held
+            self.tiering.observe(batch, out.selected_pages, self._observed_layers)
         self.scheduler.postprocess(batch, sampled)
+        if self.tiering:
+            self.tiering.rebalance([s.pages for s in self.scheduler.running])
         return [seq for seq, sampled_row in zip(batch.seqs, batch.sample_mask) if sampled_row]
 
     def _record(self, batch: ScheduledBatch, out: StepOutput) -> None:
@@ -113,6 +127,7 @@ class Engine:
             prefix_hit_rate=c["prefix_tokens_reused"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             page_selection_rate=c["pages_selected"] / c["pages_available"] if c["pages_available"] else None,
             preemptions=self.scheduler.num_preemptions,
+            **(self.tiering.stats() if self.tiering else {}),
         )
 
     def close(self) -> None:

@@ -50,7 +50,8 @@ class LLM:
     """Synchronous generation over one Engine. Keyword arguments are EngineConfig's
     (``backend``, ``token_budget`` (None = the package's default), ``dense``, ``memory``,
     ``prefix_sharing``, ``max_batch``, ``max_tokens_per_step``, ``prefill_chunk``,
-    ``max_seq_len``, ``threads``); ``backend_options`` go to the backend."""
+    ``max_seq_len``, ``threads``, and for a package with an INT8 cold tier ``kv_tiers``,
+    ``hot_fraction``, ``hot_pages``, ``hot_decay``); ``backend_options`` go to the backend."""
 
     def __init__(self, model_dir: str | Path | ModelPackage, *, seed: int | None = None,
                  backend_options: dict | None = None, **config):

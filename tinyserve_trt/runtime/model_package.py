@@ -18,6 +18,8 @@ MODEL_FILE = "model.onnx"
 FORMAT = "tinyserve-package"
 INPUT_ROLES = ("input_ids", "page_table", "past_lens", "token_budget")
 LAYER_ROLES = ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new_value")
+COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")  # ops.schema.COLD_INPUTS
+COLD_TIER_FIELDS = ("k_granularity", "v_granularity", "hot_fraction", "sink_pages", "recent_pages", "decay")
 INT_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "page_size", "token_budget")
 
 
@@ -32,7 +34,11 @@ class ModelPackage:
     inputs:  role -> model input name (``input_ids``, ``position_ids``, ``page_table``,
              ``past_lens``, ``token_budget``, ``logits_index`` when present).
     layers:  per layer, role -> name (``key_cache``, ``value_cache``, ``key_min``,
-             ``key_max`` inputs; ``new_key``, ``new_value``, ``selected_pages`` outputs).
+             ``key_max`` inputs; ``new_key``, ``new_value``, ``selected_pages`` outputs;
+             with a cold tier also ``key_cache_int8``, ``value_cache_int8``, ``key_scale``,
+             ``value_scale`` inputs).
+    cold_tier: the INT8 cold tier's granularities and hot/cold policy parameters
+             (``tinyserve-export --calibration``), None for a hot-only package.
     logits:  output name, ``[B, 1, V]`` with ``logits_index`` (else ``[B, S, V]``).
     """
 
@@ -72,6 +78,14 @@ class ModelPackage:
             lacking = [r for r in LAYER_ROLES if not isinstance(layer, dict) or r not in layer]
             if lacking:
                 raise PackageError(f"{mpath}: io.layers[{i}] lacks {lacking}")
+        cold = manifest.get("cold_tier")
+        if cold is not None:
+            if not isinstance(cold, dict) or any(k not in cold for k in COLD_TIER_FIELDS):
+                raise PackageError(f"{mpath}: cold_tier must hold {list(COLD_TIER_FIELDS)}")
+            for i, layer in enumerate(io["layers"]):
+                lacking = [r for r in COLD_ROLES if r not in layer]
+                if lacking:
+                    raise PackageError(f"{mpath}: io.layers[{i}] lacks the cold-tier inputs {lacking}")
         if "logits" not in io.get("outputs", {}):
             raise PackageError(f"{mpath}: io.outputs lacks 'logits'")
         if manifest.get("dtype", "float32") not in ("float32", "float16"):
@@ -101,6 +115,10 @@ class ModelPackage:
     token_budget = property(lambda self: self.manifest["token_budget"], doc="default decode budget (0 = dense)")
     dtype = property(lambda self: self.manifest.get("dtype", "float32"))
     max_context = property(lambda self: self.manifest.get("max_context", 8192))
+
+    @property
+    def cold_tier(self) -> dict | None:
+        return self.manifest.get("cold_tier")
 
     @property
     def inputs(self) -> dict:

@@ -35,6 +35,7 @@ class Backend(ABC):
     """Runs a model package over a ``PagePool``; see the module docstring."""
 
     name: str = ""
+    reads_cold_pages: bool = False  # binds a TieredPagePool's INT8 tier (pool.cache_inputs / physical_table)
 
     @abstractmethod
     def run(self, batch: ScheduledBatch) -> StepOutput:

@@ -7,6 +7,13 @@ logits index). ``PagePool.write_batch`` updates the same arrays after the
 step, and the next run sees them. With the CUDA EP the pools stay in host
 memory and ORT copies them each step: correct but slow - the TensorRT backend
 is the GPU path.
+
+Cold tier (issue #6): the op's inputs come from ``pool.cache_inputs(layer)``
+by schema name (a ``TieredPagePool`` adds the INT8 pools and scales) and its
+page table from ``pool.physical_table`` (handles -> hot/cold slots). Bindings
+are checked against the pool's buffers every step and rebound where one
+changed. A package with a cold tier over a plain ``PagePool`` gets a one-page
+unused INT8 tier, so every page is read hot.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class OrtBackend(Backend):
     """
 
     name = "ort"
+    reads_cold_pages = True
 
     def __init__(self, package, pool, threads: int | None = None, providers: list[str] | None = None,
                  selected_pages: bool = True):
@@ -79,15 +87,11 @@ class OrtBackend(Backend):
         self._types = {i.name: _NP_TYPES.get(i.type, np.int64) for i in self.session.get_inputs()}
         self._inputs = package.inputs
         self._binding = self.session.io_binding()
-        self._pool_values = []  # keep the OrtValues (and through them the arrays) alive
-        for layer, names in enumerate(package.layers):
-            for role, array in (("key_cache", pool.k_pages(layer)), ("value_cache", pool.v_pages(layer)),
-                                ("key_min", pool.key_min(layer)), ("key_max", pool.key_max(layer))):
-                if not array.flags.c_contiguous:
-                    raise ValueError(f"pool storage for {role} of layer {layer} is not contiguous")
-                value = ort.OrtValue.ortvalue_from_numpy(array)  # shares the numpy buffer on CPU
-                self._binding.bind_ortvalue_input(names[role], value)
-                self._pool_values.append(value)
+        self._ort = ort
+        self._pool_values: dict[str, tuple] = {}  # input -> ((buffer address, shape), OrtValue kept alive)
+        plain = "key_cache_int8" not in pool.cache_inputs(0)
+        self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else {}
+        self._bind_pools()
         self._fed: dict[str, np.ndarray] = {}
         self._outputs = [package.logits]
         for names in package.layers:
@@ -95,6 +99,24 @@ class OrtBackend(Backend):
         self._want_selected = selected_pages and all("selected_pages" in n for n in package.layers)
         if self._want_selected:
             self._outputs += [n["selected_pages"] for n in package.layers]
+
+    def _bind_pools(self) -> None:
+        """Bind every layer's cache inputs over the pool's arrays (shared, not copied);
+        only those whose buffer changed since the last call are rebound."""
+        for layer, names in enumerate(self.package.layers):
+            arrays = {**self.pool.cache_inputs(layer), **self._unused_cold}
+            for role, array in arrays.items():
+                name = names.get(role)
+                if name is None:
+                    continue
+                address = (array.__array_interface__["data"][0], array.shape)
+                if self._pool_values.get(name, (None,))[0] == address:
+                    continue
+                if not array.flags.c_contiguous:
+                    raise ValueError(f"pool storage for {role} of layer {layer} is not contiguous")
+                value = self._ort.OrtValue.ortvalue_from_numpy(array)  # shares the numpy buffer on CPU
+                self._binding.bind_ortvalue_input(name, value)
+                self._pool_values[name] = (address, value)
 
     def _feed(self, role: str, array: np.ndarray) -> None:
         name = self._inputs[role]
@@ -110,7 +132,8 @@ class OrtBackend(Backend):
         self._feed("input_ids", batch.input_ids)
         if "position_ids" in self._inputs:
             self._feed("position_ids", batch.positions)
-        self._feed("page_table", batch.page_table)
+        self._bind_pools()
+        self._feed("page_table", self.pool.physical_table(batch.page_table))
         self._feed("past_lens", batch.past_lens)
         self._feed("token_budget", batch.token_budget)
         last = batch.num_new_tokens.astype(np.int64) - 1
@@ -131,5 +154,16 @@ class OrtBackend(Backend):
 
     def close(self) -> None:
         self._binding = None
-        self._pool_values = []
+        self._pool_values = {}
         self.session = None
+
+
+def _unused_cold_tier(package) -> dict[str, np.ndarray]:
+    """One zero INT8 page per cold input, for a cold-tier package over a plain pool
+    (page ids stay below the hot pool's size, so the op never reads it)."""
+    from tinyserve_trt.ops.quantization import scale_shape
+
+    tier, hkv, ps, d = package.cold_tier, package.num_kv_heads, package.page_size, package.head_dim
+    q8 = np.zeros((1, hkv, ps, d), np.int8)
+    scales = [np.ones((1, *scale_shape(tier[g], hkv, ps, d)), np.float32) for g in ("k_granularity", "v_granularity")]
+    return dict(key_cache_int8=q8, value_cache_int8=q8.copy(), key_scale=scales[0], value_scale=scales[1])

@@ -1,0 +1,199 @@
+"""Hot/cold mixed-precision KV pages (issue #6): KV bytes vs greedy top-1 agreement.
+
+For each hot fraction (``--fractions``; 1.0 is the all-hot reference) the
+package runs ``--prompts`` held-out prompts of ``--context`` tokens through
+the engine (chunked prefill, then ``--decode`` greedy steps) with its INT8
+cold tier: pages the op rarely selects are demoted between steps.
+
+- KV bytes: per sequence, its live pages at its last step (hot pages at the
+  package's dtype, cold ones as INT8 + float32 scales + key_min/key_max),
+  summed, divided by the same pages all hot. The same page counts priced at
+  FP16 hot pages are reported too (a cold page is 0.60 of an FP16 page at
+  page size 16, so FP16 packages save less).
+- Top-1 agreement: the fraction of generated positions whose greedy token
+  equals the all-hot run's, teacher-forced on the all-hot continuation (the
+  engine is fed the reference tokens, so one disagreement does not compound).
+
+Prompts: ``--data`` (JSON Lines ``text``/``prompt`` or plain lines), else the
+Python standard library's source files in sorted order (text the calibration,
+done on this repository's docs, never saw), each cut to ``--context`` tokens.
+Writes ``benchmarks/results/mixed_precision.md`` + ``.json``; the LAST line is
+``RESULT kv_bytes_ratio=<r> top1_agreement=<a>`` at the chosen setting: the
+lowest ratio whose agreement meets ``--min-agreement``, else the best agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tinyserve_trt.runtime import SamplingParams  # noqa: E402
+from tinyserve_trt.runtime.config import CacheConfig, EngineConfig  # noqa: E402
+from tinyserve_trt.runtime.engine import Engine  # noqa: E402
+from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
+from tinyserve_trt.runtime.sampling import SampleOutput  # noqa: E402
+from tinyserve_trt.runtime.tiers import TierConfig, cold_page_bytes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def load_prompts(package: ModelPackage, n: int, context: int, data: str | None) -> list[list[int]]:
+    """``n`` token lists of exactly ``context`` tokens (texts too short are skipped)."""
+    if data:
+        from tinyserve_trt.calibration.cli import read_prompts
+
+        texts = iter(read_prompts(data))
+    else:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        texts = (p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py")))
+    prompts = []
+    for text in texts:
+        ids = package.encode(text)
+        if len(ids) >= context:
+            prompts.append(ids[:context])
+        if len(prompts) == n:
+            return prompts
+    raise SystemExit(f"bench_mixed: only {len(prompts)} prompts of {context} tokens found (wanted {n})")
+
+
+class TeacherForcer:
+    """A sampler that feeds the reference tokens and counts where greedy would agree."""
+
+    def __init__(self, reference: dict[str, list[int]]):
+        self.reference, self.agree, self.total = reference, 0, 0
+
+    def __call__(self, logits, seqs, active=None) -> SampleOutput:
+        tokens = np.full(len(seqs), -1, np.int64)
+        for i, seq in enumerate(seqs):
+            if active is not None and not active[i]:
+                continue
+            want = self.reference[seq.request_id][seq.num_output_tokens]
+            self.agree += int(np.argmax(logits[i]) == want)
+            self.total += 1
+            tokens[i] = want
+        return SampleOutput(tokens)
+
+
+def run(package: ModelPackage, prompts, fraction: float, args, reference=None) -> dict:
+    """One hot fraction over all prompts; returns tokens (reference run), agreement and page counts."""
+    config = EngineConfig(hot_fraction=fraction, prefix_sharing=False, max_batch=args.batch,
+                          prefill_chunk=args.prefill_chunk, max_tokens_per_step=args.prefill_chunk * args.batch,
+                          max_seq_len=args.context + args.decode, threads=args.threads)
+    engine = Engine(package, config)
+    if engine.tiering is None:
+        raise SystemExit(f"bench_mixed: {package.path} has no cold tier (export it with --calibration)")
+    forcer = None if reference is None else TeacherForcer(reference)
+    if forcer is not None:
+        engine.sampler = forcer
+    params = SamplingParams(temperature=0, max_tokens=args.decode, ignore_eos=True)
+    seqs = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    last = {}  # request -> (hot, cold) pages after its latest step
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        pool = engine.pool
+        for s in engine.scheduler.running:
+            hot = sum(pool.is_hot(p) for p in s.pages)
+            last[s.request_id] = (hot, len(s.pages) - hot)
+        if args.check_integrity:
+            engine.pool.check_integrity([s.pages for s in engine.scheduler.running])
+    seconds = time.perf_counter() - t0
+    hot, cold = (int(sum(v[i] for v in last.values())) for i in (0, 1))
+    stats = engine.stats()
+    engine.close()
+    return dict(hot_fraction=fraction, tokens={s.request_id: s.output_token_ids for s in seqs}, hot_pages=hot,
+                cold_pages=cold, demoted=stats["pages_demoted"], seconds=seconds,
+                agreement=None if forcer is None else forcer.agree / forcer.total,
+                positions=None if forcer is None else forcer.total)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="package exported with --calibration (INT8 cold tier)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--decode", type=int, default=16, help="greedy positions compared per prompt")
+    ap.add_argument("--fractions", default="1.0,0.5,0.25,0.1", help="hot fractions; 1.0 is the reference")
+    ap.add_argument("--data", help="prompts file (default: Python stdlib sources)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--min-agreement", type=float, default=0.99)
+    ap.add_argument("--target-ratio", type=float, default=0.55)
+    ap.add_argument("--check-integrity", action="store_true", help="pool integrity check after every step")
+    ap.add_argument("--out", default=str(RESULTS / "mixed_precision.md"))
+    args = ap.parse_args(argv)
+
+    package = ModelPackage.load(args.model)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if 1.0 not in fractions:
+        fractions.insert(0, 1.0)
+    prompts = load_prompts(package, args.prompts, args.context, args.data)
+    print(f"bench_mixed: {len(prompts)} prompts x {args.context} tokens, {args.decode} positions each, "
+          f"hot fractions {fractions}", file=sys.stderr, flush=True)
+    ref = run(package, prompts, 1.0, args)
+    rows = [dict(ref, agreement=1.0, positions=len(prompts) * args.decode)]
+    for f in fractions:
+        if f != 1.0:
+            rows.append(run(package, prompts, f, args, reference=ref["tokens"]))
+            r = rows[-1]
+            print(f"bench_mixed: hot {f:.0%}: agreement {r['agreement']:.4f}, {r['cold_pages']} of "
+                  f"{r['hot_pages'] + r['cold_pages']} pages cold, {r['seconds']:.0f}s", file=sys.stderr, flush=True)
+
+    dims = (package.page_size, package.num_layers, package.num_kv_heads, package.head_dim)
+    tiers = TierConfig(1, package.cold_tier["k_granularity"], package.cold_tier["v_granularity"])
+    price = {dt: (CacheConfig.page_bytes(*dims, dt), cold_page_bytes(tiers, *dims, dt))
+             for dt in ("float32", "float16")}
+    for r in rows:
+        r.pop("tokens")
+        total = r["hot_pages"] + r["cold_pages"]
+        for dt, (hb, cb) in price.items():
+            r[f"ratio_{dt}"] = (r["hot_pages"] * hb + r["cold_pages"] * cb) / (total * hb)
+    own = f"ratio_{package.dtype}"
+    ok = [r for r in rows if r["agreement"] >= args.min_agreement]
+    chosen = min(ok, key=lambda r: r[own]) if ok else max(rows[1:] or rows, key=lambda r: r["agreement"])
+    met = chosen[own] <= args.target_ratio and chosen["agreement"] >= args.min_agreement
+    command = "python benchmarks/bench_mixed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Hot/cold mixed-precision KV pages: KV bytes vs greedy top-1 agreement",
+        "",
+        f"Written by `{command}` ({platform.machine()}, {platform.python_version()}).",
+        "",
+        f"Model: {package.manifest.get('model_name', package.path.name)}, {package.dtype} hot pages, page size "
+        f"{package.page_size}, cold K per {tiers.k_granularity} / V per {tiers.v_granularity} scales, "
+        f"token budget {package.token_budget}, {package.manifest['dense_layers']} dense layers. "
+        f"{len(prompts)} prompts x {args.context} tokens, {args.decode} teacher-forced greedy positions each "
+        f"({len(prompts) * args.decode} per setting).",
+        "",
+        f"| hot fraction | hot pages | cold pages | KV bytes / all-hot ({package.dtype}) | "
+        f"same pages, fp16 hot | top-1 agreement | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['hot_fraction']:.0%} | {r['hot_pages']} | {r['cold_pages']} | {r[own]:.3f} | "
+                     f"{r['ratio_float16']:.3f} | {r['agreement']:.4f} | {r['seconds']:.0f} |")
+    lines += ["", f"Chosen setting (lowest bytes with agreement >= {args.min_agreement}): hot fraction "
+              f"{chosen['hot_fraction']:.0%}, KV bytes ratio {chosen[own]:.3f}, top-1 agreement "
+              f"{chosen['agreement']:.4f}. Target (ratio <= {args.target_ratio} at agreement >= "
+              f"{args.min_agreement}): {'met' if met else 'NOT met'}.", ""]
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows, chosen=chosen, target_met=met,
+                                                        prompts=len(prompts), context=args.context,
+                                                        decode=args.decode), indent=2) + "\n")
+    print("\n".join(lines))
+    print(f"RESULT kv_bytes_ratio={chosen[own]:.4f} top1_agreement={chosen['agreement']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

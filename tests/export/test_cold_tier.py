@@ -1,0 +1,103 @@
+"""tinyserve-export --calibration: the INT8 cold tier in the package (issue #6).
+
+Structure (every op node is the ``_int8`` overload with the 14 inputs, cold-pool
+shapes per the schema and the calibration's granularities), the manifest
+(cold-tier I/O names, policy parameters, all-hot validation), and the
+one-line exit-2 refusals of a calibration that does not fit the export.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from tests.tiny_models import write_calibration
+from tinyserve_trt.export import cli
+from tinyserve_trt.export.config import ExportConfig
+from tinyserve_trt.ops import schema
+from tinyserve_trt.runtime.model_package import ModelPackage
+
+
+def _dims(value_info):
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_every_layer_takes_the_cold_pools(llama_cold):
+    _, pkg, manifest = llama_cold
+    model = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
+    ops = [n for n in model.graph.node if n.op_type == schema.OP_TYPE]
+    assert len(ops) == manifest["num_layers"]
+    assert all(n.overload.endswith("_int8") and len(n.input) == len(schema.INPUTS) for n in ops)
+    assert {f.overload for f in model.functions} == {n.overload for n in ops}
+    inputs = {i.name: i for i in model.graph.input}
+    hkv, ps, d = manifest["num_kv_heads"], manifest["page_size"], manifest["head_dim"]
+    for i, (node, layer) in enumerate(zip(ops, manifest["io"]["layers"])):
+        assert list(node.input[schema.NUM_REQUIRED_INPUTS:]) == [layer[r] for r in schema.COLD_INPUTS]
+        assert layer["key_cache_int8"] == f"key_cache_int8.{i}" and layer["value_scale"] == f"value_scale.{i}"
+        shapes = {r: _dims(inputs[layer[r]]) for r in schema.COLD_INPUTS}
+        assert shapes["key_cache_int8"] == shapes["value_cache_int8"] == ["num_cold_pages", hkv, ps, d]
+        assert shapes["key_scale"] == ["num_cold_pages", hkv, 1, d]  # K per channel
+        assert shapes["value_scale"] == ["num_cold_pages", hkv, ps, 1]  # V per token
+        assert inputs[layer["key_cache_int8"]].type.tensor_type.elem_type == onnx.TensorProto.INT8
+        assert inputs[layer["key_scale"]].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+        assert _dims(inputs[layer["key_min"]])[0] == "total_pages"
+
+
+def test_manifest_records_the_tier_and_validation_ran(llama_cold):
+    _, pkg, manifest = llama_cold
+    tier = manifest["cold_tier"]
+    assert tier["inputs"] == list(schema.COLD_INPUTS)
+    assert (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
+    assert (tier["hot_fraction"], tier["sink_pages"], tier["recent_pages"]) == (0.5, 1, 2)
+    assert tier["calibration"]["file"] == "calibration.json" and tier["calibration"]["policy"] == "query_aware"
+    assert (pkg / "calibration.json").is_file() and (pkg / "calibration.npz").is_file()
+    v = manifest["validation"]
+    assert v["max_abs_logit_diff"] <= v["tolerance"] and "all hot" in v["pages"]
+    assert ModelPackage.load(pkg).cold_tier == tier
+
+
+def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_path):
+    from tinyserve_trt.export.pipeline import export_model
+
+    src, _, manifest = llama
+    export_model(src, tmp_path / "pkg", ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True,
+                                                     validate=False), quiet=True)
+    tier = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["cold_tier"]
+    assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
+    assert not (tmp_path / "pkg" / "calibration.json").exists()
+
+
+def _run(capsys, *argv):
+    code = cli.main([*map(str, argv)])
+    _, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) <= 1 and "Traceback" not in err, err
+    return code, lines[0] if lines else ""
+
+
+@pytest.mark.parametrize("fields,flags,message", [
+    (dict(page_size=8), (), "calibrated with page size 8"),
+    (dict(k_absmax=None), (), "is for a model with"),
+    ({}, ("--backend", "trt"), "not implemented by the TensorRT plugin"),
+])
+def test_a_calibration_that_does_not_fit_exits_2(capsys, tmp_path, llama, fields, flags, message):
+    import numpy as np
+
+    src, _, manifest = llama
+    if fields.get("k_absmax", 0) is None:  # one layer too many
+        fields = dict(k_absmax=np.ones((manifest["num_layers"] + 1, manifest["num_kv_heads"], manifest["head_dim"]),
+                                       np.float32),
+                      v_absmax=np.ones((manifest["num_layers"] + 1, manifest["num_kv_heads"]), np.float32))
+    cal = write_calibration(tmp_path / "cal.json", manifest, **fields)
+    code, line = _run(capsys, src, "-o", tmp_path / "out", "-q", "--page-size", 4, "--calibration", cal,
+                      "--no-validate", *flags)
+    assert code == 2 and message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreadable_calibration_exits_2(capsys, tmp_path, llama):
+    (tmp_path / "cal.json").write_text("{}")
+    code, line = _run(capsys, llama[0], "-o", tmp_path / "out", "-q", "--calibration", tmp_path / "cal.json")
+    assert code == 2 and "calibration file" in line
