@@ -216,21 +216,26 @@ class PagePool:
         are exact (in the pool dtype) whatever the write order.
         """
         slots = np.asarray(slots, np.int64).reshape(-1)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
+            raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
+        bad = [int(p) for p in np.unique(slots // self.page_size) if not self.is_writable(p)]
+        if bad:
+            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
+        self._write_physical(layer, slots, k, v)
+
+    def _write_physical(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """The storage half of :meth:`write_tokens` on storage ids (checked slots):
+        K/V into the slots, valid counts, exact min/max of the touched pages."""
         n_tok = slots.shape[0]
         shape = (n_tok, self.num_kv_heads, self.head_dim)
         if k.shape != shape or v.shape != shape:
             raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
         if n_tok == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.num_pages * self.page_size:
-            raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
         if np.unique(slots).shape[0] != n_tok:
             raise ValueError("duplicate slots in one write")
         pages, offs = slots // self.page_size, slots % self.page_size
         upages, inv = np.unique(pages, return_inverse=True)
-        bad = [int(p) for p in upages if not self.is_writable(p)]
-        if bad:
-            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
         valid = self._num_valid[layer]
         old = valid[upages]
         last = np.full(upages.shape, -1, np.int64)

@@ -243,34 +243,6 @@ class TieredPagePool(PagePool):
         phys_slots = self._phys[handles] * self.page_size + slots % self.page_size
         self._write_physical(layer, phys_slots, k, v)
 
-    def _write_physical(self, layer, slots, k, v):
-        # PagePool.write_tokens' storage half on physical hot ids: its checks use
-        # handle refcounts, which physical ids would misread, so they ran above.
-        n_tok = slots.shape[0]
-        shape = (n_tok, self.num_kv_heads, self.head_dim)
-        if k.shape != shape or v.shape != shape:
-            raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
-        if n_tok == 0:
-            return
-        if np.unique(slots).shape[0] != n_tok:
-            raise ValueError("duplicate slots in one write")
-        pages, offs = slots // self.page_size, slots % self.page_size
-        upages, inv = np.unique(pages, return_inverse=True)
-        valid = self._num_valid[layer]
-        old = valid[upages]
-        last = np.full(upages.shape, -1, np.int64)
-        np.maximum.at(last, inv, offs)
-        new = np.maximum(old, last + 1)
-        appended = np.zeros(upages.shape, np.int64)
-        np.add.at(appended, inv, (offs >= old[inv]).astype(np.int64))
-        if np.any(appended != new - old):
-            raise ValueError("write leaves a gap of unwritten tokens inside a page")
-        kl, vl = self._k[layer], self._v[layer]
-        kl[pages, :, offs, :] = k
-        vl[pages, :, offs, :] = v
-        valid[upages] = new
-        self._update_minmax(layer, upages, kl[upages], new)
-
     def _update_minmax(self, layer, phys_ids, keys, valid):
         mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
         big = np.array(np.inf, keys.dtype)
