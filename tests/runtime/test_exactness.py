@@ -91,3 +91,36 @@ def test_prefix_cache_hit_does_not_change_sparse_outputs(llama):
     assert warm.stats.prefix_tokens_reused == 36
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert warm.outputs[0].logprobs == pytest.approx(cold.outputs[0].logprobs, abs=1e-5)
+
+
+def test_sparse_decode_is_independent_of_a_concurrent_prefill(llama):
+    """A decode row batched with another request's prefill chunk must still decode sparsely:
+    the op makes a step with more than one new token per row dense for every row, so the
+    scheduler never puts decode rows and prefill chunks into one batch."""
+    from tinyserve_trt.runtime.config import EngineConfig
+    from tinyserve_trt.runtime.engine import Engine
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    package = ModelPackage.load(llama[1])
+    prompt = [(i * 7 + 1) % 256 for i in range(80)]  # 20 pages of 4; budget 16 keeps 4
+    other = [(i * 11 + 5) % 256 for i in range(60)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    def decode(with_other: bool):
+        engine = Engine(package, EngineConfig(token_budget=16, prefill_chunk=4, max_tokens_per_step=16,
+                                              prefix_sharing=False))
+        seq = engine.add_request("a", prompt, params)
+        while seq.num_output_tokens < 2:
+            engine.step()
+        if with_other:  # arrives mid-decode: its 15 prefill chunks overlap a's decode steps
+            engine.add_request("b", other, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        stats = seq.stats.pages_selected
+        engine.close()
+        return seq.output_token_ids, seq.output_logprobs, stats
+
+    alone, together = decode(False), decode(True)
+    assert together[0] == alone[0]
+    assert together[1] == pytest.approx(alone[1], abs=1e-5)
+    assert max(together[2]) == pytest.approx(4.0)  # every decode step of the sparse layer kept 4 pages

@@ -47,9 +47,36 @@ def test_batch_arrays_match_contract():
     np.testing.assert_array_equal(b.slot_mapping[0], [a_pages[i // 4] * 4 + i % 4 for i in range(6)])
     run_model(sched.pool, b)
     sched.postprocess(b, np.array([-1, 3]))
-    b = sched.schedule()  # a: rest of its prompt (4), b: decode (1)
-    assert b.num_new_tokens.tolist() == [4, 1] and b.past_lens.tolist() == [6, 2]
-    assert b.sample_mask.tolist() == [True, True] and b.token_budget.tolist() == [0, 64]
+    b = sched.schedule()  # decode and prefill never share a batch: b decodes (1) first ...
+    assert [s.request_id for s in b.seqs] == ["b"]
+    assert b.num_new_tokens.tolist() == [1] and b.past_lens.tolist() == [2]
+    assert b.sample_mask.tolist() == [True] and b.token_budget.tolist() == [64]
+    run_model(sched.pool, b)
+    sched.postprocess(b, np.array([4]))
+    b = sched.schedule()  # ... then a computes the rest of its prompt (4)
+    assert [s.request_id for s in b.seqs] == ["a"]
+    assert b.num_new_tokens.tolist() == [4] and b.past_lens.tolist() == [6]
+    assert b.sample_mask.tolist() == [True] and b.token_budget.tolist() == [0]
+
+
+def test_decode_and_prefill_steps_alternate():
+    """A long chunked prefill neither stalls a running decode nor waits behind it."""
+    sched = make(prefill_chunk=4, max_tokens_per_step=8)
+    a = sched.add("a", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
+    rng = np.random.default_rng(0)
+    step(sched, rng)  # a's prompt
+    sched.add("b", list(range(1, 29)), SamplingParams(max_tokens=1))  # 7 chunks of 4
+    kinds = []
+    while sched.has_unfinished():
+        b = sched.schedule()
+        kinds.append("wide" if (b.num_new_tokens > 1).any() else "narrow")
+        run_model(sched.pool, b)
+        sched.postprocess(b, rng.integers(0, 8, len(b)))
+        sched.check_integrity()
+    assert a.num_output_tokens == 12
+    last_wide = max(i for i, k in enumerate(kinds) if k == "wide")
+    both = kinds[:last_wide + 1]
+    assert both.count("wide") == 7 and all(x != y for x, y in zip(both, both[1:]))  # strictly alternating while both are pending
 
 
 def test_limits_respected():
@@ -60,6 +87,7 @@ def test_limits_respected():
     while sched.has_unfinished():
         b = sched.schedule()
         assert len(b) <= 3 and b.num_tokens <= 10 and (b.num_new_tokens <= 4).all()
+        assert len(set((b.num_new_tokens > 1).tolist())) <= 1  # decode rows never ride with prefill chunks
         run_model(sched.pool, b)
         sched.postprocess(b, rng.integers(0, 8, len(b)))
         sched.check_integrity()

@@ -1,7 +1,9 @@
 """Scheduler: continuous batching of chunked prefill and decode over a PagePool.
 
 The scheduler decides which sequences run and how many tokens each computes; the
-page pool owns page ids. Each step, running sequences go first (oldest first), then
+page pool owns page ids. A step is either a decode step (one new token per row) or a
+prefill step (chunks of several tokens), alternating when both are pending (see
+``schedule``). Each step, running sequences of its kind go first (oldest first), then
 waiting ones are admitted while the batch, token and page limits allow. When pages
 run out the NEWEST running sequence is preempted: its pages are released (full ones
 stay in the prefix cache) and it is requeued to recompute, so the oldest always
@@ -38,6 +40,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: newest last
         self._requests: dict[str, list[Sequence]] = {}  # live sequences by request id
         self._in_flight: ScheduledBatch | None = None
+        self._last_wide: bool | None = None  # kind of the last non-empty batch
         self.num_preemptions = 0
 
     # ---- requests -----------------------------------------------------------
@@ -137,11 +140,33 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's rows, reserve (and copy-on-write) their pages, build the arrays.
 
+        A batch is either narrow (every row computes one token: decode steps) or wide
+        (prefill chunks of more than one token), never both: the op attends every page
+        of every row when the batch has more than one new token per row, so a decode row
+        batched with a prefill chunk would lose its sparse selection (and pay for the
+        chunk's padded width). When both kinds are pending the steps alternate, so long
+        prefills do not stall running decodes and new requests are not starved.
+
         Returns an empty batch when nothing can run. Call ``postprocess`` before
         scheduling again.
         """
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before postprocess() of the previous batch")
+        narrow = any(s.num_uncached_tokens == 1 for s in self.running)
+        wide = bool(self.waiting) or any(s.num_uncached_tokens > 1 for s in self.running)
+        kinds = [self._last_wide is False] if narrow and wide else [wide]
+        kinds.append(not kinds[0])
+        for want_wide in kinds:  # the other kind too when the first one had nothing to run
+            rows = self._pick(want_wide)
+            if rows:
+                self._last_wide = want_wide
+                break
+        batch = ScheduledBatch.build(rows, self.pool.page_size, self.config.token_budget)
+        self._in_flight = batch
+        return batch
+
+    def _pick(self, wide: bool) -> list[tuple[Sequence, int]]:
+        """Rows of one kind (``n_new > 1`` if ``wide``, else ``n_new == 1``) with their pages reserved."""
         cfg = self.config
         budget = cfg.max_tokens_per_step
         rows: list[tuple[Sequence, int]] = []
@@ -150,6 +175,9 @@ class Scheduler:
         while idx < len(self.running) and len(rows) < cfg.max_batch and budget > 0:
             seq = self.running[idx]
             n_new = min(seq.num_uncached_tokens, cfg.prefill_chunk, budget)
+            if (n_new > 1) != wide:
+                idx += 1
+                continue
             while not self._reserve(seq, n_new):
                 victim = self.running[-1]  # newest; never one already in rows (those are older)
                 self._preempt(victim)
@@ -170,8 +198,8 @@ class Scheduler:
                 seq.pages, seq.page_hashes = pages, hashes
                 seq.num_cached_tokens = len(pages) * self.pool.page_size
             n_new = min(seq.num_uncached_tokens, cfg.prefill_chunk, budget)
-            if not self._reserve(seq, n_new):
-                self._release(seq)
+            if (n_new > 1) != wide or not self._reserve(seq, n_new):
+                self._release(seq)  # first in line: it waits for a step of its kind (or for pages)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -182,9 +210,7 @@ class Scheduler:
             self.running.append(seq)
             rows.append((seq, n_new))
             budget -= n_new
-        batch = ScheduledBatch.build(rows, self.pool.page_size, cfg.token_budget)
-        self._in_flight = batch
-        return batch
+        return rows
 
     def postprocess(self, batch: ScheduledBatch, sampled: SampleOutput | np.ndarray) -> list[Sequence]:
         """Advance the batch's sequences after the model ran and their K/V were written.
