@@ -117,13 +117,16 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         keys = gather_pages(kc, all_phys)  # [B, Hkv, NP*ps, D]
         tok = b.op("Range", zero, b.scalar(b.op("Mul", NP, ps)), one)
         tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
-        probs = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
+        probs, _ = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
         return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
     def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
-        logits = b.op("Mul", b.op("MatMul", qg, b.op("Transpose", b.op("Concat", keys, kf, axis=2),
-                                                     perm=[0, 1, 3, 2])), scale)
+        # Cached and new keys are scored by separate MatMuls and only the logits are
+        # concatenated: a Concat of the keys would copy every gathered page once more.
+        def logits_of(x):
+            return b.op("MatMul", qg, b.op("Transpose", x, perm=[0, 1, 3, 2]))
+        logits = b.op("Mul", b.op("Concat", logits_of(keys), logits_of(kf), axis=3), scale)
         GS = b.dim(b.op("Shape", qg), 2)
         s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
         causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
@@ -131,7 +134,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         T = b.dim(b.op("Shape", keys), 2)
         mask = b.op("Concat", b.op("Expand", tok_ok, b.cat(B, Hkv, GS, T)),
                     b.op("Expand", b.unsqueeze(causal, [0, 1]), b.cat(B, Hkv, GS, S)), axis=3)
-        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1)
+        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1), T
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
     ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
@@ -157,8 +160,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
                b.op("Reshape", b.op("Range", zero, b.scalar(ps), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, ps]
     tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(rank_ok, [3]))
     tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*ps]
-    probs = attention_probs(keys, tok_ok)
-    out = b.op("MatMul", probs, b.op("Concat", vals, vf, axis=2))  # [B, Hkv, G*S, D]
+    probs, T = attention_probs(keys, tok_ok)
+    end = i64(np.iinfo(np.int64).max)
+    out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]
+               b.op("MatMul", b.op("Slice", probs, T, end, i64(3)), vf))
     b.op("CastLike", b.op("Reshape", out, shape_q), q, _name=schema.OUTPUT_NAMES[0])
 
     fn = helper.make_function(
