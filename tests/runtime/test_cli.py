@@ -44,3 +44,17 @@ def test_bad_input_one_line_exit_2(llama, capsys, args, match):
 def test_missing_package_exit_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_generate_hot_fraction_and_no_kv_tiers(llama_cold, capsys):
+    prompt = ",".join(str((i * 7 + 1) % 256) for i in range(80))  # 20 pages of 4: room to demote
+    common = ["generate", str(llama_cold[1]), "--prompt-ids", prompt, "--max-tokens", "8", "--temperature", "0",
+              "--ignore-eos", "--json"]
+    assert main([*common, "--hot-fraction", "0.1"]) == 0
+    engine = json.loads(capsys.readouterr().out)["stats"]["engine"]
+    assert engine["hot_fraction"] == 0.1 and engine["pages_demoted"] > 0
+    assert main([*common, "--no-kv-tiers"]) == 0
+    assert "pages_demoted" not in json.loads(capsys.readouterr().out)["stats"]["engine"]
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main([*common, "--hot-fraction", "2"]))
+    assert e.value.code == 2 and "hot_fraction" in capsys.readouterr().err

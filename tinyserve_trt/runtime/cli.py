@@ -92,6 +92,10 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--backend", default=ec.backend)
     p.add_argument("--threads", type=int, default=ec.threads)
     p.add_argument("--no-prefix-sharing", action="store_true")
+    p.add_argument("--hot-fraction", type=float, default=ec.hot_fraction,
+                   help="share of KV pages kept hot (FP) when the package has an INT8 cold tier "
+                        "(default: the calibrated value; 1.0 never demotes)")
+    p.add_argument("--no-kv-tiers", action="store_true", help="keep every KV page hot (ignore the cold tier)")
 
 
 def _memory(text: str) -> int | float:
@@ -113,7 +117,8 @@ def _generate(args) -> int:
                             stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     package = ModelPackage.load(args.model_dir)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
-              threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1)
+              threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
+              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers)
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -145,7 +150,8 @@ def _serve(args) -> int:
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
-                  max_seq_len=args.max_seq_len, memory=args.memory)
+                  max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
+                  kv_tiers=not args.no_kv_tiers)
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     try:
         from tinyserve_trt.runtime.server.app import serve
