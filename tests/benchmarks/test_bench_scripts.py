@@ -74,3 +74,13 @@ def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
     m = re.fullmatch(r"RESULT kv_bytes_ratio=(\d+\.\d+) top1_agreement=(\d+\.\d+)", last)
     assert m and float(m.group(1)) < 1.0
     assert "| 25% |" in out.read_text() and out.with_suffix(".json").is_file()
+
+
+def test_quality_sweep_variants_parse_and_reject():
+    sweep = load("quality_sweep")
+    defaults = dict(page_size=16, group_reduce="max", sink_pages=1, recent_pages=1, dense_layers=2)
+    parsed = sweep.parse_variants("base:;p8:page_size=8,group_reduce=sum", defaults)
+    assert parsed == [("base", defaults), ("p8", {**defaults, "page_size": 8, "group_reduce": "sum"})]
+    for bad in ("x:page=8", "x:page_size", ";"):
+        with pytest.raises(ValueError):
+            sweep.parse_variants(bad, defaults)
