@@ -22,6 +22,20 @@ bool attrs_ok(const QsaAttrs& a) {
 
 bool dtype_ok(int32_t t) { return t == QSA_DTYPE_FLOAT32 || t == QSA_DTYPE_FLOAT16; }
 
+// The four cold pointers come together; with them, Pcold >= 1, every scale axis
+// is 1 or the full page axis, and key_min/key_max have a row for every cold id.
+bool cold_ok(const QsaForwardParams& p) {
+    const int n_set = (p.key_cache_int8 != nullptr) + (p.value_cache_int8 != nullptr) + (p.key_scale != nullptr) +
+                      (p.value_scale != nullptr);
+    const QsaColdDims& c = p.cold;
+    if (n_set == 0) return c.num_pages == 0;
+    const int32_t ps = p.dims.page_size, D = p.dims.head_dim;
+    auto axis_ok = [](int32_t n, int32_t full) { return n == 1 || n == full; };
+    return n_set == 4 && c.num_pages >= 1 && axis_ok(c.key_scale_tokens, ps) && axis_ok(c.key_scale_channels, D) &&
+           axis_ok(c.value_scale_tokens, ps) && axis_ok(c.value_scale_channels, D) &&
+           int64_t(p.dims.num_meta_pages) >= int64_t(p.dims.num_pages) + c.num_pages;
+}
+
 }  // namespace
 
 extern "C" {
@@ -53,7 +67,7 @@ int32_t qsa_check(const QsaForwardParams* p) {
         return QSA_ERR_INVALID_ARGUMENT;
     if (p->selected_pages && p->selected_pages_elem_size != 1 && p->selected_pages_elem_size != 4)
         return QSA_ERR_INVALID_ARGUMENT;
-    if (p->key_cache_int8 || p->value_cache_int8 || p->key_scale || p->value_scale) return QSA_ERR_UNSUPPORTED;
+    if (!cold_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
     const bool decode = p->dims.new_tokens == 1;
     if (decode && p->attrs.policy == QSA_POLICY_ORACLE) return QSA_ERR_UNSUPPORTED;  // reference-only
     if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
@@ -105,8 +119,8 @@ int32_t qsa_append_kv(const QsaAppendParams* p, void* stream) {
 const char* qsa_status_string(int32_t status) {
     switch (status) {
         case QSA_OK: return "ok";
-        case QSA_ERR_INVALID_ARGUMENT: return "invalid argument (dims, pointers, dtype or attributes)";
-        case QSA_ERR_UNSUPPORTED: return "unsupported here (int8 cold pages, oracle policy, or group*head_dim too large)";
+        case QSA_ERR_INVALID_ARGUMENT: return "invalid argument (dims, pointers, dtype, attributes or cold tier)";
+        case QSA_ERR_UNSUPPORTED: return "unsupported here (oracle policy on decode, or group*head_dim too large)";
         case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
         case QSA_ERR_CUDA: return "CUDA launch failed";
         default: return "unknown status";

@@ -18,8 +18,14 @@
 // * Prefill: blockIdx.x is the query position s; the block walks every cached
 //   token then new tokens 0..s and writes the normalised output directly.
 //
+// * Cold pages (id >= P, INT8 tier): the row is read as int8 and multiplied by
+//   its float32 scale on load (load_cached_row); everything after the load -
+//   dot product, online softmax, accumulation - is the hot path's fp32 code.
+//
 // Bytes moved (decode): kept_tokens * 2 * D * sizeof(T) of K/V per (sequence,
-// KV head) + the partials (B * H * splits * (D + 2) * 4, written and read once).
+// KV head) for hot pages; for cold ones kept_tokens * 2 * D bytes of int8 plus
+// their float32 scales (K per channel: 4 * D per page; V per token: 4 per row),
+// + the partials (B * H * splits * (D + 2) * 4, written and read once).
 #include "qsa_common.cuh"
 
 namespace qsa {
@@ -27,6 +33,16 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kMaxG = QSA_MAX_GROUP_PER_BLOCK;
+
+// Lane `lane` loads elements lane + 32 e of a D-wide row into fp32 registers.
+template <typename T, int EPT>
+__device__ __forceinline__ void load_row(const T* __restrict__ x, float (&r)[EPT], int D, int lane) {
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        r[e] = dd < D ? to_f(x[dd]) : 0.f;
+    }
+}
 
 template <int EPT, int MAXG>
 struct WarpState {
@@ -46,12 +62,13 @@ struct WarpState {
     template <typename T>
     __device__ void attend(const T* __restrict__ k, const T* __restrict__ v, int D, int ng, int lane) {
         float kr[EPT], vr[EPT];
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            kr[e] = dd < D ? to_f(k[dd]) : 0.f;
-            vr[e] = dd < D ? to_f(v[dd]) : 0.f;
-        }
+        load_row<T, EPT>(k, kr, D, lane);
+        load_row<T, EPT>(v, vr, D, lane);
+        update(kr, vr, ng);
+    }
+
+    // One K/V row, already in fp32 registers (lane holds elements lane + 32 e).
+    __device__ void update(const float (&kr)[EPT], const float (&vr)[EPT], int ng) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             if (g < ng) {
@@ -122,12 +139,52 @@ __device__ void load_queries(WarpState<EPT, kMaxG>& st, const T* q_rows, size_t 
         }
 }
 
+// Row `off` of physical page `page`, KV head h, as fp32 K and V in the lane
+// layout of WarpState. Returns false for an id in no tier (skipped, see
+// qsa_launch.h). COLD = the call has an INT8 tier: a page is wholly hot or
+// wholly cold, so the tier is one warp-uniform branch per row (every lane
+// takes the same side), never a per-element select. Cold rows are int8 * scale
+// in fp32 (ops/reference.py::page_keys_values). Without a cold tier the kernels
+// are instantiated with COLD = false and compile to the hot-only code: the cold
+// branch costs ~10-25 registers per thread (ptxas -v, sm_90), which hot-only
+// calls should not pay.
+template <typename T, int EPT, bool COLD>
+__device__ __forceinline__ bool load_cached_row(const QsaForwardParams& p, int page, int h, int off, int lane,
+                                                float (&kr)[EPT], float (&vr)[EPT]) {
+    const QsaDims& d = p.dims;
+    const int D = d.head_dim, ps = d.page_size, Hkv = d.num_kv_heads;
+    if (page >= 0 && page < d.num_pages) {
+        const size_t base = ((size_t(page) * Hkv + h) * ps + off) * D;
+        load_row<T, EPT>(static_cast<const T*>(p.key_cache) + base, kr, D, lane);
+        load_row<T, EPT>(static_cast<const T*>(p.value_cache) + base, vr, D, lane);
+        return true;
+    }
+    if constexpr (!COLD) return false;
+    const int c = page - d.num_pages;
+    if (p.key_cache_int8 == nullptr || page < 0 || c >= p.cold.num_pages) return false;
+    const size_t page_head = size_t(c) * Hkv + h;
+    const size_t base = (page_head * ps + off) * D;
+    const int8_t* k = static_cast<const int8_t*>(p.key_cache_int8) + base;
+    const int8_t* v = static_cast<const int8_t*>(p.value_cache_int8) + base;
+    const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels);
+    const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels);
+    const float* ks = ksv.row(page_head, off);
+    const float* vs = vsv.row(page_head, off);
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        kr[e] = dd < D ? float(k[dd]) * ks[dd * ksv.ch_stride] : 0.f;
+        vr[e] = dd < D ? float(v[dd]) * vs[dd * vsv.ch_stride] : 0.f;
+    }
+    return true;
+}
+
 __device__ __forceinline__ float resolved_scale(const QsaForwardParams& p) {
     return p.attrs.scale > 0.f ? p.attrs.scale : rsqrtf(float(p.dims.head_dim));
 }
 
 // grid (splits, Hkv * gchunks, B). Writes the split's partial state.
-template <typename T, int EPT>
+template <typename T, int EPT, bool COLD>
 __global__ void __launch_bounds__(kWarps * 32)
     decode_split_kernel(QsaForwardParams p, Workspace ws, int splits, int gchunks) {
     __shared__ float s_m[kMaxG], s_l[kMaxG], s_acc[kMaxG * EPT * 32];
@@ -143,8 +200,6 @@ __global__ void __launch_bounds__(kWarps * 32)
     const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G + g0) * D;  // S == 1
     load_queries<T, EPT>(st, q, D, D, ng, resolved_scale(p), lane);
 
-    const T* kc = static_cast<const T*>(p.key_cache);
-    const T* vc = static_cast<const T*>(p.value_cache);
     const int past = max(p.past_lens[b], 0);
     const int cnt = ws.kept_cnt[bh];
     const int chunk = (cnt + splits - 1) / splits;
@@ -154,10 +209,9 @@ __global__ void __launch_bounds__(kWarps * 32)
         const int off = t % ps;
         const int lp = ws.kept_idx[size_t(bh) * NP + p0 + t / ps];
         if (lp * ps + off >= past) continue;  // slot tail of the partial last page
-        const int page = p.page_table[size_t(b) * NP + lp];
-        if (page < 0 || page >= d.num_pages) continue;
-        const size_t base = ((size_t(page) * Hkv + h) * ps + off) * D;
-        st.attend(kc + base, vc + base, D, ng, lane);
+        float kr[EPT], vr[EPT];
+        if (load_cached_row<T, EPT, COLD>(p, p.page_table[size_t(b) * NP + lp], h, off, lane, kr, vr))
+            st.update(kr, vr, ng);
     }
     if (split == 0 && warp == kWarps - 1) {  // the new token, not yet in the cache
         const size_t base = size_t(bh) * D;  // [B, Hkv, S == 1, D]
@@ -200,7 +254,7 @@ __global__ void combine_kernel(QsaForwardParams p, Workspace ws, int splits) {
 
 // grid (S, Hkv * gchunks, B): exact causal attention of query position s over
 // every cached token and new tokens 0..s. Reads the cache once per (s, KV head).
-template <typename T, int EPT>
+template <typename T, int EPT, bool COLD>
 __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(QsaForwardParams p, int gchunks) {
     __shared__ float s_m[kMaxG], s_l[kMaxG], s_acc[kMaxG * EPT * 32];
     const QsaDims& d = p.dims;
@@ -215,8 +269,6 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(QsaForwardParams p
     const T* q = static_cast<const T*>(p.query) + (hq0 * S + s) * D;  // rows g are S * D apart
     load_queries<T, EPT>(st, q, size_t(S) * D, D, ng, resolved_scale(p), lane);
 
-    const T* kc = static_cast<const T*>(p.key_cache);
-    const T* vc = static_cast<const T*>(p.value_cache);
     const T* kn = static_cast<const T*>(p.key) + (size_t(b) * Hkv + h) * S * D;
     const T* vn = static_cast<const T*>(p.value) + (size_t(b) * Hkv + h) * S * D;
     const int past = max(p.past_lens[b], 0);
@@ -224,10 +276,9 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(QsaForwardParams p
     const int total = cached + s + 1;
     for (int t = warp; t < total; t += kWarps) {
         if (t < cached) {
-            const int page = p.page_table[size_t(b) * NP + t / ps];
-            if (page < 0 || page >= d.num_pages) continue;
-            const size_t base = ((size_t(page) * Hkv + h) * ps + t % ps) * D;
-            st.attend(kc + base, vc + base, D, ng, lane);
+            float kr[EPT], vr[EPT];
+            if (load_cached_row<T, EPT, COLD>(p, p.page_table[size_t(b) * NP + t / ps], h, t % ps, lane, kr, vr))
+                st.update(kr, vr, ng);
         } else {
             const size_t base = size_t(t - cached) * D;
             st.attend(kn + base, vn + base, D, ng, lane);
@@ -245,8 +296,11 @@ template <typename T, int EPT>
 cudaError_t launch_decode_t(const QsaForwardParams& p, const Workspace& ws, int32_t splits, cudaStream_t stream) {
     const QsaDims& d = p.dims;
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
-    decode_split_kernel<T, EPT><<<dim3(splits, d.num_kv_heads * gchunks, d.batch), kWarps * 32, 0, stream>>>(
-        p, ws, splits, gchunks);
+    const dim3 grid(splits, d.num_kv_heads * gchunks, d.batch);
+    if (p.key_cache_int8 != nullptr)
+        decode_split_kernel<T, EPT, true><<<grid, kWarps * 32, 0, stream>>>(p, ws, splits, gchunks);
+    else
+        decode_split_kernel<T, EPT, false><<<grid, kWarps * 32, 0, stream>>>(p, ws, splits, gchunks);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     combine_kernel<T><<<dim3(d.num_heads, d.batch), 128, 0, stream>>>(p, ws, splits);
@@ -257,8 +311,11 @@ template <typename T, int EPT>
 cudaError_t launch_prefill_t(const QsaForwardParams& p, cudaStream_t stream) {
     const QsaDims& d = p.dims;
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
-    prefill_kernel<T, EPT><<<dim3(d.new_tokens, d.num_kv_heads * gchunks, d.batch), kWarps * 32, 0, stream>>>(
-        p, gchunks);
+    const dim3 grid(d.new_tokens, d.num_kv_heads * gchunks, d.batch);
+    if (p.key_cache_int8 != nullptr)
+        prefill_kernel<T, EPT, true><<<grid, kWarps * 32, 0, stream>>>(p, gchunks);
+    else
+        prefill_kernel<T, EPT, false><<<grid, kWarps * 32, 0, stream>>>(p, gchunks);
     return cudaGetLastError();
 }
 

@@ -21,6 +21,26 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
+// One scale tensor of the INT8 cold tier, [Pcold, Hkv, T, C] with T in {1, ps}
+// and C in {1, D}: a broadcast axis gets stride 0, so one formula serves every
+// granularity and no thread branches on it.
+struct ScaleView {
+    const float* base;
+    int32_t head_stride;  // T * C elements per (cold page, KV head)
+    int32_t tok_stride;   // C, or 0 when one scale covers all tokens
+    int32_t ch_stride;    // 1, or 0 when one scale covers all channels
+
+    // Scales of row `tok` of (cold page, KV head) `page_head`; index by channel * ch_stride.
+    __device__ __forceinline__ const float* row(size_t page_head, int tok) const {
+        return base + page_head * head_stride + size_t(tok) * tok_stride;
+    }
+};
+
+__host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t channels) {
+    return ScaleView{static_cast<const float*>(scale), tokens * channels, tokens > 1 ? channels : 0,
+                     channels > 1 ? 1 : 0};
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -13,9 +13,19 @@
  *   (TensorRT plugins cannot output kBOOL), per selected_pages_elem_size; may be NULL.
  * Float tensors are all float32 or all float16 (`dtype`); accumulation is fp32.
  *
+ * Optional INT8 cold tier (all four pointers set, or all NULL = hot pages only):
+ *   key_cache_int8/value_cache_int8 [Pcold, Hkv, ps, D] int8
+ *   key_scale [Pcold, Hkv, Tk, Ck] float32, value_scale [Pcold, Hkv, Tv, Cv] float32,
+ *   T in {1, ps} and C in {1, D}: one scale broadcast over the page's tokens
+ *   and/or channels (tinyserve_trt/ops/quantization.py; K per channel is
+ *   [.., 1, D], V per token [.., ps, 1]).
+ * A page id p in [P, P + Pcold) is cold page p - P, read as int8 * scale in
+ * fp32. key_min/key_max keep one exact row per page id, hot or cold
+ * (Ptot >= P + Pcold).
+ *
  * Every entry point returns a QsaStatus and never aborts, allocates, or
  * synchronizes the stream. The kernels read page ids from device memory and
- * cannot report a bad id to the host: ids outside [0, P) are skipped (their
+ * cannot report a bad id to the host: ids outside [0, P + Pcold) are skipped (their
  * tokens contribute nothing) instead of read out of bounds, and a sequence
  * needing more than NP pages is truncated to NP pages. The numpy reference
  * raises on both; callers (the runtime's PagePool) must not produce them.
@@ -35,7 +45,7 @@ extern "C" {
 typedef enum QsaStatus {
     QSA_OK = 0,
     QSA_ERR_INVALID_ARGUMENT = 1, /* a dim, pointer or attribute is out of range */
-    QSA_ERR_UNSUPPORTED = 2,      /* valid per the schema, not implemented here (int8 cold pages, oracle) */
+    QSA_ERR_UNSUPPORTED = 2,      /* valid per the schema, not implemented here (oracle decode) */
     QSA_ERR_WORKSPACE = 3,        /* workspace smaller than qsa_workspace_size() */
     QSA_ERR_CUDA = 4              /* a launch failed (cudaGetLastError) */
 } QsaStatus;
@@ -69,12 +79,24 @@ typedef struct QsaAttrs {
     int32_t group_reduce; /* QSA_GROUP_REDUCE_* */
 } QsaAttrs;
 
+/* Shape of the cold tier. num_pages is 0 when the cold pointers are NULL
+ * (the rest is then not read). Only the forward call has one: append writes
+ * hot pages only. */
+typedef struct QsaColdDims {
+    int32_t num_pages;            /* Pcold: pages of each int8 pool (>= 1 with a cold tier) */
+    int32_t key_scale_tokens;     /* Tk: 1 or ps */
+    int32_t key_scale_channels;   /* Ck: 1 or D */
+    int32_t value_scale_tokens;   /* Tv: 1 or ps */
+    int32_t value_scale_channels; /* Cv: 1 or D */
+} QsaColdDims;
+
 typedef struct QsaForwardParams {
     QsaDims dims;
     QsaAttrs attrs;
     int32_t dtype;      /* QsaDtype of every float tensor */
     int32_t num_splits; /* decode split-K partitions; 0 = choose from dims and the SM count */
     int32_t selected_pages_elem_size; /* 1 (bool/uint8) or 4 (int32) */
+    QsaColdDims cold;   /* read only when the cold pointers are set */
     const void* query;
     const void* key;
     const void* value;
@@ -85,10 +107,10 @@ typedef struct QsaForwardParams {
     const int32_t* page_table;
     const int32_t* past_lens;
     const int32_t* token_budget;
-    const void* key_cache_int8; /* cold tier: must be NULL for now (QSA_ERR_UNSUPPORTED) */
-    const void* value_cache_int8;
-    const void* key_scale;
-    const void* value_scale;
+    const void* key_cache_int8;   /* int8 [Pcold, Hkv, ps, D]; NULL = no cold tier */
+    const void* value_cache_int8; /* int8 [Pcold, Hkv, ps, D] */
+    const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] */
+    const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] */
     void* output;
     void* selected_pages; /* may be NULL */
 } QsaForwardParams;

@@ -8,6 +8,7 @@ import pytest
 
 from tinyserve_trt.kernels import library
 from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.cases import CaseSpec, make_mixed_case
 
 from .conftest import ROOT, nvcc_or_skip
 
@@ -28,7 +29,7 @@ def _params(attrs=schema.OpAttributes(), S=1, **over):
     p.dtype = 0
     p.selected_pages_elem_size = 1
     for i, name in enumerate(library.FORWARD_POINTERS):  # fake non-null pointers: qsa_check never dereferences
-        if name not in library.FORWARD_POINTERS[10:14]:
+        if name not in library.COLD_POINTERS:
             setattr(p, name, ctypes.c_void_p(0x1000 + 0x100 * i))
     for k, v in over.items():
         setattr(p, k, v)
@@ -49,8 +50,48 @@ def test_oracle_is_reference_only_for_decode(host_lib, attrs, S, status):
     assert _check(host_lib, _params(attrs, S)) == status
 
 
-def test_int8_cold_pages_unsupported_for_now(host_lib):
-    assert _check(host_lib, _params(key_cache_int8=ctypes.c_void_p(0x9000))) == 2
+def _fake_pointers(names):
+    return {n: 0x1000 + 0x100 * i for i, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("granularity", [("channel", "token"), ("head", "head"), ("token", "channel")])
+@pytest.mark.parametrize("S", [1, 3])
+def test_cold_tier_packed_from_a_mixed_case_passes(host_lib, rng, granularity, S):
+    """What the GPU harness hands qsa_forward for a hot + INT8 case is accepted as is."""
+    case = make_mixed_case(CaseSpec((40, 7), 4, 2, 16, 8, S, "float32", 16), rng, 0.5, *granularity)
+    p = library.forward_params({n: a.shape for n, a in case.items()},
+                               _fake_pointers([*case, "output", "selected_pages"]), "float32", schema.OpAttributes())
+    assert p.cold.num_pages == case["key_cache_int8"].shape[0] >= 1
+    assert _check(host_lib, p) == 0
+
+
+def _cold_params(**cold):
+    p = _params()
+    p.dims.num_meta_pages = p.dims.num_pages + 3
+    p.cold = library.QsaColdDims(3, 1, 64, 16, 1)  # K per channel, V per token (ps 16, D 64)
+    for i, name in enumerate(library.COLD_POINTERS):
+        setattr(p, name, ctypes.c_void_p(0x9000 + 0x100 * i))
+    for k, v in cold.items():
+        setattr(p.cold, k, v)
+    return p
+
+
+def test_cold_tier_checks(host_lib):
+    assert _check(host_lib, _cold_params()) == 0
+    assert _check(host_lib, _cold_params(key_scale_tokens=16, key_scale_channels=64)) == 0  # one per element
+    p = _cold_params()
+    p.value_scale = None  # the four pointers come together
+    assert _check(host_lib, p) == 1
+    assert _check(host_lib, _params(key_cache_int8=ctypes.c_void_p(0x9000))) == 1
+    p = _params()
+    p.cold.num_pages = 2  # a cold page count without cold pools
+    assert _check(host_lib, p) == 1
+    for bad in (dict(num_pages=0), dict(key_scale_tokens=4), dict(value_scale_channels=32),
+                dict(key_scale_channels=0)):
+        assert _check(host_lib, _cold_params(**bad)) == 1, bad
+    p = _cold_params()
+    p.dims.num_meta_pages = p.dims.num_pages + 2  # key_min/key_max lack a row for the last cold id
+    assert _check(host_lib, p) == 1
 
 
 @pytest.mark.parametrize("field,value", [("num_kv_heads", 3), ("head_dim", 512), ("page_size", 0),

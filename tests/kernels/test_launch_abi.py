@@ -15,7 +15,7 @@ from tinyserve_trt.kernels import library
 
 from .conftest import ROOT
 
-STRUCTS = {"QsaDims": library.QsaDims, "QsaAttrs": library.QsaAttrs,
+STRUCTS = {"QsaDims": library.QsaDims, "QsaAttrs": library.QsaAttrs, "QsaColdDims": library.QsaColdDims,
            "QsaForwardParams": library.QsaForwardParams, "QsaAppendParams": library.QsaAppendParams}
 
 

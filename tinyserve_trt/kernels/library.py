@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..ops import schema
@@ -37,14 +38,20 @@ class QsaAttrs(ctypes.Structure):
                 ("group_reduce", _i32)]
 
 
+class QsaColdDims(ctypes.Structure):
+    _fields_ = [("num_pages", _i32), ("key_scale_tokens", _i32), ("key_scale_channels", _i32),
+                ("value_scale_tokens", _i32), ("value_scale_channels", _i32)]
+
+
 FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
                     "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale",
                     "output", "selected_pages")
+COLD_POINTERS = schema.COLD_INPUTS  # key_cache_int8, value_cache_int8, key_scale, value_scale
 
 
 class QsaForwardParams(ctypes.Structure):
     _fields_ = [("dims", QsaDims), ("attrs", QsaAttrs), ("dtype", _i32), ("num_splits", _i32),
-                ("selected_pages_elem_size", _i32)] + [(n, _vp) for n in FORWARD_POINTERS]
+                ("selected_pages_elem_size", _i32), ("cold", QsaColdDims)] + [(n, _vp) for n in FORWARD_POINTERS]
 
 
 APPEND_POINTERS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens")
@@ -93,6 +100,56 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     if path is None:
         _LIB = lib
     return lib
+
+
+def forward_dims(shapes: Mapping[str, Sequence[int]]) -> QsaDims:
+    """QsaDims from the input shapes by schema name (query, key, key_cache, key_min, page_table)."""
+    B, H, S, D = shapes["query"]
+    P, _, ps, _ = shapes["key_cache"]
+    return QsaDims(B, H, shapes["key"][1], S, D, P, ps, shapes["page_table"][1], shapes["key_min"][0])
+
+
+def cold_dims(shapes: Mapping[str, Sequence[int] | None]) -> QsaColdDims:
+    """QsaColdDims of the optional INT8 tier; all zero when none of ``COLD_POINTERS`` is given.
+
+    Checks what the C side cannot see (it gets Pcold and the scale extents, not the
+    pool shapes): the int8 pools are ``[Pcold, Hkv, ps, D]`` like the hot pool, and
+    each scale is ``[Pcold, Hkv, 1|ps, 1|D]``. Raises ValueError naming the input.
+    """
+    given = [n for n in COLD_POINTERS if shapes.get(n) is not None]
+    if not given:
+        return QsaColdDims()
+    if len(given) != len(COLD_POINTERS):
+        raise ValueError(f"the cold tier needs all of {COLD_POINTERS}, got only {tuple(given)}")
+    _, Hkv, ps, D = shapes["key_cache"]
+    Pcold = shapes["key_cache_int8"][0]
+    for n in COLD_POINTERS[:2]:
+        if tuple(shapes[n]) != (Pcold, Hkv, ps, D):
+            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, ps={ps}, D={D}], got {tuple(shapes[n])}")
+    extents = []
+    for n in COLD_POINTERS[2:]:
+        shape = tuple(shapes[n])
+        if len(shape) != 4 or shape[:2] != (Pcold, Hkv) or shape[2] not in (1, ps) or shape[3] not in (1, D):
+            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, 1|{ps}, 1|{D}], got {shape}")
+        extents += shape[2:]
+    return QsaColdDims(Pcold, *extents)
+
+
+def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping[str, int | None], dtype: str,
+                   attrs: schema.OpAttributes, *, num_splits: int = 0,
+                   selected_pages_elem_size: int = 1) -> QsaForwardParams:
+    """Pack one ``qsa_forward`` call: dims and the cold tier from ``shapes``, device
+    addresses from ``pointers`` (both by schema name; absent = NULL). Touches no memory."""
+    p = QsaForwardParams()
+    p.dims = forward_dims(shapes)
+    p.cold = cold_dims(shapes)
+    p.attrs = make_attrs(attrs)
+    p.dtype = DTYPES[dtype]
+    p.num_splits = num_splits
+    p.selected_pages_elem_size = selected_pages_elem_size
+    for name in FORWARD_POINTERS:
+        setattr(p, name, pointers.get(name))
+    return p
 
 
 def make_attrs(attrs: schema.OpAttributes) -> QsaAttrs:
