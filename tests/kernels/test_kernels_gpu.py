@@ -6,6 +6,8 @@ compared by the reference's scores (a float32 near-tie may keep a different,
 equally scored page); outputs are compared with the schema's tolerance against
 the reference's attention over the pages the kernel actually kept, and against
 ``sparse_attention_ref`` itself whenever the kept pages are the same.
+Mixed hot + INT8 cold cases (``ops.cases.make_mixed_case``) are also compared
+with the reference on the dequantized all-hot cache (``dequantized_case``).
 """
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from tinyserve_trt.kernels.references import (append_kv_ref, attention_with_selection_ref,
                                               selection_score_gap)
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, make_case
+from tinyserve_trt.ops.cases import CaseSpec, dequantized_case, make_case, make_mixed_case
 
 pytestmark = pytest.mark.gpu
 
@@ -121,6 +123,67 @@ def test_append_kv_matches_reference(cuda_lib, rng, dtype):
     want = append_kv_ref(*args)
     for name, g, w in zip(("key_cache", "value_cache", "key_min", "key_max"), got, want):
         np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+# (K, V) quantization granularities: KIVI's choice, one scale per page, and the transpose of KIVI.
+COLD_GRANULARITIES = [("channel", "token"), ("head", "head"), ("token", "channel")]
+
+
+def _assert_mixed(case):
+    """The test is only meaningful if the sequences read both tiers."""
+    P, ps = case["key_cache"].shape[0], case["key_cache"].shape[2]
+    ids = np.concatenate([case["page_table"][b, : -(-int(n) // ps)] for b, n in enumerate(case["past_lens"])])
+    assert (ids < P).any() and (ids >= P).any(), "case does not mix hot and cold pages"
+
+
+def _run_mixed_and_check(case, attrs, dtype, **kw):
+    """Kernel on hot + INT8 pages vs the reference (which dequantizes cold pages itself), then vs
+    the reference on the dequantized all-hot cache over the pages the kernel kept."""
+    _assert_mixed(case)
+    out, sel = _run_and_check(case, attrs, dtype, **kw)
+    hot = dequantized_case(case)  # fp16: the dequantized pools are rounded to fp16, as ORT's test allows
+    _assert_close(out, attention_with_selection_ref(hot, sel, attrs), dtype, "output vs dequantized all-hot cache")
+    return out, sel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("granularity", COLD_GRANULARITIES)
+def test_mixed_decode_matches_reference(cuda_lib, rng, dtype, granularity):
+    case = make_mixed_case(CaseSpec(LENS, 8, 2, 64, 16, 1, dtype, budget=64), rng, float(rng.uniform(0.3, 0.7)),
+                           *granularity)
+    case["token_budget"] = np.array([64, 0, 32, 48, 96], dtype=np.int32)  # mixed, incl. dense (0)
+    _run_mixed_and_check(case, schema.OpAttributes(), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [80, 128])  # lanes past D masked; several elements per lane
+def test_mixed_decode_head_dims_and_splits(cuda_lib, rng, head_dim):
+    case = make_mixed_case(CaseSpec((37, 200, 130), 8, 2, head_dim, 16, 1, "float32", budget=80), rng, 0.5)
+    _run_mixed_and_check(case, schema.OpAttributes(sink_pages=2, group_reduce="sum"), "float32", num_splits=3)
+
+
+def test_mixed_equals_kernel_on_dequantized_cache(cuda_lib, rng):
+    """float32: dequantizing on load must give what the hot path gives on the dequantized pools."""
+    from tinyserve_trt.kernels.harness import sparse_attention_gpu
+
+    case = make_mixed_case(CaseSpec((130, 300, 64), 8, 2, 64, 16, 1, "float32", budget=64), rng, 0.5)
+    _assert_mixed(case)
+    out, sel = sparse_attention_gpu(**case)
+    hot_out, hot_sel = sparse_attention_gpu(**dequantized_case(case))
+    np.testing.assert_array_equal(sel, hot_sel)
+    _assert_close(out, hot_out, "float32", "mixed vs all-hot kernel")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_mixed_prefill_matches_reference(cuda_lib, rng, dtype):
+    case = make_mixed_case(CaseSpec(LENS, 8, 2, 64, 16, 4, dtype, budget=32), rng, 0.6)
+    _run_mixed_and_check(case, schema.OpAttributes(), dtype)
+
+
+@pytest.mark.parametrize("cold_fraction", [0.0, 1.0])  # clipped to a single page in the smaller tier
+def test_single_cold_or_single_hot_page(cuda_lib, rng, cold_fraction):
+    case = make_mixed_case(CaseSpec((40, 20), 4, 2, 16, 8, 1, "float32", 16, spare_pages=0), rng, cold_fraction)
+    assert min(case["key_cache"].shape[0], case["key_cache_int8"].shape[0]) == 1
+    _run_mixed_and_check(case, schema.OpAttributes(), "float32")
 
 
 def test_unsupported_reports_status(cuda_lib, rng):

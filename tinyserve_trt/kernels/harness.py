@@ -42,11 +42,6 @@ def _ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _dims(q, k, kc, kmin, table) -> library.QsaDims:
-    B, H, S, D = q.shape
-    return library.QsaDims(B, H, k.shape[1], S, D, kc.shape[0], kc.shape[2], table.shape[1], kmin.shape[0])
-
-
 class ForwardCall:
     """One prepared ``qsa_forward`` call: device buffers, params and workspace held, so
     ``launch()`` is only the kernels (for timing). Outputs: ``output``, ``selected`` (uint8)."""
@@ -65,25 +60,26 @@ class ForwardCall:
                                                        key_max=key_max).items()}
         ints = {n: _to_dev(torch, a, torch.int32) for n, a in dict(page_table=page_table, past_lens=past_lens,
                                                                    token_budget=token_budget).items()}
+        # The cold tier keeps its own dtypes (int8 pools, float32 scales): never cast, a
+        # float pool passed here would be reinterpreted bytes, so refuse it instead.
         cold = {n: _to_dev(torch, a) for n, a in dict(key_cache_int8=key_cache_int8,
                                                       value_cache_int8=value_cache_int8, key_scale=key_scale,
                                                       value_scale=value_scale).items()}
-        dims = _dims(q, t["key"], t["key_cache"], t["key_min"], ints["page_table"])
+        for n, want in zip(library.COLD_POINTERS, (torch.int8, torch.int8, torch.float32, torch.float32)):
+            if cold[n] is not None and cold[n].dtype != want:
+                raise ValueError(f"{n} must be {want}, got {cold[n].dtype}")
         self.output = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
-        self.selected = torch.full((dims.batch, dims.num_kv_heads, dims.table_width), 0xAA, dtype=torch.uint8,
-                                   device="cuda")
+        self.selected = torch.full((q.shape[0], t["key"].shape[1], ints["page_table"].shape[1]), 0xAA,
+                                   dtype=torch.uint8, device="cuda")
+        self._keep = {"query": q, **t, **ints, **cold, "output": self.output, "selected_pages": self.selected}
+        p = self.params = library.forward_params(
+            {n: None if x is None else tuple(x.shape) for n, x in self._keep.items()},
+            {n: None if x is None else x.data_ptr() for n, x in self._keep.items()},
+            "float16" if dt == torch.float16 else "float32", attrs, num_splits=num_splits)
+        dims = p.dims
         self.lib = library.load()
         ws_bytes = self.lib.qsa_workspace_size(ctypes.byref(dims))
         self.workspace = torch.full((max(ws_bytes, 1),), 0xFF if poison else 0, dtype=torch.uint8, device="cuda")
-        p = self.params = library.QsaForwardParams()
-        p.dims = dims
-        p.attrs = library.make_attrs(attrs)
-        p.dtype = library.DTYPES["float16" if dt == torch.float16 else "float32"]
-        p.num_splits = num_splits
-        p.selected_pages_elem_size = 1
-        self._keep = {"query": q, **t, **ints, **cold, "output": self.output, "selected_pages": self.selected}
-        for name, tensor in self._keep.items():
-            setattr(p, name, _ptr(tensor))
         self.num_splits = self.lib.qsa_num_splits(ctypes.byref(dims), num_splits,
                                                   torch.cuda.get_device_properties(0).multi_processor_count)
 
@@ -101,7 +97,8 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
     """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)`` computed on the GPU.
 
     Same arguments as ``sparse_attention_ref`` (``schema.INPUTS`` order or by
-    name): numpy arrays (copied to the GPU; results come back as numpy) or CUDA
+    name), including the optional INT8 cold tier (int8 pools, float32 scales; not
+    cast): numpy arrays (copied to the GPU; results come back as numpy) or CUDA
     tensors (results stay on the GPU). Does not modify the cache. Synchronises.
     """
     first = inputs[0] if inputs else named["query"]

@@ -6,7 +6,9 @@
 * ``selection_score_gap``: compares two selections by the reference's scores
   (STYLE principle 8: scores, not indices).
 * ``append_kv_ref``: the cache write + metadata refresh of ``qsa_append_kv``.
-None of them modifies its inputs.
+Cases may carry the INT8 cold tier (``schema.COLD_INPUTS``): every K/V read goes
+through ``ops.reference.page_keys_values``, which dequantizes cold pages with the
+op's own rule, so nothing here re-implements it. None of them modifies its inputs.
 """
 
 from __future__ import annotations
