@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 
@@ -135,7 +136,8 @@ QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QsaAttrs const&
 
 QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other)
     : IPluginV3(), IPluginV3OneCore(), IPluginV3OneBuild(), IPluginV3OneRuntime(),
-      mAttrs(other.mAttrs), mNamespace(other.mNamespace), mDims(other.mDims), mDtype(other.mDtype), mNbInputs(other.mNbInputs) {}
+      mAttrs(other.mAttrs), mNamespace(other.mNamespace), mDims(other.mDims), mCold(other.mCold),
+      mDtype(other.mDtype), mNbInputs(other.mNbInputs) {}
 
 IPluginCapability* QueryAwareSparseAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
     switch (type) {
@@ -193,7 +195,7 @@ bool QueryAwareSparseAttentionPlugin::supportsFormatCombination(int32_t pos, Dyn
         case QSA_IN_PAGE_TABLE:
         case QSA_IN_PAST_LENS:
         case QSA_IN_TOKEN_BUDGET: return t == DataType::kINT32;
-        // Cold tier: accepted so a 14-input graph builds; enqueue reports unsupported for now.
+        // Cold tier (14 inputs): int8 pools, float32 scales whatever the float type of query.
         case QSA_IN_KEY_CACHE_INT8:
         case QSA_IN_VALUE_CACHE_INT8: return t == DataType::kINT8;
         case QSA_IN_KEY_SCALE:
@@ -246,6 +248,26 @@ bool dimsFrom(GetDims dimsOf, QsaDims& d) {
     d.num_meta_pages = int32_t(km.d[0]);
     return kc.d[1] == k.d[1] && kc.d[3] == q.d[3] && km.d[2] == q.d[3] && pt.d[0] == q.d[0];
 }
+
+// Cold tier from the four optional inputs: int8 pools [Pcold, Hkv, ps, D] like the
+// hot pool, scales [Pcold, Hkv, 1|ps, 1|D]. qsa_check re-checks the extents and
+// Ptot >= P + Pcold; the pool shapes are only visible here.
+template <typename GetDims>
+bool coldDimsFrom(GetDims dimsOf, QsaDims const& d, QsaColdDims& c) {
+    Dims const k8 = dimsOf(QSA_IN_KEY_CACHE_INT8), v8 = dimsOf(QSA_IN_VALUE_CACHE_INT8),
+               ks = dimsOf(QSA_IN_KEY_SCALE), vs = dimsOf(QSA_IN_VALUE_SCALE);
+    if (k8.nbDims != 4 || v8.nbDims != 4 || ks.nbDims != 4 || vs.nbDims != 4) return false;
+    for (Dims const* x : {&k8, &v8, &ks, &vs})
+        if (x->d[0] != k8.d[0] || x->d[1] != d.num_kv_heads) return false;
+    for (Dims const* x : {&k8, &v8})
+        if (x->d[2] != d.page_size || x->d[3] != d.head_dim) return false;
+    c.num_pages = int32_t(k8.d[0]);
+    c.key_scale_tokens = int32_t(ks.d[2]);
+    c.key_scale_channels = int32_t(ks.d[3]);
+    c.value_scale_tokens = int32_t(vs.d[2]);
+    c.value_scale_channels = int32_t(vs.d[3]);
+    return true;
+}
 }  // namespace
 
 size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
@@ -260,10 +282,17 @@ size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc
 
 int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
                                                        PluginTensorDesc const* out, int32_t nbOutputs) noexcept {
-    if (in == nullptr || out == nullptr || nbInputs < QSA_NUM_REQUIRED_INPUTS || nbOutputs != QSA_NUM_OUTPUTS)
+    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_INPUTS) ||
+        nbOutputs != QSA_NUM_OUTPUTS)
         return -1;
-    if (!dimsFrom([&](int i) { return in[i].dims; }, mDims)) {
+    auto dimsOf = [&](int i) { return in[i].dims; };
+    if (!dimsFrom(dimsOf, mDims)) {
         logError("inconsistent input shapes");
+        return -1;
+    }
+    mCold = QsaColdDims{};
+    if (nbInputs == QSA_NUM_INPUTS && !coldDimsFrom(dimsOf, mDims, mCold)) {
+        logError("cold-tier shapes: want int8 [Pcold, Hkv, ps, D] and scales [Pcold, Hkv, 1|ps, 1|D]");
         return -1;
     }
     mNbInputs = nbInputs;
@@ -291,7 +320,8 @@ int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDe
     p.page_table = static_cast<int32_t const*>(inputs[QSA_IN_PAGE_TABLE]);
     p.past_lens = static_cast<int32_t const*>(inputs[QSA_IN_PAST_LENS]);
     p.token_budget = static_cast<int32_t const*>(inputs[QSA_IN_TOKEN_BUDGET]);
-    if (mNbInputs == QSA_NUM_INPUTS) {  // cold tier given: the kernels answer QSA_ERR_UNSUPPORTED for now
+    if (mNbInputs == QSA_NUM_INPUTS) {  // INT8 cold tier: page ids >= P read these
+        p.cold = mCold;
         p.key_cache_int8 = inputs[QSA_IN_KEY_CACHE_INT8];
         p.value_cache_int8 = inputs[QSA_IN_VALUE_CACHE_INT8];
         p.key_scale = inputs[QSA_IN_KEY_SCALE];

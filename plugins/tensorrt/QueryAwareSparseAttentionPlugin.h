@@ -62,6 +62,7 @@ private:
     std::string mNamespace;
     // Set by onShapeChange, read by enqueue (no device queries there).
     QsaDims mDims{};
+    QsaColdDims mCold{};  // all zero with 10 inputs (no INT8 cold tier)
     int32_t mDtype{QSA_DTYPE_FLOAT32};
     int32_t mNbInputs{QSA_NUM_REQUIRED_INPUTS};
     // Storage the serialized PluginFields point into.
