@@ -7,16 +7,16 @@ equally scored page); outputs are compared with the schema's tolerance against
 the reference's attention over the pages the kernel actually kept, and against
 ``sparse_attention_ref`` itself whenever the kept pages are the same.
 Mixed hot + INT8 cold cases (``ops.cases.make_mixed_case``) are also compared
-with the reference on the dequantized all-hot cache (``dequantized_case``).
+with the reference on the dequantized all-hot cache (``dequantized_float32_case``).
 """
 
 import numpy as np
 import pytest
 
 from tinyserve_trt.kernels.references import (append_kv_ref, attention_with_selection_ref,
-                                              selection_score_gap)
+                                              dequantized_float32_case, selection_score_gap)
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, dequantized_case, make_case, make_mixed_case
+from tinyserve_trt.ops.cases import CaseSpec, make_case, make_mixed_case
 
 pytestmark = pytest.mark.gpu
 
@@ -141,7 +141,7 @@ def _run_mixed_and_check(case, attrs, dtype, **kw):
     the reference on the dequantized all-hot cache over the pages the kernel kept."""
     _assert_mixed(case)
     out, sel = _run_and_check(case, attrs, dtype, **kw)
-    hot = dequantized_case(case)  # fp16: the dequantized pools are rounded to fp16, as ORT's test allows
+    hot = dequantized_float32_case(case)
     _assert_close(out, attention_with_selection_ref(hot, sel, attrs), dtype, "output vs dequantized all-hot cache")
     return out, sel
 
@@ -168,7 +168,7 @@ def test_mixed_equals_kernel_on_dequantized_cache(cuda_lib, rng):
     case = make_mixed_case(CaseSpec((130, 300, 64), 8, 2, 64, 16, 1, "float32", budget=64), rng, 0.5)
     _assert_mixed(case)
     out, sel = sparse_attention_gpu(**case)
-    hot_out, hot_sel = sparse_attention_gpu(**dequantized_case(case))
+    hot_out, hot_sel = sparse_attention_gpu(**dequantized_float32_case(case))
     np.testing.assert_array_equal(sel, hot_sel)
     _assert_close(out, hot_out, "float32", "mixed vs all-hot kernel")
 

@@ -6,6 +6,7 @@
 * ``selection_score_gap``: compares two selections by the reference's scores
   (STYLE principle 8: scores, not indices).
 * ``append_kv_ref``: the cache write + metadata refresh of ``qsa_append_kv``.
+* ``dequantized_float32_case``: a hot + INT8 case as the all-hot cache the kernels see.
 Cases may carry the INT8 cold tier (``schema.COLD_INPUTS``): every K/V read goes
 through ``ops.reference.page_keys_values``, which dequantizes cold pages with the
 op's own rule, so nothing here re-implements it. None of them modifies its inputs.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import schema
+from ..ops.cases import dequantized_case
 from ..ops.policies import get_policy, reduce_group
 from ..ops.reference import page_keys_values, page_min_max
 
@@ -52,6 +54,16 @@ def attention_with_selection_ref(case: dict, selected: np.ndarray, attrs: schema
                     p = np.exp(logits - logits.max())
                     out[b, h * G + g, s] = (p / p.sum()) @ v_all[: t + s + 1]
     return out
+
+
+def dequantized_float32_case(case: dict) -> dict:
+    """The all-hot equivalent of a hot + INT8 case, holding exactly what the kernels read:
+    float inputs widened to float32 (exact from float16), cold pages dequantized by
+    ``ops.cases.dequantized_case`` in float32, so int8 * scale is not rounded to float16
+    on top (that rounding alone moves a float16 D=128 output by ~1e-3)."""
+    wide = {n: a.astype(np.float32) if a.dtype.kind == "f" and n not in schema.COLD_INPUTS else a
+            for n, a in case.items()}
+    return dequantized_case(wide)
 
 
 def group_scores_ref(case: dict, attrs: schema.OpAttributes) -> list[list[np.ndarray]]:
