@@ -10,6 +10,11 @@ References (the numpy one is too slow for every sequence at 32K x 32):
   scores, output against the reference's attention over the kept pages;
 * torch on the GPU for every sequence when the budget is dense: fp32 softmax
   attention over the sequence's gathered K/V plus its new token.
+Mixed hot + INT8 cold pages (K per channel, V per token; half the pages cold):
+decode at a sparse and a dense budget and a 4-token prefill, 4 sequences up to
+2K tokens, every sequence against the numpy reference (which dequantizes cold
+pages itself) and against the reference on the dequantized all-hot cache.
+A few seconds; it runs first so a cold-path failure is reported before the grid.
 Timing: decode at 32K, budget 2048 (and dense) vs torch
 ``scaled_dot_product_attention`` on contiguous [B, H, 32K, D] K/V, CUDA-event
 medians; GB/s on the bytes our kernels actually load (kept K/V rows + page
@@ -29,9 +34,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tinyserve_trt.kernels.harness import ForwardCall  # noqa: E402
-from tinyserve_trt.kernels.references import attention_with_selection_ref, selection_score_gap  # noqa: E402
+from tinyserve_trt.kernels.harness import ForwardCall, sparse_attention_gpu  # noqa: E402
+from tinyserve_trt.kernels.references import (attention_with_selection_ref, dequantized_float32_case,  # noqa: E402
+                                              selection_score_gap)
 from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
+from tinyserve_trt.ops.cases import CaseSpec, make_mixed_case  # noqa: E402
 
 HKV, D, PS = 8, 128, 16
 
@@ -121,6 +128,35 @@ def check_torch_dense(torch, case, out):
     return worst
 
 
+def check_mixed(seed):
+    """Hot + INT8 cold pages on every sequence vs numpy; returns report rows. Raises on a mismatch."""
+    rng = np.random.default_rng(seed)
+    attrs, tol = schema.OpAttributes(), schema.TOLERANCES["float16"]
+    rows = []
+    for S, budget in ((1, 256), (1, 0), (4, 0)):
+        spec = CaseSpec((1000, 517, 2048, 33), HKV * 4, HKV, D, PS, S, "float16", budget)
+        case = make_mixed_case(spec, rng, 0.5, "channel", "token")
+        P = case["key_cache"].shape[0]
+        what = f"mixed S={S} budget={budget or 'dense'}"
+        out, sel = sparse_attention_gpu(**case, attrs=attrs)  # poisons outputs, checks selected_pages is written
+        if np.isnan(out).any():
+            raise AssertionError(f"{what}: NaN left in the output")
+        _, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+        gap = selection_score_gap(case, sel, ref_sel, attrs) if S == 1 and budget else 0.0
+        if gap > 1e-3:
+            raise AssertionError(f"{what}: kept pages score worse than the reference's by {gap}")
+        if not (S == 1 and budget):
+            np.testing.assert_array_equal(sel, ref_sel, err_msg=what)
+        out64 = out.astype(np.float64)
+        np.testing.assert_allclose(out64, attention_with_selection_ref(case, sel, attrs), err_msg=what, **tol)
+        hot_ref = attention_with_selection_ref(dequantized_float32_case(case), sel, attrs)
+        np.testing.assert_allclose(out64, hot_ref, err_msg=f"{what} vs dequantized cache", **tol)
+        err = float(np.abs(out64 - hot_ref).max())
+        rows.append((S, budget or "dense", P, case["key_cache_int8"].shape[0], f"{gap:.1e}", f"{err:.1e}", "ok"))
+        log(f"ok {what}: {P} hot + {case['key_cache_int8'].shape[0]} cold pages, max err {err:.1e}")
+    return rows
+
+
 def time_ms(torch, fn, reps):
     for _ in range(3):
         fn()
@@ -161,6 +197,7 @@ def main(argv=None):
     dev = torch.cuda.get_device_name(0)
     log(f"device {dev}, torch {torch.__version__}")
     attrs = schema.OpAttributes()  # query_aware, 1 sink page, 1 recent page, max over the group
+    mixed = check_mixed(seed=1234)
     rows, timing = [], []
     seed = 0
     for B in ints(args.batches):
@@ -189,7 +226,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     bw = copy_bandwidth(torch)
     log(f"device copy bandwidth {bw:.0f} GB/s")
-    write_report(Path(args.out), dev, torch.__version__, rows, timing, bw)
+    write_report(Path(args.out), dev, torch.__version__, rows, timing, bw, mixed)
     log(f"wrote {args.out}")
 
 
@@ -221,7 +258,7 @@ def time_case(torch, F, case, attrs, B, G, ctx, budget, reps, call):
             base_bytes / base / 1e6, how, H)
 
 
-def write_report(path, dev, torch_version, rows, timing, bw):
+def write_report(path, dev, torch_version, rows, timing, bw, mixed):
     L = [f"# QueryAwareSparseAttention CUDA kernels on {dev}", "",
          f"Written by `benchmarks/gpu_check.sh` (torch {torch_version}). fp16, D={D}, {HKV} KV heads, page size "
          f"{PS}, policy query_aware (1 sink + 1 recent page, group max).", "",
@@ -232,6 +269,12 @@ def write_report(path, dev, torch_version, rows, timing, bw):
          "| batch | group | context | budget | pages kept / (seq, KV head) | score gap | dense excess err | |",
          "|---|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    L += ["", "### Hot + INT8 cold pages", "",
+          f"4 sequences (1000, 517, 2048, 33 tokens), {HKV * 4} query heads, half the pool pages cold (K scale per "
+          "channel, V per token); every sequence vs the numpy reference on the dequantized cache, fp16 tolerance.", "",
+          "| new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
+          "|---|---|---|---|---|---|---|"]
+    L += ["| " + " | ".join(map(str, r)) + " |" for r in mixed]
     L += ["", "## Decode timing (median of CUDA-event runs)", "",
           f"Device copy bandwidth (1 GiB D2D, read+write): **{bw:.0f} GB/s**. Ours = select + split-K attention + "
           "combine; GB/s counts the bytes actually loaded (kept K/V rows + min/max of every page). SDPA = "
