@@ -46,9 +46,10 @@ class ExportConfig:
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
         if self.has_cold_tier and self.backend == "trt":
-            # the plugin's host API refuses cold inputs until the CUDA INT8 path exists
-            raise ValueError("INT8 cold pages (--calibration / cold_pages) are not implemented by the TensorRT "
-                             "plugin yet; export for --backend ort")
+            # the kernels and plugin read INT8 pages (compiled, never run on a GPU), but the trt
+            # runtime backend keeps float pools only: it cannot demote pages yet
+            raise ValueError("INT8 cold pages (--calibration / cold_pages) are not supported by the TensorRT "
+                             "runtime backend yet (it keeps every page hot); export for --backend ort")
 
     @property
     def has_cold_tier(self) -> bool:
