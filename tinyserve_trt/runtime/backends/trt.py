@@ -9,20 +9,39 @@ stream; copy-on-write copies reach the device through the pool's copy
 listener. The host PagePool keeps the page bookkeeping (ids, refcounts,
 prefix cache); its own K/V arrays are not read by this backend.
 
+Decode steps (one new token per row) replay a CUDA graph: the batch is padded
+to a bucket shape ``[B, W]`` (``graph_buckets.DecodeBuckets``) and each bucket,
+on first use, gets its own execution context (TensorRT ties a captured graph to
+the context, input shapes and tensor addresses it was captured with), static
+input/output buffers bound once, one plain ``execute_async_v3`` after the shape
+change, then a capture on the backend's non-default stream. A step copies its
+padded arrays into the static inputs and replays; the K/V append stays outside
+the graph (the append harness synchronizes) and skips the padding rows. The
+graph contexts share one activation buffer: they run one at a time on one
+stream. Prefill steps run plainly. ``cuda_graphs=False`` (backend option) or
+``TINYSERVE_CUDA_GRAPHS=0`` turns graphs off; any capture failure (e.g. an
+engine that cannot be captured) warns once and turns them off for good.
+
 Every missing piece is a one-line RuntimeError: no tensorrt, no plugin
 library, no GPU, no engine in the package, an engine built for another
 TensorRT version or GPU. Written against the TensorRT 10 Python API
 (``execute_async_v3``, ``set_input_shape``, ``set_tensor_address``); it
 cannot run on our CI machines (no GPU, no TensorRT) - see plugins/README.md.
-Not done yet: capturing the decode step in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
+from tinyserve_trt.runtime.backends.graph_buckets import DecodeBuckets, check_profile
 from tinyserve_trt.runtime.batch import ScheduledBatch
+
+GRAPHS_ENV = "TINYSERVE_CUDA_GRAPHS"  # "0" turns decode-step CUDA graphs off
+PAGE_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
 
 
 def _load_tensorrt():
@@ -38,7 +57,7 @@ def _load_tensorrt():
 class TrtBackend(Backend):
     name = "trt"
 
-    def __init__(self, package, pool, device: int = 0, **_ignored):
+    def __init__(self, package, pool, device: int = 0, cuda_graphs: bool = True, **_ignored):
         trt = _load_tensorrt()
         import torch
 
@@ -46,7 +65,7 @@ class TrtBackend(Backend):
         if not engine_info or not (package.path / engine_info["file"]).is_file():
             raise RuntimeError(f"{package.path}: no TensorRT engine in the package; export it with "
                                "tinyserve-export --backend trt on this machine")
-        self._torch, self.package, self.pool = torch, package, pool
+        self._trt, self._torch, self.package, self.pool = trt, torch, package, pool
         self.device = torch.device("cuda", device)
         logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(logger)
@@ -55,20 +74,27 @@ class TrtBackend(Backend):
             raise RuntimeError(f"{package.path / engine_info['file']}: TensorRT could not load the engine (built for "
                                "another TensorRT version or GPU?); rebuild it with tinyserve-export --backend trt")
         self.context = self.engine.create_execution_context()
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device)  # non-default: graphs are captured on it
         self.max_batch, self.max_pages = engine_info["max_batch"], engine_info["max_pages"]
+        self.buckets = DecodeBuckets(self.max_batch, self.max_pages)
         dtype = torch.float16 if package.dtype == "float16" else torch.float32
         n, h, ps, d = pool.num_pages, pool.num_kv_heads, pool.page_size, pool.head_dim
         self.pages = []  # per layer (k, v, key_min, key_max) on the device
-        for names in package.layers:
-            tensors = (torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
-                       torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
-                       torch.zeros((n, h, d), dtype=dtype, device=self.device),
-                       torch.zeros((n, h, d), dtype=dtype, device=self.device))
-            for role, t in zip(("key_cache", "value_cache", "key_min", "key_max"), tensors):
-                self.context.set_tensor_address(names[role], t.data_ptr())
-            self.pages.append(tensors)
+        for _ in package.layers:
+            self.pages.append((torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
+                               torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
+                               torch.zeros((n, h, d), dtype=dtype, device=self.device),
+                               torch.zeros((n, h, d), dtype=dtype, device=self.device)))
+        self._bind_pages(self.context)
+        enabled = cuda_graphs and os.environ.get(GRAPHS_ENV, "1") != "0"
+        self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if enabled else None
+        self._scratch = None  # activation memory of the graph contexts, made with the first one
         pool.add_copy_listener(self._copy_page)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (False once a capture failed)."""
+        return self._graphs is not None
 
     def _copy_page(self, src: int, dst: int) -> None:
         with self._torch.cuda.stream(self.stream):
@@ -76,68 +102,118 @@ class TrtBackend(Backend):
                 for t in tensors:
                     t[dst].copy_(t[src])
 
-    def _bind_input(self, name: str, array: np.ndarray, keep: list) -> None:
-        trt_dtype = self.engine.get_tensor_dtype(name)
-        np_dtype = {"INT32": np.int32, "INT64": np.int64}.get(trt_dtype.name, np.int64)
-        t = self._torch.from_numpy(np.ascontiguousarray(array, np_dtype)).to(self.device, non_blocking=True)
-        keep.append(t)
-        self.context.set_input_shape(name, tuple(t.shape))
-        self.context.set_tensor_address(name, t.data_ptr())
+    def _bind_pages(self, context) -> None:
+        for names, tensors in zip(self.package.layers, self.pages):
+            for role, t in zip(PAGE_ROLES, tensors):
+                context.set_input_shape(names[role], tuple(t.shape))
+                context.set_tensor_address(names[role], t.data_ptr())
+
+    def _feeds(self, input_ids, positions, page_table, past_lens, token_budget, logits_index) -> dict:
+        """Engine input name -> array for the step inputs this package has."""
+        by_role = dict(input_ids=input_ids, position_ids=positions, page_table=page_table, past_lens=past_lens,
+                       token_budget=token_budget, logits_index=logits_index)
+        return {self.package.inputs[role]: a for role, a in by_role.items() if role in self.package.inputs}
+
+    def _np_dtype(self, name: str):
+        return {"INT32": np.int32, "INT64": np.int64}.get(self.engine.get_tensor_dtype(name).name, np.int64)
+
+    def _bind_outputs(self, context) -> dict:
+        """Fresh output buffers at the context's current shapes, bound to it."""
+        torch = self._torch
+        outputs = {}
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            if self.engine.get_tensor_mode(name).name != "OUTPUT":
+                continue
+            dt = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32,
+                  "BOOL": torch.bool}[self.engine.get_tensor_dtype(name).name]
+            outputs[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dt, device=self.device)
+            context.set_tensor_address(name, outputs[name].data_ptr())
+        return outputs
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         torch = self._torch
-        if len(batch) > self.max_batch or batch.page_table.shape[1] > self.max_pages:
-            raise RuntimeError(f"batch {len(batch)} x {batch.page_table.shape[1]} pages is outside the engine's "
-                               f"profile ({self.max_batch} x {self.max_pages}); lower max_batch or re-export")
+        check_profile(len(batch), batch.page_table.shape[1], self.max_batch, self.max_pages)
         keep: list = []
-        ins = self.package.inputs
         with torch.cuda.stream(self.stream):
-            self._bind_input(ins["input_ids"], batch.input_ids, keep)
-            if "position_ids" in ins:
-                self._bind_input(ins["position_ids"], batch.positions, keep)
-            for role, array in (("page_table", batch.page_table), ("past_lens", batch.past_lens),
-                                ("token_budget", batch.token_budget)):
-                self._bind_input(ins[role], array, keep)
-            if "logits_index" in ins:
-                self._bind_input(ins["logits_index"], batch.num_new_tokens.astype(np.int64) - 1, keep)
-            for names, tensors in zip(self.package.layers, self.pages):
-                for role, t in zip(("key_cache", "value_cache", "key_min", "key_max"), tensors):
-                    self.context.set_input_shape(names[role], tuple(t.shape))
-            outputs = {}
-            for i in range(self.engine.num_io_tensors):
-                name = self.engine.get_tensor_name(i)
-                if self.engine.get_tensor_mode(name).name != "OUTPUT":
-                    continue
-                shape = tuple(self.context.get_tensor_shape(name))
-                dt = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32,
-                      "BOOL": torch.bool}[self.engine.get_tensor_dtype(name).name]
-                outputs[name] = torch.empty(shape, dtype=dt, device=self.device)
-                self.context.set_tensor_address(name, outputs[name].data_ptr())
-            if not self.context.execute_async_v3(self.stream.cuda_stream):
-                raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
+            outputs = None
+            if self._graphs is not None and len(batch) and batch.input_ids.shape[1] == 1:
+                outputs = self._replay(batch)
+            if outputs is None:
+                outputs = self._execute(batch, keep)
             self._append(batch, outputs)
-            logits = outputs[self.package.logits]
-            logits = logits[:, 0] if "logits_index" in ins else logits[torch.arange(len(batch)),
-                                                                       torch.from_numpy(batch.num_new_tokens - 1)]
-            selected = [outputs[n["selected_pages"]].bool().cpu().numpy() for n in self.package.layers
-                        if n.get("selected_pages") in outputs] or None
+            n, width = len(batch), batch.page_table.shape[1]
+            logits = outputs[self.package.logits][:n]  # a graph's outputs have padding rows after the real ones
+            logits = logits[:, 0] if "logits_index" in self.package.inputs else logits[
+                torch.arange(n), torch.from_numpy(batch.num_new_tokens - 1)]
+            selected = [outputs[names["selected_pages"]][:n, :, :width].bool().cpu().numpy()
+                        for names in self.package.layers if names.get("selected_pages") in outputs] or None
             logits = logits.float().cpu().numpy()
         self.stream.synchronize()
         return StepOutput(logits, selected)
 
+    def _execute(self, batch: ScheduledBatch, keep: list) -> dict:
+        """The step without a graph: inputs uploaded and bound at the batch's own shapes."""
+        feeds = self._feeds(batch.input_ids, batch.positions, batch.page_table, batch.past_lens,
+                            batch.token_budget, batch.num_new_tokens.astype(np.int64) - 1)
+        for name, array in feeds.items():
+            t = self._torch.from_numpy(np.ascontiguousarray(array, self._np_dtype(name)))
+            t = t.to(self.device, non_blocking=True)
+            keep.append(t)
+            self.context.set_input_shape(name, tuple(t.shape))
+            self.context.set_tensor_address(name, t.data_ptr())
+        outputs = self._bind_outputs(self.context)
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
+        return outputs
+
+    def _replay(self, batch: ScheduledBatch) -> dict | None:
+        """The decode step through its bucket's graph (captured on first use); its static
+        outputs, padding rows included. None after a capture failure (graphs are then off)."""
+        padded = self.buckets.pad(batch)
+        feeds = self._feeds(padded.input_ids, padded.positions, padded.page_table, padded.past_lens,
+                            padded.token_budget, padded.logits_index)
+        graph = self._graphs.get(padded.shape)
+        if graph is None:
+            try:
+                graph = self._graphs[padded.shape] = _DecodeGraph(self, feeds)
+            except Exception as e:  # e.g. cudaErrorStreamCaptureUnsupported, or execute_async_v3 failing
+                warnings.warn(f"TensorRT backend: CUDA graph capture failed for decode bucket {padded.shape} "
+                              f"({type(e).__name__}: {e}); decode steps run without graphs from now on",
+                              RuntimeWarning, stacklevel=3)
+                self._graphs, self._scratch = None, None
+                return None
+        graph.replay(feeds)
+        return graph.outputs
+
+    def _graph_context(self):
+        """A context for one graph, on the activation buffer all graph contexts share."""
+        torch, trt = self._torch, self._trt
+        context = self.engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if context is None:
+            raise RuntimeError("TensorRT could not create an execution context for a CUDA graph")
+        if self._scratch is None:
+            size = getattr(self.engine, "device_memory_size_v2", None) or self.engine.device_memory_size
+            self._scratch = torch.empty(max(int(size), 1), dtype=torch.uint8, device=self.device)
+        if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1
+            context.set_device_memory(self._scratch.data_ptr(), self._scratch.numel())
+        else:
+            context.device_memory = self._scratch.data_ptr()
+        return context
+
     def _append(self, batch: ScheduledBatch, outputs: dict) -> None:
-        """New K/V into their pages (+ metadata). Rows with fewer new tokens than the
-        batch's width (right-padded prefill chunks) are written row by row, so no
-        padding token lands in a page."""
+        """New K/V into their pages (+ metadata). Only the batch's rows are written (a graph's
+        padding rows are not); rows with fewer new tokens than the batch's width (right-padded
+        prefill chunks) are written row by row, so no padding token lands in a page."""
         from tinyserve_trt.kernels.harness import append_kv_gpu
 
         torch = self._torch
         table = torch.from_numpy(np.ascontiguousarray(batch.page_table, np.int32)).to(self.device)
         past = torch.from_numpy(np.ascontiguousarray(batch.past_lens, np.int32)).to(self.device)
-        width = batch.input_ids.shape[1]
+        n, width = len(batch), batch.input_ids.shape[1]
         full = bool(np.all(batch.num_new_tokens == width))
         for layer, names in enumerate(self.package.layers):
-            k, v = outputs[names["new_key"]], outputs[names["new_value"]]
+            k, v = outputs[names["new_key"]][:n], outputs[names["new_value"]][:n]
             kc, vc, kmin, kmax = self.pages[layer]
             if full:
                 append_kv_gpu(k, v, kc, vc, kmin, kmax, table, past)
@@ -148,6 +224,53 @@ class TrtBackend(Backend):
                                   table[row:row + 1], past[row:row + 1])
 
     def close(self) -> None:
+        self._graphs = None  # graphs before the contexts they were captured from
+        self._scratch = None
         self.context = None
         self.engine = None
         self.pages = []
+
+
+class _DecodeGraph:
+    """One decode bucket ``[B, W]`` captured as a CUDA graph.
+
+    Owns an execution context whose input shapes, tensor addresses (static inputs,
+    the backend's page pools, static outputs) never change after capture, which is
+    what a TensorRT graph requires. ``feeds`` (engine input name -> padded array)
+    fixes the shapes and is what the warm-up and the capture compute.
+    """
+
+    def __init__(self, backend: TrtBackend, feeds: dict[str, np.ndarray]):
+        torch, stream = backend._torch, backend.stream
+        self._torch, self.stream = torch, stream
+        self.context = context = backend._graph_context()
+        self.inputs, self.host = {}, {}
+        for name, array in feeds.items():
+            host = torch.from_numpy(np.ascontiguousarray(array, backend._np_dtype(name))).pin_memory()
+            self.host[name] = host  # pinned staging: the step's copy is asynchronous
+            self.inputs[name] = host.to(backend.device)
+            context.set_input_shape(name, tuple(host.shape))
+            context.set_tensor_address(name, self.inputs[name].data_ptr())
+        backend._bind_pages(context)
+        self.outputs = backend._bind_outputs(context)
+        with torch.cuda.stream(stream):
+            # After a shape change TensorRT may defer work to the next enqueue; run once
+            # outside the capture so the graph holds only the steady-state launches.
+            if not context.execute_async_v3(stream.cuda_stream):
+                raise RuntimeError("execute_async_v3 failed before capture (see the TensorRT log)")
+        stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            ok = context.execute_async_v3(stream.cuda_stream)
+        if not ok:
+            raise RuntimeError("execute_async_v3 failed during capture (see the TensorRT log)")
+
+    def replay(self, feeds: dict[str, np.ndarray]) -> None:
+        """Copy ``feeds`` (same names and shapes as at capture) into the static inputs and
+        replay on the backend's stream. The caller synchronizes the stream before the next
+        replay (the pinned staging buffers are reused)."""
+        with self._torch.cuda.stream(self.stream):
+            for name, array in feeds.items():
+                np.copyto(self.host[name].numpy(), array, casting="same_kind")
+                self.inputs[name].copy_(self.host[name], non_blocking=True)
+            self.graph.replay()
