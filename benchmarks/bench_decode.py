@@ -10,7 +10,8 @@ row decodes its own stream): tinyserve prefills it once and every row, sparse
 and dense, reuses its pages; the original prefills it once in chunks and stacks the cache
 B times (its batch-8 x 8K prefill would need ~29 GB). Only decode steps are
 timed: the median over --steps steps, best of --passes passes.
-Writes benchmarks/results/decode_cpu.md; the LAST line printed is
+Writes benchmarks/results/decode_cpu.md and decode_cpu.json (the report's decode
+format, ``tinyserve_trt/evaluation/results.py``); the LAST line printed is
 ``RESULT speedup_8k_b8_vs_original=<original step time / sparse step time>``
 (named after the largest context and batch measured).
 """
@@ -229,7 +230,27 @@ def write_table(args, package: ModelPackage, source, rows) -> None:
         lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {ratio} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
+    write_json(args.out.with_suffix(".json"), rows, args.threads, budget=args.budget)
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+SYSTEMS = {"sparse": "tinyserve sparse b{budget}", "dense": "tinyserve dense", "original": "original export (ORT)",
+           "genai": "ORT GenAI"}
+
+
+def write_json(path: Path, rows, threads: int, budget: int) -> None:
+    """The report's decode format: one row per (system, context, batch)."""
+    from tinyserve_trt.evaluation import results as results_io
+
+    records = [dict(system=SYSTEMS[k].format(budget=budget), context=context, batch=batch,
+                    ms_per_token=round(v * 1e3 / batch, 3), ms_per_step=round(v * 1e3, 3),
+                    tokens_per_s=round(batch / v, 2))
+               for context, batch, best in rows for k, v in best.items() if k in SYSTEMS]
+    import onnxruntime as ort
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {threads} ORT threads, onnxruntime {ort.__version__}"
+    results_io.validate_decode(dict(rows=records))
+    results_io.write_json(path, "decode", dict(rows=records), machine)
 
 
 if __name__ == "__main__":

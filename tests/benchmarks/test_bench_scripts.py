@@ -33,6 +33,11 @@ def test_bench_decode_smoke(llama, tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT speedup_40_b2_vs_original=\d+\.\d+", last)
     assert "| 40 | 2 |" in out.read_text()
+    record = json.loads(out.with_suffix(".json").read_text())  # what report.py plots
+    systems = {(r["system"], r["batch"]) for r in record["rows"]}
+    assert {("tinyserve sparse b16", 2), ("tinyserve dense", 1), ("original export (ORT)", 2)} <= systems
+    report = load("report")
+    assert "decode" in report.decode_records(tmp_path) and report.decode_records(tmp_path)["decode"]["rows"]
 
 
 def test_bench_prefix_smoke(llama, tmp_path, capsys):
