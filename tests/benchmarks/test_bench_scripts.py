@@ -89,3 +89,19 @@ def test_quality_sweep_variants_parse_and_reject():
     for bad in ("x:page=8", "x:page_size", ";"):
         with pytest.raises(ValueError):
             sweep.parse_variants(bad, defaults)
+
+
+def test_bench_page_size_smoke(llama, tmp_path, capsys):
+    from tinyserve_trt.export.config import ExportConfig
+    from tinyserve_trt.export.pipeline import export_model
+
+    src, pkg4, _ = llama
+    pkg8 = tmp_path / "pkg8"
+    export_model(src, pkg8, ExportConfig(page_size=8, token_budget=16, dense_layers=1), quiet=True)
+    out = tmp_path / "page_size.md"
+    assert load("bench_page_size").main(["--models", str(pkg4), str(pkg8), "--contexts", "40", "--batches", "2",
+                                         "--budget", "16", "--steps", "2", "--passes", "1", "--threads", "1",
+                                         "--out", str(out)]) == 0
+    assert re.fullmatch(r"RESULT sparse_step_ratio=\d+\.\d+", capsys.readouterr().out.strip().splitlines()[-1])
+    table = out.read_text()
+    assert "page 8 sparse ms" in table and "page 4 sparse ms" in table and "| 40 | 2 |" in table
