@@ -25,10 +25,15 @@ EXPECTED = [
     ("quality", "perplexity vs budget per policy, attention-mass recall (SmolLM2)", "benchmarks/quality.py"),
     ("passkey", "passkey retrieval accuracy per context and budget (SmolLM2)", "benchmarks/passkey.py"),
     ("decode_cpu", "end-to-end decode tokens/s vs context per system, CPU", "decode benchmark"),
-    ("prefix", "prefix-cache sharing", "prefix benchmark"),
-    ("mixed_precision", "INT8 cold pages / fp16 quality and speed", "mixed-precision benchmark"),
-    ("serve_cpu", "serving throughput and latency, CPU", "serving benchmark"),
+    ("prefix_cpu", "prefix-cache sharing: KV pages and TTFT (SmolLM2)", "benchmarks/bench_prefix.py"),
+    ("mixed_precision", "INT8 cold pages: KV bytes vs top-1 agreement", "benchmarks/bench_mixed.py"),
+    ("serve_cpu", "serving throughput and latency, CPU", "benchmarks/bench_serve.py"),
     ("gpu_h200", "CUDA kernels / TensorRT on an H200", "benchmarks/gpu_check.py"),
+    ("quality_sweep", "selection variants at budget 1024 (page size, GQA reduce, sinks, recent, dense layers)",
+     "benchmarks/quality_sweep.py"),
+    ("quality_sweep_pages", "page sizes 8 and 4 at budget 1024", "benchmarks/quality_sweep.py --variants ..."),
+    ("passkey_page4", "passkey at 6K with page size 4", "benchmarks/passkey.py --page-size 4"),
+    ("page_size_cpu", "decode step time at page 16 vs page 4", "benchmarks/bench_page_size.py"),
 ]
 
 
