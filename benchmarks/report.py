@@ -34,6 +34,7 @@ EXPECTED = [
     ("quality_sweep_pages", "page sizes 8 and 4 at budget 1024", "benchmarks/quality_sweep.py --variants ..."),
     ("passkey_page4", "passkey at 6K with page size 4", "benchmarks/passkey.py --page-size 4"),
     ("passkey_page16_6k", "the same 6K passkey trials at page size 16", "benchmarks/passkey.py --page-size 16"),
+    ("passkey_page4_grid", "the passkey grid of passkey.json at page size 4", "benchmarks/passkey.py --page-size 4"),
     ("page_size_cpu", "decode step time at page 16 vs page 4", "benchmarks/bench_page_size.py"),
 ]
 
