@@ -93,4 +93,9 @@ private:
 // ONNX parser's own plugin_namespace / plugin_version fields are accepted.
 bool parseFields(nvinfer1::PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& error) noexcept;
 
+// Schema enum index -> its attribute string; schema field type (0 int, 1 float, 2 string) -> PluginFieldType.
+char const* policyName(int32_t policy) noexcept;
+char const* groupReduceName(int32_t groupReduce) noexcept;
+nvinfer1::PluginFieldType fieldType(int schemaType) noexcept;
+
 }  // namespace tinyserve
