@@ -19,7 +19,7 @@ ARCH=$(python -c "import torch; M, m = torch.cuda.get_device_capability(); print
 time python plugins/build.py --arch "$ARCH"
 
 CURRENT_STEP="kernel unit tests vs numpy reference"; step "$CURRENT_STEP"
-timeout 240 python -m pytest tests/kernels -q -x -m gpu -p no:cacheprovider
+timeout 240 python -m pytest tests/kernels tests/runtime/test_device_pages.py -q -x -m gpu -p no:cacheprovider
 
 CURRENT_STEP="validate grid + time vs torch SDPA"; step "$CURRENT_STEP"
 timeout 330 python benchmarks/gpu_check.py --out benchmarks/results/gpu_h200.md "$@"

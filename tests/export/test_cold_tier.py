@@ -80,7 +80,6 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize("fields,flags,message", [
     (dict(page_size=8), (), "calibrated with page size 8"),
     (dict(k_absmax=None), (), "is for a model with"),
-    ({}, ("--backend", "trt"), "not supported by the TensorRT runtime backend"),
 ])
 def test_a_calibration_that_does_not_fit_exits_2(capsys, tmp_path, llama, fields, flags, message):
     import numpy as np

@@ -26,23 +26,29 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinyserve_trt.runtime.backends import trt as trt_backend  # noqa: E402
+from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: E402
+from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES  # noqa: E402
 from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig  # noqa: E402
 from tinyserve_trt.runtime.pages import PagePool  # noqa: E402
 from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
 from tinyserve_trt.runtime.scheduler import Scheduler  # noqa: E402
+from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 3, 4, 16, 48
-NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32}
+NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8}
+COLD_TIER = dict(k_granularity="channel", v_granularity="token")
 
 # ---- a stand-in TensorRT ------------------------------------------------------------
 _capturing: list = []  # the fake CUDAGraph being captured, if any
 
 
-def _spec() -> dict[str, tuple[str, str]]:
+def _spec(cold: bool = False) -> dict[str, tuple[str, str]]:
     spec = {n: ("INPUT", "INT32") for n in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget")}
     spec["logits_index"] = ("INPUT", "INT64")
     for i in range(LAYERS):
-        spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in trt_backend.PAGE_ROLES})
+        spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in HOT_ROLES})
+        if cold:
+            spec.update({f"{r}.{i}": ("INPUT", "INT8" if r.endswith("int8") else "FLOAT") for r in COLD_ROLES})
         spec.update({f"new_key.{i}": ("OUTPUT", "FLOAT"), f"new_value.{i}": ("OUTPUT", "FLOAT"),
                      f"selected_pages.{i}": ("OUTPUT", "INT32")})
     spec["logits"] = ("OUTPUT", "FLOAT")
@@ -52,9 +58,10 @@ def _spec() -> dict[str, tuple[str, str]]:
 class FakeEngine:
     device_memory_size_v2 = 4096
 
-    def __init__(self, capturable: bool = True):
-        self.spec, self.capturable, self.contexts = _spec(), capturable, []
+    def __init__(self, capturable: bool = True, cold: bool = False):
+        self.spec, self.capturable, self.contexts = _spec(cold), capturable, []
         self.names = list(self.spec)
+        self.last_context = None  # per row: the sum the toy model read from the cache
 
     num_io_tensors = property(lambda self: len(self.names))
 
@@ -127,9 +134,13 @@ class FakeContext:
             pages = -(-past // PAGE_SIZE)
             self._view(f"selected_pages.{layer}")[...] = np.arange(table.shape[1]) < pages[:, None, None]
             cache = self._view(f"key_cache.{layer}")
+            if f"key_cache_int8.{layer}" in self.shapes:  # physical ids >= P are cold: dequantized, as the op
+                cold = self._view(f"key_cache_int8.{layer}").astype(np.float32) * self._view(f"key_scale.{layer}")
+                cache = np.concatenate([cache, cold])
             for b in range(b_rows):  # never reads a page-table column past past_lens
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()
+        self.engine.last_context = context
         rows = np.arange(b_rows)
         phase = ids[rows, last] + 0.1 * pos[rows, last] + 1e-3 * context
         self._view("logits")[...] = np.cos(0.37 * np.arange(VOCAB) * (1 + phase[:, None]))[:, None, :]
@@ -199,10 +210,10 @@ def _fake_append(key, value, key_cache, value_cache, key_min, key_max, page_tabl
 def fake_backend(monkeypatch, tmp_path):
     """backend(cuda_graphs=..., capturable=...) -> (TrtBackend on fakes, its PagePool)."""
     (tmp_path / "model.plan").write_bytes(b"fake")
-    layers = [{r: f"{r}.{i}" for r in (*trt_backend.PAGE_ROLES, "new_key", "new_value", "selected_pages")}
+    layers = [{r: f"{r}.{i}" for r in (*HOT_ROLES, *COLD_ROLES, "new_key", "new_value", "selected_pages")}
               for i in range(LAYERS)]
     package = types.SimpleNamespace(
-        path=tmp_path, dtype="float32", layers=layers, logits="logits",
+        path=tmp_path, dtype="float32", layers=layers, logits="logits", cold_tier=None,
         manifest={"engine": {"file": "model.plan", "max_batch": 8, "max_pages": 16}},
         inputs={r: r for r in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget",
                                "logits_index")})
@@ -210,13 +221,16 @@ def fake_backend(monkeypatch, tmp_path):
     monkeypatch.setattr("tinyserve_trt.kernels.harness.append_kv_gpu", _fake_append)
     _appended.clear()
 
-    def make(cuda_graphs=True, capturable=True):
-        engine = FakeEngine(capturable)
+    def make(cuda_graphs=True, capturable=True, tiered=False):
+        engine = FakeEngine(capturable, cold=tiered)
+        package.cold_tier = COLD_TIER if tiered else None
         trt = types.SimpleNamespace(
             Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
             ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))
         monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda: trt)
-        pool = PagePool(CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32"), LAYERS, HEADS, DIM)
+        cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32")
+        pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **COLD_TIER), LAYERS, HEADS, DIM) if tiered \
+            else PagePool(cache, LAYERS, HEADS, DIM)
         with monkeypatch.context() as m:
             m.setitem(sys.modules, "torch", _fake_torch())
             backend = trt_backend.TrtBackend(package, pool, cuda_graphs=cuda_graphs)
@@ -258,9 +272,9 @@ def test_fake_engine_graphs_match_plain_execution(fake_backend):
         for s, ws in zip(selected, want_selected):
             assert s.shape == (b, HEADS, w)
             np.testing.assert_array_equal(s, ws)
-    for mine, theirs in zip(graphs.pages, plain.pages):  # padding rows wrote nothing
-        for a, b in zip(mine, theirs):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for mine, theirs in zip(graphs.pages.layers, plain.pages.layers):  # padding rows wrote nothing
+        for role in HOT_ROLES:
+            np.testing.assert_array_equal(mine[role].numpy(), theirs[role].numpy())
     assert graphs.cuda_graphs and set(graphs._graphs) == {graphs.buckets.shape(b, w) for b, w in kinds}
 
 
@@ -306,6 +320,51 @@ def test_batch_outside_the_profile_raises_before_running(fake_backend):
     sched.add("long", list(range(1, 70)), SamplingParams(max_tokens=1))  # 18 pages > max_pages 16
     with pytest.raises(RuntimeError, match=r"batch 1 x 18 pages is outside the engine's profile \(8 x 16\)"):
         backend.run(sched.schedule())
+
+
+def _toy_page_keys(tokens: list[int], page: int, layer: int) -> np.ndarray:
+    """``[HEADS, PAGE_SIZE, DIM]`` keys the fake engine computed for a full logical page."""
+    pos = np.arange(page * PAGE_SIZE, (page + 1) * PAGE_SIZE)
+    ids = np.asarray(tokens, np.float32)[pos]
+    grid = 0.5 * np.arange(HEADS)[:, None, None] + 0.125 * np.arange(DIM)
+    return ((ids + 0.25 * pos + layer)[None, :, None] + grid).astype(np.float32)
+
+
+def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(fake_backend):
+    """A tiered pool: every full page but a sequence's last is demoted after each step.
+    The toy model reads each row's cached keys through the page table; what it read
+    must be the exact keys for hot pages and their INT8 round trip for cold ones."""
+    backend, pool = fake_backend(tiered=True)
+    assert backend.reads_cold_pages and backend.pages.num_cold == PAGES
+    sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=8), pool)
+    for rid, (prompt, n) in REQUESTS.items():
+        sched.add(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    read_cold = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        cold_pages = [[p for p in s.pages if not pool.is_hot(p)] for s in batch.seqs]
+        out = backend.run(batch)
+        for row, seq in enumerate(batch.seqs):
+            past = int(batch.past_lens[row])
+            want = 0.0
+            for layer in range(LAYERS):
+                for lp in range(-(-past // PAGE_SIZE)):
+                    n = min(PAGE_SIZE, past - lp * PAGE_SIZE)
+                    if seq.pages[lp] in cold_pages[row]:
+                        keys = _toy_page_keys(seq.token_ids, lp, layer)
+                        keys = dequantize_page(*quantize_page(keys, COLD_TIER["k_granularity"]))
+                        read_cold += 1
+                    else:
+                        keys = _toy_page_keys(seq.token_ids + [0] * PAGE_SIZE, lp, layer)
+                    want += float(keys[0, :n, 0].sum())
+            np.testing.assert_allclose(backend.engine.last_context[row], want, rtol=1e-6)
+        sched.postprocess(batch, out.logits.argmax(axis=1))
+        for seq in sched.running:  # demote between steps, as Tiering.rebalance does
+            for page in seq.pages[:-1]:
+                if pool.is_hot(page) and pool.is_full(page):
+                    pool.demote(page)
+    assert read_cold > 0 and pool.num_cold_free < PAGES
+    pool.check_integrity()
 
 
 # ---- on a GPU with TensorRT -------------------------------------------------------------

@@ -45,11 +45,6 @@ class ExportConfig:
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
-        if self.has_cold_tier and self.backend == "trt":
-            # the kernels and plugin read INT8 pages (compiled, never run on a GPU), but the trt
-            # runtime backend keeps float pools only: it cannot demote pages yet
-            raise ValueError("INT8 cold pages (--calibration / cold_pages) are not supported by the TensorRT "
-                             "runtime backend yet (it keeps every page hot); export for --backend ort")
 
     @property
     def has_cold_tier(self) -> bool:

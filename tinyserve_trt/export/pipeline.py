@@ -214,24 +214,13 @@ def _save_ort_optimized(manifest: dict):
 
 def _build_trt_engine(manifest: dict, config: ExportConfig):
     """A hook that builds ``model.plan`` inside the package's temporary directory,
-    with one optimization profile over batch, new tokens and page-table width."""
-    from .trt_build import build_engine
+    with one optimization profile over every dynamic input (``trt_build.engine_profiles``)."""
+    from .trt_build import build_engine, engine_profiles
 
     def finalize(tmp: Path) -> None:
-        io, ps = manifest["io"], manifest["page_size"]
-        max_pages = -(-config.max_context // ps)
-        batch, chunk = (1, 8, 64), (1, 1, 512)
-        profiles = {io["inputs"]["input_ids"]: ((1, 1), (batch[1], chunk[1]), (batch[2], chunk[2])),
-                    io["inputs"]["page_table"]: ((1, 1), (batch[1], max_pages // 2), (batch[2], max_pages))}
-        for role in ("position_ids",):
-            if role in io["inputs"]:
-                profiles[io["inputs"][role]] = profiles[io["inputs"]["input_ids"]]
-        for role in ("past_lens", "token_budget", "logits_index"):
-            if role in io["inputs"]:
-                profiles[io["inputs"][role]] = ((1,), (batch[1],), (batch[2],))
+        profiles, limits = engine_profiles(manifest, config.max_context)
         build_engine(tmp / "model.onnx", tmp / "model.plan", profiles, fp16=config.fp16)
-        manifest["engine"] = dict(file="model.plan", max_batch=batch[2], max_new_tokens=chunk[2],
-                                  max_pages=max_pages)
+        manifest["engine"] = dict(file="model.plan", **limits)
 
     return finalize
 

@@ -58,6 +58,7 @@ class PagePool:
         self._free: deque[int] = deque(range(n))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently released
         self._on_evict: Callable[[int], None] | None = None
+        self._device = None  # a backend's DevicePages once attached: the data lives there
 
     # ---- views the model reads (no copies) --------------------------------
     def k_pages(self, layer: int) -> np.ndarray:
@@ -193,8 +194,12 @@ class PagePool:
             raise ValueError(f"copy source page {src} is not in use")
         if not self.is_writable(dst):
             raise ValueError(f"copy target page {dst} is shared or cached")
-        for arr in (self._k, self._v, self._key_min, self._key_max, self._num_valid):
-            arr[:, dst] = arr[:, src]
+        if self._device is not None:
+            self._num_valid[:, dst] = self._num_valid[:, src]
+            self._device.copy_page(src, dst)
+        else:
+            for arr in (self._k, self._v, self._key_min, self._key_max, self._num_valid):
+                arr[:, dst] = arr[:, src]
         for fn in getattr(self, "_copy_listeners", ()):
             fn(src, dst)
 
@@ -218,10 +223,49 @@ class PagePool:
         slots = np.asarray(slots, np.int64).reshape(-1)
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
             raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
-        bad = [int(p) for p in np.unique(slots // self.page_size) if not self.is_writable(p)]
+        self._check_writable(slots // self.page_size)
+        if self._device is not None:
+            raise ValueError("page data lives on the backend's device (attach_device); use note_device_writes")
+        self._write_physical(layer, slots, k, v)
+
+    def _check_writable(self, pages: np.ndarray) -> None:
+        bad = [int(p) for p in np.unique(pages) if not self.is_writable(p)]
         if bad:
             raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
-        self._write_physical(layer, slots, k, v)
+
+    def _physical_ids(self, pages: np.ndarray) -> np.ndarray:
+        """Storage ids of page ids (identity here; handles -> slots in a tiered pool)."""
+        return pages
+
+    # ---- data on a device ---------------------------------------------------
+    def attach_device(self, pages) -> None:
+        """Hand the page data to ``pages`` (a backend's ``DevicePages``). From then on this
+        pool keeps the bookkeeping only - ids, refcounts, valid counts - and forwards data
+        moves to it with physical ids (``copy_page(src, dst)``, a tiered pool's
+        ``demote_page(hot, cold)``); its own K/V/min/max arrays are neither written nor
+        read, and the backend reports its writes with :meth:`note_device_writes`."""
+        self._device = pages
+
+    @property
+    def data_on_device(self) -> bool:
+        return self._device is not None
+
+    def note_device_writes(self, slot_mapping: np.ndarray) -> None:
+        """Valid counts after a backend wrote a step's tokens (``slot_mapping``:
+        ``[batch, new]`` page * page_size + offset, -1 padding) into every layer's
+        pages on its device. The same page checks as :meth:`write_tokens`."""
+        slots = np.asarray(slot_mapping, np.int64).reshape(-1)
+        slots = slots[slots >= 0]
+        if not slots.size:
+            return
+        if slots.max() >= self.num_pages * self.page_size:
+            raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
+        self._check_writable(slots // self.page_size)
+        phys = self._physical_ids(slots // self.page_size)
+        upages, inv = np.unique(phys, return_inverse=True)
+        last = np.full(upages.shape, -1, np.int64)
+        np.maximum.at(last, inv, slots % self.page_size)
+        self._num_valid[:, upages] = np.maximum(self._num_valid[:, upages], last + 1)
 
     def _write_physical(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """The storage half of :meth:`write_tokens` on storage ids (checked slots):

@@ -217,7 +217,9 @@ class TieredPagePool(PagePool):
         if not self.is_writable(dst) or not self.is_hot(dst):
             raise ValueError(f"copy target page {dst} is shared, cached or cold")
         s, t = int(self._phys[src]), int(self._phys[dst])
-        if s < self.num_hot:
+        if self._device is not None:
+            self._device.copy_page(s, t)
+        elif s < self.num_hot:
             self._k[:, t], self._v[:, t] = self._k[:, s], self._v[:, s]
         else:
             c = s - self.num_hot
@@ -234,14 +236,20 @@ class TieredPagePool(PagePool):
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
             raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
         handles = slots // self.page_size
-        cold = [int(p) for p in np.unique(handles) if not self.is_hot(p) and self._refcount[p] > 0]
-        if cold:
-            raise ValueError(f"pages {cold} are cold (read-only); copy them to a hot page first")
-        bad = [int(p) for p in np.unique(handles) if not self.is_writable(p)]
-        if bad:
-            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
+        self._check_writable(handles)
+        if self._device is not None:
+            raise ValueError("page data lives on the backend's device (attach_device); use note_device_writes")
         phys_slots = self._phys[handles] * self.page_size + slots % self.page_size
         self._write_physical(layer, phys_slots, k, v)
+
+    def _check_writable(self, pages: np.ndarray) -> None:
+        cold = [int(p) for p in np.unique(pages) if not self.is_hot(p) and self._refcount[p] > 0]
+        if cold:
+            raise ValueError(f"pages {cold} are cold (read-only); copy them to a hot page first")
+        super()._check_writable(pages)
+
+    def _physical_ids(self, pages: np.ndarray) -> np.ndarray:
+        return self._phys[pages]
 
     def _update_minmax(self, layer, phys_ids, keys, valid):
         mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
@@ -272,6 +280,17 @@ class TieredPagePool(PagePool):
                 raise OutOfPagesError(f"cold tier full ({self.num_cold} pages, none evictable)")
             self._evict(victim)
         new = self._free_cold.popleft()
+        if self._device is not None:
+            self._device.demote_page(old, new)
+        else:
+            self._quantize_slot(old, new)
+        self._num_valid[:, new] = self._num_valid[:, old]
+        self._phys[page] = new
+        self._free_hot.append(old)
+        return old, new
+
+    def _quantize_slot(self, old: int, new: int) -> None:
+        """Hot slot ``old`` into cold slot ``new`` (host arrays), every layer."""
         c = new - self.num_hot
         kg, vg = self.tiers.k_granularity, self.tiers.v_granularity
         for layer in range(self.num_layers):
@@ -279,10 +298,6 @@ class TieredPagePool(PagePool):
             self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, old], vg)
             deq = dequantize_page(self._kq[layer, c], self._ks[layer, c], self._k.dtype)
             self._update_minmax(layer, [new], deq[None], [self.page_size])
-        self._num_valid[:, new] = self._num_valid[:, old]
-        self._phys[page] = new
-        self._free_hot.append(old)
-        return old, new
 
     def dequantized_keys(self, layer: int, page: int) -> np.ndarray:
         """``[Hkv, ps, D]`` keys of ``page`` as the op reads them (tests, calibration)."""
@@ -299,6 +314,8 @@ class TieredPagePool(PagePool):
         """PagePool's handle invariants, plus: a handle is bound iff in use or evictable,
         bindings are one-to-one, every slot is bound or free exactly once, cold pages
         are full. ``check_data`` also recomputes every bound page's min/max."""
+        if check_data and self._device is not None:
+            raise ValueError("check_data reads page data, which lives on the backend's device")
         super().check_integrity(holders)
 
         def fail(msg: str):

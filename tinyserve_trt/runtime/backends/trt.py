@@ -1,13 +1,18 @@
 """TrtBackend: a TensorRT engine with the QueryAwareSparseAttention plugin.
 
 The package must hold ``model.plan`` (``tinyserve-export --backend trt``).
-Page pools live on the GPU as torch CUDA tensors, one set per layer, bound by
-address to the engine's ``key_cache.{i}`` ... inputs, so a step moves only
-the small per-step arrays. New K/V are written into their pages by the
-``qsa_append_kv`` kernel (which also refreshes key_min/key_max) on the same
-stream; copy-on-write copies reach the device through the pool's copy
-listener. The host PagePool keeps the page bookkeeping (ids, refcounts,
-prefix cache); its own K/V arrays are not read by this backend.
+Page pools live on the GPU (``DevicePages``: torch CUDA tensors, one set per
+layer, in the pool's physical layout), bound by address to the engine's
+``key_cache.{i}`` ... inputs, so a step moves only the small per-step arrays.
+New K/V are written into their pages by the ``qsa_append_kv`` kernel (which
+also refreshes key_min/key_max) on the same stream. The host PagePool keeps
+the page bookkeeping (ids, refcounts, prefix cache, valid counts) and forwards
+copy-on-write copies to the device (``PagePool.attach_device``).
+
+INT8 cold tier (issue #6): over a ``TieredPagePool`` the engine's cold inputs
+(``key_cache_int8.{i}`` ...) are bound to device INT8 pools, the page table is
+the pool's physical table, and the pool's demotions quantize on the device,
+batched per step (``DevicePages.flush``).
 
 Decode steps (one new token per row) replay a CUDA graph: the batch is padded
 to a bucket shape ``[B, W]`` (``graph_buckets.DecodeBuckets``) and each bucket,
@@ -33,15 +38,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
+from tinyserve_trt.runtime.backends.device_pages import DevicePages
 from tinyserve_trt.runtime.backends.graph_buckets import DecodeBuckets, check_profile
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
 GRAPHS_ENV = "TINYSERVE_CUDA_GRAPHS"  # "0" turns decode-step CUDA graphs off
-PAGE_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
 
 
 def _load_tensorrt():
@@ -56,6 +62,7 @@ def _load_tensorrt():
 
 class TrtBackend(Backend):
     name = "trt"
+    reads_cold_pages = True
 
     def __init__(self, package, pool, device: int = 0, cuda_graphs: bool = True, **_ignored):
         trt = _load_tensorrt()
@@ -78,33 +85,23 @@ class TrtBackend(Backend):
         self.max_batch, self.max_pages = engine_info["max_batch"], engine_info["max_pages"]
         self.buckets = DecodeBuckets(self.max_batch, self.max_pages)
         dtype = torch.float16 if package.dtype == "float16" else torch.float32
-        n, h, ps, d = pool.num_pages, pool.num_kv_heads, pool.page_size, pool.head_dim
-        self.pages = []  # per layer (k, v, key_min, key_max) on the device
-        for _ in package.layers:
-            self.pages.append((torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
-                               torch.zeros((n, h, ps, d), dtype=dtype, device=self.device),
-                               torch.zeros((n, h, d), dtype=dtype, device=self.device),
-                               torch.zeros((n, h, d), dtype=dtype, device=self.device)))
+        self.pages = DevicePages(pool, dtype, self.device, package.cold_tier, stream=self.stream)
+        _check_pool_fits(engine_info, self.pages, package.path)
         self._bind_pages(self.context)
         enabled = cuda_graphs and os.environ.get(GRAPHS_ENV, "1") != "0"
         self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if enabled else None
         self._scratch = None  # activation memory of the graph contexts, made with the first one
-        pool.add_copy_listener(self._copy_page)
+        pool.attach_device(self.pages)
 
     @property
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (False once a capture failed)."""
         return self._graphs is not None
 
-    def _copy_page(self, src: int, dst: int) -> None:
-        with self._torch.cuda.stream(self.stream):
-            for tensors in self.pages:
-                for t in tensors:
-                    t[dst].copy_(t[src])
-
     def _bind_pages(self, context) -> None:
-        for names, tensors in zip(self.package.layers, self.pages):
-            for role, t in zip(PAGE_ROLES, tensors):
+        for names, tensors in zip(self.package.layers, self.pages.layers):
+            for role in self.pages.roles:
+                t = tensors[role]
                 context.set_input_shape(names[role], tuple(t.shape))
                 context.set_tensor_address(names[role], t.data_ptr())
 
@@ -134,14 +131,17 @@ class TrtBackend(Backend):
     def run(self, batch: ScheduledBatch) -> StepOutput:
         torch = self._torch
         check_profile(len(batch), batch.page_table.shape[1], self.max_batch, self.max_pages)
+        batch = replace(batch, page_table=self.pool.physical_table(batch.page_table))  # handles -> slots
         keep: list = []
         with torch.cuda.stream(self.stream):
+            self.pages.flush()  # the demotions of the last rebalance, before their hot slots are reused
             outputs = None
             if self._graphs is not None and len(batch) and batch.input_ids.shape[1] == 1:
                 outputs = self._replay(batch)
             if outputs is None:
                 outputs = self._execute(batch, keep)
             self._append(batch, outputs)
+            self.pool.note_device_writes(batch.slot_mapping)
             n, width = len(batch), batch.page_table.shape[1]
             logits = outputs[self.package.logits][:n]  # a graph's outputs have padding rows after the real ones
             logits = logits[:, 0] if "logits_index" in self.package.inputs else logits[
@@ -214,7 +214,8 @@ class TrtBackend(Backend):
         full = bool(np.all(batch.num_new_tokens == width))
         for layer, names in enumerate(self.package.layers):
             k, v = outputs[names["new_key"]][:n], outputs[names["new_value"]][:n]
-            kc, vc, kmin, kmax = self.pages[layer]
+            t = self.pages.layers[layer]
+            kc, vc, kmin, kmax = t["key_cache"], t["value_cache"], t["key_min"], t["key_max"]
             if full:
                 append_kv_gpu(k, v, kc, vc, kmin, kmax, table, past)
                 continue
@@ -228,7 +229,17 @@ class TrtBackend(Backend):
         self._scratch = None
         self.context = None
         self.engine = None
-        self.pages = []
+        self.pages = None
+
+
+def _check_pool_fits(engine_info: dict, pages: DevicePages, path) -> None:
+    """One-line error when the pools exceed the page counts the engine's profile allows
+    (packages from before the profile covered the pools have no limits recorded)."""
+    for key, have in (("max_pool_pages", pages.num_hot), ("max_cold_pages", pages.num_cold)):
+        limit = engine_info.get(key)
+        if limit is not None and have > limit:
+            raise RuntimeError(f"{path}: the page pool needs {have} {key[4:].replace('_', ' ')} but the engine "
+                               f"was built for at most {limit}; lower EngineConfig.num_pages / memory, or re-export")
 
 
 class _DecodeGraph:

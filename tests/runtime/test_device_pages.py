@@ -1,0 +1,173 @@
+"""DevicePages: the TensorRT backend's page storage, on CPU torch tensors.
+
+A pool with its data on a device (``PagePool.attach_device``) must end up holding,
+in DevicePages, exactly what the numpy pool holds after the same writes, demotions
+and copy-on-write copies: int8 values, scales, min/max, valid counts. On a GPU the
+same code runs on CUDA tensors (the ``cuda`` cases, marked ``gpu``: ``benchmarks/gpu_check.sh``
+runs them); only the token writes are the append kernel's.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinyserve_trt.kernels.references import append_kv_ref  # noqa: E402
+from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noqa: E402
+from tinyserve_trt.ops.quantization import quantize_pages as quantize_pages_np  # noqa: E402
+from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES, DevicePages, quantize_pages  # noqa: E402
+from tinyserve_trt.runtime.config import CacheConfig  # noqa: E402
+from tinyserve_trt.runtime.pages import PagePool  # noqa: E402
+from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool  # noqa: E402
+
+PS, L, H, D = 4, 2, 2, 8
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch: the device-side demotion runs on CPU tensors only")
+    return torch.device(request.param)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_quantize_matches_the_numpy_reference(granularity, dtype, device):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, H, PS, D)) * rng.uniform(0.1, 30, (5, H, 1, D))).astype(dtype)
+    x[0, 1] = 0  # an all-zero group takes scale 1
+    x[1, :, :, 3] *= 50  # an outlier channel
+    want_q, want_s = quantize_pages_np(x, granularity)
+    q, s = quantize_pages(torch, torch.from_numpy(x).to(device), granularity)
+    np.testing.assert_array_equal(q.cpu().numpy(), want_q)
+    np.testing.assert_array_equal(s.cpu().numpy(), want_s)
+
+
+def _pools(device, dtype="float32", k_gran="channel", v_gran="token"):
+    """(numpy pool, device-attached pool, its DevicePages) of the same geometry."""
+    config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype)
+    tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran)
+    host, dev = TieredPagePool(config, tiers, L, H, D), TieredPagePool(config, tiers, L, H, D)
+    pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran))
+    dev.attach_device(pages)
+    return host, dev, pages
+
+
+def _write(host, dev, pages, page_table, past, k, v):
+    """One step's tokens ``k, v [B, H, S, D]`` at ``past`` into both pools (the device
+    side as ``qsa_append_kv`` writes them: through the physical table)."""
+    B, _, S, _ = k.shape
+    slots = np.array([[page_table[b][(past[b] + i) // PS] * PS + (past[b] + i) % PS for i in range(S)]
+                      for b in range(B)])
+    for layer in range(L):
+        host.write_batch(layer, slots, k, v)
+        t = pages.layers[layer]
+        got = append_kv_ref(k, v, *(t[r].cpu().numpy() for r in HOT_ROLES), dev.physical_table(page_table),
+                            np.asarray(past))
+        for role, array in zip(HOT_ROLES, got):
+            t[role].copy_(torch.from_numpy(array).to(t[role].device))
+    dev.note_device_writes(slots)
+
+
+def _assert_same(host, dev, pages, handles):
+    pages.flush()
+    for h in handles:
+        p = host.physical(h)
+        assert dev.physical(h) == p
+        for layer in range(L):
+            t = pages.layers[layer]
+            np.testing.assert_array_equal(dev.num_valid(layer)[p], host.num_valid(layer)[p])
+            np.testing.assert_array_equal(t["key_min"][p].cpu().numpy(), host.key_min(layer)[p])
+            np.testing.assert_array_equal(t["key_max"][p].cpu().numpy(), host.key_max(layer)[p])
+            if p < host.num_hot:
+                n = host.num_valid(layer)[p]
+                np.testing.assert_array_equal(t["key_cache"][p, :, :n].cpu().numpy(), host.k_pages(layer)[p, :, :n])
+                np.testing.assert_array_equal(t["value_cache"][p, :, :n].cpu().numpy(), host.v_pages(layer)[p, :, :n])
+            else:
+                c = p - host.num_hot
+                np.testing.assert_array_equal(t["key_cache_int8"][c].cpu().numpy(), host.k_pages_int8(layer)[c])
+                np.testing.assert_array_equal(t["value_cache_int8"][c].cpu().numpy(), host.v_pages_int8(layer)[c])
+                np.testing.assert_array_equal(t["key_scale"][c].cpu().numpy(), host.k_scale(layer)[c])
+                np.testing.assert_array_equal(t["value_scale"][c].cpu().numpy(), host.v_scale(layer)[c])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("grans", [("channel", "token"), ("head", "channel")])
+def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, device):
+    rng = np.random.default_rng()
+    host, dev, pages = _pools(device, dtype, *grans)
+    a, b = host.allocate(3), dev.allocate(3)
+    assert a == b
+    k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)
+    _write(host, dev, pages, [a], [0], k, -k)  # pages 0, 1 full; page 2 holds 2 tokens
+    assert [host.demote(p) for p in a[:2]] == [dev.demote(p) for p in a[:2]]
+    _assert_same(host, dev, pages, a)
+    k2 = rng.standard_normal((1, H, 1, D)).astype(dtype)
+    _write(host, dev, pages, [a], [10], k2, k2)  # a decode token after the demotions
+    # copy-on-write of a cold page into a fresh hot one (a shared prefix diverging)
+    host.incref(a[0]), dev.incref(a[0])
+    (c_host,), (c_dev,) = host.allocate(1), dev.allocate(1)
+    assert c_host == c_dev and host.physical(c_host) == dev.physical(c_dev)
+    host.copy_page(a[0], c_host)
+    dev.copy_page(a[0], c_dev)
+    _assert_same(host, dev, pages, a + [c_host])
+    dev.check_integrity([a, a[:1] + [c_dev]])
+    with pytest.raises(ValueError, match="device"):
+        dev.check_integrity(check_data=True)
+
+
+def test_a_cold_slot_demoted_into_twice_before_a_flush_keeps_the_later_page():
+    pool = TieredPagePool(CacheConfig(page_size=PS, num_pages=4), TierConfig(num_cold_pages=1), L, H, D)
+    pages = DevicePages(pool, torch.float32, torch.device("cpu"), dict(k_granularity="head", v_granularity="head"))
+    for layer in pages.layers:
+        layer["key_cache"][0], layer["key_cache"][1] = 1.0, 2.0
+    pages.demote_page(0, 4)
+    pages.demote_page(1, 4)  # page 0's cold copy was evicted before the flush
+    pages.flush()
+    got = dequantize_page(pages.layers[0]["key_cache_int8"][0].numpy(), pages.layers[0]["key_scale"][0].numpy())
+    np.testing.assert_array_equal(got, 2.0)
+    assert pages.layers[1]["key_max"][4].max().item() == 2.0
+
+
+def test_note_device_writes_counts_valid_tokens_and_checks_pages():
+    pool = PagePool(CacheConfig(page_size=PS, num_pages=4), L, H, D)
+    pool.attach_device(DevicePages(pool, torch.float32, torch.device("cpu")))
+    p, q = pool.allocate(2)
+    pool.note_device_writes(np.array([[p * PS, p * PS + 1, p * PS + 2, -1], [q * PS, -1, -1, -1]]))
+    assert pool.num_valid(0)[p] == 3 and pool.num_valid(L - 1)[q] == 1
+    pool.note_device_writes(np.array([[p * PS + 3]]))
+    assert pool.num_valid(1)[p] == PS
+    pool.incref(q)
+    with pytest.raises(ValueError, match="shared"):
+        pool.note_device_writes(np.array([[q * PS + 1]]))
+    with pytest.raises(ValueError, match="device"):
+        pool.write_tokens(0, np.array([p * PS]), np.zeros((1, H, D), np.float32), np.zeros((1, H, D), np.float32))
+    tiered = TieredPagePool(CacheConfig(page_size=PS, num_pages=2), TierConfig(num_cold_pages=2), L, H, D)
+    tiered.attach_device(DevicePages(tiered, torch.float32, torch.device("cpu"),
+                                     dict(k_granularity="head", v_granularity="head")))
+    (r,) = tiered.allocate(1)
+    tiered.note_device_writes(np.arange(PS)[None] + r * PS)
+    tiered.demote(r)
+    with pytest.raises(ValueError, match="cold"):
+        tiered.note_device_writes(np.array([[r * PS]]))
+
+
+def test_layouts_and_errors():
+    plain = PagePool(CacheConfig(page_size=PS, num_pages=5), L, H, D)
+    pages = DevicePages(plain, torch.float16, torch.device("cpu"), dict(k_granularity="channel", v_granularity="token"))
+    t = pages.layers[0]
+    assert pages.roles == HOT_ROLES + COLD_ROLES and (pages.num_hot, pages.num_cold) == (5, 1)
+    assert t["key_min"].shape == (6, H, D) and t["key_cache_int8"].shape == (1, H, PS, D)  # Ptot >= P + Pcold
+    assert t["key_scale"].shape == (1, H, 1, D) and t["value_scale"].shape == (1, H, PS, 1)
+    bare = DevicePages(plain, torch.float32, torch.device("cpu"))
+    assert bare.roles == HOT_ROLES and bare.layers[0]["key_min"].shape == (5, H, D)
+    with pytest.raises(ValueError, match="no cold tier"):
+        bare.demote_page(0, 5)
+    with pytest.raises(ValueError, match="outside"):
+        pages.demote_page(0, 2)
+    with pytest.raises(ValueError, match="outside"):
+        pages.copy_page(0, 5)
+    tiered = TieredPagePool(CacheConfig(page_size=PS, num_pages=2), TierConfig(num_cold_pages=2), L, H, D)
+    with pytest.raises(ValueError, match="cold tier"):
+        DevicePages(tiered, torch.float32, torch.device("cpu"))

@@ -1,0 +1,157 @@
+"""DevicePages: a backend's KV pages as torch tensors, in its PagePool's physical layout.
+
+Per layer, by the op's input names (``schema.INPUTS``)::
+
+  key_cache, value_cache            [P, Hkv, ps, D]        hot pages, model dtype
+  key_min, key_max                  [P + Pcold, Hkv, D]    every physical page, hot then cold
+  key_cache_int8, value_cache_int8  [Pcold, Hkv, ps, D]    int8        (cold tier only)
+  key_scale, value_scale            [Pcold, Hkv, ps|1, D|1] float32
+
+``P``/``Pcold`` are a ``TieredPagePool``'s hot/cold slots; over a plain
+``PagePool`` a package with a cold tier gets one unused INT8 page (the op's
+``_int8`` overload needs one and the kernels check ``Ptot >= P + Pcold``; page
+ids stay below ``P``, so it is never read).
+
+The pool keeps the bookkeeping and forwards data moves here with physical ids
+(``PagePool.attach_device``): :meth:`copy_page` (copy-on-write; a cold source
+is dequantized) and :meth:`demote_page` (quantize a full hot page into a cold
+slot). Demotions are queued and run batched, one set of tensor ops per layer
+for all of a rebalance's pages, at the next :meth:`flush` (the backend calls it
+before each step; a copy flushes first, since it may read or overwrite a queued
+page). The math is ``ops.quantization``'s, in float64 like the numpy reference,
+so a page demoted here holds the same int8 values, scales and min/max as one
+demoted by the numpy pool (``tests/runtime/test_device_pages.py``, on CPU tensors).
+New tokens are written by the backend (``qsa_append_kv`` on a GPU) into the hot
+pools and their metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tinyserve_trt.ops.quantization import QMAX, scale_shape
+
+HOT_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
+COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
+_REDUCE = {"head": (2, 3), "channel": (2,), "token": (3,)}  # axes of [N, Hkv, ps, D] one scale spans
+
+
+def quantize_pages(torch, x, granularity: str):
+    """``ops.quantization.quantize_pages`` in torch: ``x [N, Hkv, ps, D]`` full pages ->
+    ``(int8 [N, Hkv, ps, D], float32 scales [N, Hkv, ps|1, D|1])`` on ``x``'s device."""
+    xf = x.double()
+    amax = xf.abs().amax(dim=_REDUCE[granularity], keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
+    q = torch.clamp(torch.round(xf / scale.double()), -QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_pages(q, scale, dtype):
+    """``q * scale`` in float32 (as the op), cast to ``dtype``."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+class DevicePages:
+    """The page tensors of every layer on ``device``, shaped for ``pool``.
+
+    pool:      a ``PagePool`` or ``TieredPagePool`` (its geometry and tiers).
+    dtype:     torch dtype of the hot pages and metadata.
+    cold_tier: the package's ``cold_tier`` (granularities), or None for a package without one.
+    stream:    a ``torch.cuda.Stream`` the copies and demotions run on (the backend's), or None.
+    """
+
+    def __init__(self, pool, dtype, device, cold_tier: dict | None = None, stream=None):
+        import torch
+
+        self._torch, self.dtype, self.device, self.stream = torch, dtype, device, stream
+        tiered = hasattr(pool, "num_hot")
+        if tiered and cold_tier is None:
+            raise ValueError("a tiered page pool needs a package with a cold tier (exported with --calibration)")
+        self.num_hot = pool.num_hot if tiered else pool.num_pages
+        self.num_cold = pool.num_cold if tiered else (1 if cold_tier else 0)
+        self.grans = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
+        h, ps, d = pool.num_kv_heads, pool.page_size, pool.head_dim
+        total = self.num_hot + self.num_cold
+
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.layers: list[dict] = []
+        for _ in range(pool.num_layers):
+            t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
+                     key_min=zeros(total, h, d), key_max=zeros(total, h, d))
+            if self.grans:
+                t.update(key_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
+                         value_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
+                         key_scale=torch.ones((self.num_cold, *scale_shape(self.grans[0], h, ps, d)),
+                                              dtype=torch.float32, device=device),
+                         value_scale=torch.ones((self.num_cold, *scale_shape(self.grans[1], h, ps, d)),
+                                                dtype=torch.float32, device=device))
+            self.layers.append(t)
+        self._pending: list[tuple[int, int]] = []  # queued demotions (hot physical id, cold physical id)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return HOT_ROLES + (COLD_ROLES if self.grans else ())
+
+    def _on_stream(self):
+        return self._torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _check(self, name: str, phys: int, lo: int, hi: int) -> None:
+        if not lo <= phys < hi:
+            raise ValueError(f"{name} physical page {phys} is outside [{lo}, {hi})")
+
+    # ---- data moves the pool forwards ------------------------------------------
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``src`` (hot, or cold: dequantized) into hot page ``dst``, metadata included."""
+        self._check("copy target", dst, 0, self.num_hot)
+        self._check("copy source", src, 0, self.num_hot + self.num_cold)
+        self.flush()
+        with self._on_stream():
+            self._copy(src, dst)
+
+    def _copy(self, src: int, dst: int) -> None:
+        for t in self.layers:
+            if src < self.num_hot:
+                t["key_cache"][dst].copy_(t["key_cache"][src])
+                t["value_cache"][dst].copy_(t["value_cache"][src])
+            else:
+                c = src - self.num_hot
+                t["key_cache"][dst].copy_(dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype))
+                t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
+                                                             self.dtype))
+            t["key_min"][dst].copy_(t["key_min"][src])
+            t["key_max"][dst].copy_(t["key_max"][src])
+
+    def demote_page(self, hot: int, cold: int) -> None:
+        """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id
+        ``>= num_hot``); its metadata becomes min/max of the dequantized keys."""
+        if not self.grans:
+            raise ValueError("these pages have no cold tier")
+        self._check("demoted", hot, 0, self.num_hot)
+        self._check("cold", cold, self.num_hot, self.num_hot + self.num_cold)
+        self._pending.append((hot, cold))
+
+    def flush(self) -> None:
+        """Run the queued demotions (all pages at once, per layer)."""
+        if self._pending:
+            with self._on_stream():
+                self._demote_pending()
+
+    def _demote_pending(self) -> None:
+        torch = self._torch
+        last = {}  # a cold slot demoted into twice (its first page evicted meanwhile) keeps the later page
+        for h, c in self._pending:
+            last[c] = h
+        self._pending = []
+        hot = torch.tensor(list(last.values()), dtype=torch.long, device=self.device)
+        meta = torch.tensor(list(last), dtype=torch.long, device=self.device)
+        cold = meta - self.num_hot
+        kg, vg = self.grans
+        for t in self.layers:
+            q, s = quantize_pages(torch, t["key_cache"][hot], kg)
+            t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
+            keys = dequantize_pages(q, s, self.dtype)  # what the op attends: min/max describe these
+            t["key_min"][meta], t["key_max"][meta] = keys.amin(dim=2), keys.amax(dim=2)
+            q, s = quantize_pages(torch, t["value_cache"][hot], vg)
+            t["value_cache_int8"][cold], t["value_scale"][cold] = q, s
