@@ -8,8 +8,16 @@ Writes benchmarks/results/quality_sweep.md and .json; the LAST line printed is
 ``RESULT best_ppl_ratio=<ratio> budget=<tokens> variant=<name>``.
 
 Variants are ``name:key=value,key=value`` (keys: page_size, group_reduce,
-sink_pages, recent_pages, dense_layers; unspecified keys take the exporter's
-defaults), separated by ``;``.
+sink_pages, recent_pages, dense_layers, sub_page_size, candidates; unspecified
+keys take the exporter's defaults), separated by ``;``. ``sub_page_size`` > 0 is
+the two-level selection (``evaluation.decode_attention.select_sub_pages``: rank
+pages, keep ``candidates`` x budget tokens of them, re-rank their sub-pages),
+measured here before any kernel implements it.
+
+The ``reads`` column models one step's memory traffic per KV head at the full
+context, in key vectors: min+max of every page, min+max of the candidates'
+sub-pages, K+V of the budget - relative to the default page size. It is a model,
+not a timing: ``bench_page_size.py`` times page sizes.
 """
 
 from __future__ import annotations
@@ -27,7 +35,16 @@ from tinyserve_trt.evaluation.texts import default_text_path, read_text  # noqa:
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_VARIANTS = ("default:;page8:page_size=8;sum:group_reduce=sum;page8_sum:page_size=8,group_reduce=sum;"
                     "recent4:recent_pages=4;sinks4:sink_pages=4;dense0:dense_layers=0")
-KEYS = {"page_size": int, "group_reduce": str, "sink_pages": int, "recent_pages": int, "dense_layers": int}
+KEYS = {"page_size": int, "group_reduce": str, "sink_pages": int, "recent_pages": int, "dense_layers": int,
+        "sub_page_size": int, "candidates": float}
+
+
+def modelled_reads(settings: dict, context: int, budget: int) -> float:
+    """Key vectors one decode step reads per KV head (see the module docstring)."""
+    reads = 2 * -(-context // settings["page_size"]) + 2 * budget
+    if settings["sub_page_size"]:
+        reads += 2 * min(context, settings["candidates"] * budget) / settings["sub_page_size"]
+    return reads
 
 
 def parse_variants(text: str, defaults: dict) -> list[tuple[str, dict]]:
@@ -50,7 +67,7 @@ def parse_variants(text: str, defaults: dict) -> list[tuple[str, dict]]:
 def main(argv=None) -> int:
     d = ExportConfig()
     defaults = dict(page_size=d.resolved_page_size(), group_reduce="max", sink_pages=d.sink_pages,
-                    recent_pages=d.recent_pages, dense_layers=d.dense_layers)
+                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=0, candidates=2.0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", type=Path, default=None, help="plain-text file (default: Hamlet)")
     ap.add_argument("--context", type=int, default=8192)
@@ -84,9 +101,12 @@ def main(argv=None) -> int:
     for name, s in variants:
         t0 = time.perf_counter()
         spec = SelectionSpec("query_aware", budget=args.budget, page_size=s["page_size"], sink_pages=s["sink_pages"],
-                             recent_pages=s["recent_pages"], group_reduce=s["group_reduce"])
+                             recent_pages=s["recent_pages"], group_reduce=s["group_reduce"],
+                             sub_page_size=s["sub_page_size"], candidates=s["candidates"])
         r = pp.run(spec, dense_layers=s["dense_layers"])
-        rows.append(dict(variant=name, **s, ppl=r.ppl, ratio=r.ppl / dense.ppl, seconds=round(time.perf_counter() - t0)))
+        reads = modelled_reads(s, int(ids.numel()), args.budget) / modelled_reads(defaults, int(ids.numel()), args.budget)
+        rows.append(dict(variant=name, **s, ppl=r.ppl, ratio=r.ppl / dense.ppl, reads=round(reads, 3),
+                         seconds=round(time.perf_counter() - t0)))
         print(f"{name:12s} ppl {r.ppl:.4f} ratio {r.ppl / dense.ppl:.4f} ({rows[-1]['seconds']} s)", flush=True)
         data = dict(text=text_path.name, context=int(ids.numel()), prefill_tokens=eval_from,
                     eval_tokens=pp.eval_tokens, budget=args.budget, dense_ppl=dense.ppl, rows=rows,
@@ -106,12 +126,15 @@ def render(data: dict, machine: str, command: str) -> str:
         f"{data['eval_tokens']} decode steps scored, query_aware at budget {data['budget']} tokens. Dense perplexity "
         f"{data['dense_ppl']:.4f}. Run time {data['wall_seconds']} s"
         + ("." if data["complete"] else " so far (INCOMPLETE)."), "",
-        "| variant | page size | group reduce | sink pages | recent pages | dense layers | ppl | ratio to dense |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | page size | sub-page (candidates) | group reduce | sink pages | recent pages | dense layers "
+        "| ppl | ratio to dense | reads (modelled) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
-        lines.append(f"| {r['variant']} | {r['page_size']} | {r['group_reduce']} | {r['sink_pages']} | "
-                     f"{r['recent_pages']} | {r['dense_layers']} | {r['ppl']:.4f} | {r['ratio']:.4f} |")
+        two = f"{r['sub_page_size']} ({r['candidates']:g}x)" if r.get("sub_page_size") else "-"
+        reads = f"{r['reads']:.2f}x" if "reads" in r else "-"
+        lines.append(f"| {r['variant']} | {r['page_size']} | {two} | {r['group_reduce']} | {r['sink_pages']} | "
+                     f"{r['recent_pages']} | {r['dense_layers']} | {r['ppl']:.4f} | {r['ratio']:.4f} | {reads} |")
     return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,17 @@ def test_quality_sweep_variants_parse_and_reject():
     for bad in ("x:page=8", "x:page_size", ";"):
         with pytest.raises(ValueError):
             sweep.parse_variants(bad, defaults)
+    two = sweep.parse_variants("t:sub_page_size=4,candidates=2.5", {**defaults, "sub_page_size": 0, "candidates": 2.0})
+    assert two[0][1]["sub_page_size"] == 4 and two[0][1]["candidates"] == 2.5
+
+
+def test_quality_sweep_modelled_reads():
+    sweep = load("quality_sweep")
+    base = dict(page_size=16, sub_page_size=0, candidates=2.0)
+    assert sweep.modelled_reads(base, 8192, 1024) == 2 * 512 + 2 * 1024
+    assert sweep.modelled_reads({**base, "page_size": 4}, 8192, 1024) == 2 * 2048 + 2 * 1024
+    # two-level: + min/max of the 2048 candidate tokens' 4-token sub-pages
+    assert sweep.modelled_reads({**base, "sub_page_size": 4}, 8192, 1024) == 2 * 512 + 2 * 1024 + 2 * 512
 
 
 def test_bench_page_size_smoke(llama, tmp_path, capsys):

@@ -151,3 +151,61 @@ def test_spec_validation():
         SelectionSpec(budget=-1)
     with pytest.raises(ValueError):
         SelectionSpec(page_fraction=0.0)
+
+
+def _two_level_step_ref(q, k, v, t, spec):
+    """One decode step at position t by the two-level rule, per KV head, in numpy:
+    returns the output [H, D] (float64)."""
+    ps, sp = spec.page_size, spec.sub_page_size
+    G = H // HKV
+    n = -(-t // ps)
+    forced = {p for p in range(n) if p < spec.sink_pages or p >= n - spec.recent_pages}
+    out = np.zeros((H, D))
+    for h in range(HKV):
+        qg = q[h * G:(h + 1) * G, t] * D ** -0.5
+
+        def score(lo, hi):  # query_aware, group max
+            return max(float(np.sum(np.maximum(qi * lo, qi * hi))) for qi in qg)
+
+        coarse = {p: score(*page_min_max(k[h, p * ps:(p + 1) * ps], min(ps, t - p * ps))) for p in range(n)}
+        n_cand = max(int(spec.candidates * spec.budget) // ps, len(forced)) - len(forced)
+        cand = sorted((p for p in range(n) if p not in forced), key=lambda p: (-coarse[p], p))[:n_cand]
+        n_sub = -(-t // sp)
+        forced_sub = [s for s in range(n_sub) if s * sp // ps in forced]
+        keep_n = max(spec.budget // sp, len(forced_sub))
+        if keep_n >= n_sub:
+            kept = list(range(n_sub))
+        else:
+            subs = [s for p in cand for s in range(p * ps // sp, (p + 1) * ps // sp) if s < n_sub]
+            fine = {s: score(*page_min_max(k[h, s * sp:(s + 1) * sp], min(sp, t - s * sp))) for s in subs}
+            kept = forced_sub + sorted(subs, key=lambda s: (-fine[s], s))[:keep_n - len(forced_sub)]
+        tokens = sorted({i for s in kept for i in range(s * sp, min((s + 1) * sp, t))} | {t})
+        for g in range(G):
+            logits = (q[h * G + g, t] * D ** -0.5) @ k[h, tokens].T
+            p = np.exp(logits - logits.max())
+            out[h * G + g] = (p / p.sum()) @ v[h, tokens]
+    return out
+
+
+@pytest.mark.parametrize("spec", [
+    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=2.0),
+    SelectionSpec("query_aware", budget=12, page_size=PS, sub_page_size=4, candidates=1.5, sink_pages=0),
+    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=8.0, recent_pages=2),
+], ids=["x2", "x1.5-nosink", "all-candidates"])
+def test_two_level_selection_matches_a_step_by_step_reference(rng, spec):
+    q, k, v = random_qkv(rng)
+    q_start = 20
+    got = decode_attention(torch.from_numpy(q[:, q_start:]), torch.from_numpy(k), torch.from_numpy(v), q_start,
+                           spec, D ** -0.5, chunk=16).numpy()
+    for t in range(q_start, T):
+        np.testing.assert_allclose(got[:, t - q_start], _two_level_step_ref(q, k, v, t, spec), rtol=1e-9,
+                                   atol=1e-9, err_msg=f"step {t}")
+
+
+def test_two_level_spec_validation():
+    with pytest.raises(ValueError, match="sub_page_size"):
+        SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=3)
+    with pytest.raises(ValueError, match="sub_page_size"):
+        SelectionSpec("query_aware", page_size=8, sub_page_size=4, page_fraction=0.5)
+    with pytest.raises(ValueError, match="candidates"):
+        SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidates=0.5)

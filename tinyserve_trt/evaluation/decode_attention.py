@@ -17,7 +17,7 @@ matters), or not yet written (never kept).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,8 @@ class SelectionSpec:
     recent_pages: int = 1
     group_reduce: str = "max"
     page_fraction: float | None = None
+    sub_page_size: int = 0  # > 0: two-level selection (see ``select_sub_pages``); evaluation only, not the op
+    candidates: float = 2.0  # two-level: coarse pages kept as candidates, in multiples of the budget
 
     def __post_init__(self):
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
@@ -49,6 +51,12 @@ class SelectionSpec:
             raise ValueError(f"budget must be >= 0 (0 = dense), got {self.budget}")
         if self.page_fraction is not None and not 0.0 < self.page_fraction <= 1.0:
             raise ValueError(f"page_fraction must be in (0, 1], got {self.page_fraction}")
+        if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size
+                                   or self.sub_page_size == self.page_size or self.page_fraction is not None):
+            raise ValueError(f"sub_page_size must divide page_size {self.page_size} (and be smaller), with a "
+                             f"token budget; got {self.sub_page_size}")
+        if self.candidates < 1.0:
+            raise ValueError(f"candidates must be >= 1 (a multiple of the budget), got {self.candidates}")
 
     @property
     def is_dense(self) -> bool:
@@ -135,6 +143,46 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     return torch.where(dense_row[None, :, None], valid, keep)
 
 
+def _top_take(scores: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """Mask of the ``take [1|Hkv, C, 1]`` best ``candidates`` by ``scores`` (ties: lower index)."""
+    scores = scores.masked_fill(~candidates, NEG_INF)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    idx = torch.arange(scores.shape[-1])
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
+    return candidates & (rank < take)
+
+
+def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores: torch.Tensor) -> torch.Tensor:
+    """Two-level selection: kept sub-pages ``[Hkv, C, NP * r]`` (bool, ``r = page_size / sub_page_size``).
+
+    Level 1 keeps the forced pages and the best others up to ``candidates x budget``
+    tokens, by the page scores ``scores [Hkv, C, NP]``. Level 2 scores the candidates'
+    sub-pages of ``sub_page_size`` tokens with their own min/max (from ``k [Hkv, T, D]``)
+    and keeps the forced pages' sub-pages whole plus the best candidate sub-pages up to
+    the budget. Per step it reads the coarse min/max of every page plus the fine min/max
+    of the candidates only: between page_size and sub_page_size in cost.
+    """
+    ps, sp = spec.page_size, spec.sub_page_size
+    r = ps // sp
+    n_pages = scores.shape[-1]
+    coarse = replace(spec, budget=int(spec.candidates * spec.budget), sub_page_size=0)
+    cand = select_pages(coarse, positions, scores)  # [Hkv, C, NP], forced included
+    n_t = (positions + ps - 1) // ps
+    idx = torch.arange(n_pages)
+    forced = (idx[None, :] < n_t[:, None]) & ((idx[None, :] < spec.sink_pages)
+                                              | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
+    fmin, fmax = page_min_max(k[:, :n_pages * ps], sp)  # [Hkv, NP*r, D]; a partial sub-page is in a forced page
+    fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), q, fmin, fmax)  # [Hkv, C, NP*r]
+    written = torch.arange(n_pages * r)[None, :] < ((positions + sp - 1) // sp)[:, None]  # [C, NP*r]
+    forced_f = forced.repeat_interleave(r, dim=-1) & written
+    cand_f = cand.repeat_interleave(r, dim=-1) & written[None] & ~forced_f[None]
+    keep_n = torch.maximum(torch.full_like(n_t, spec.budget // sp), forced_f.sum(-1))
+    take = (keep_n - forced_f.sum(-1))[None, :, None]
+    keep = forced_f[None] | _top_take(fine, cand_f, take)
+    dense_row = (-(-positions // sp) <= keep_n)  # the budget covers every written sub-page
+    return torch.where(dense_row[None, :, None], written[None].expand_as(keep), keep)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
                      scale: float, chunk: int = 256, probe=None, layer: int = 0) -> torch.Tensor:
     """Attention of decode steps at positions ``q_start .. q_start+S-1``.
@@ -178,6 +226,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
             probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
         if spec.is_dense:
             probs = dense_probs
+        elif spec.sub_page_size:
+            sp, r = spec.sub_page_size, ps // spec.sub_page_size
+            scores = page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
+            keep = select_sub_pages(spec, positions, qc, k_pad[:, :width], scores)
+            keep = keep | (torch.arange(n_np * r)[None, :] == (positions // sp)[:, None])  # the token's own
+            logits.view(Hkv, G, C, n_np * r, sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            probs = torch.softmax(logits, dim=-1)
         else:
             keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))
             keep = keep | (torch.arange(n_np)[None, :] == (positions // ps)[:, None])  # own page: the token itself
