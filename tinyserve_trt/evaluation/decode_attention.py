@@ -113,6 +113,16 @@ def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
     return per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)
 
 
+def _top_take(scores: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """Mask of the ``take [1|Hkv, C, 1]`` best ``candidates`` by ``scores``; a stable descending
+    sort, so ties go to the lower page index, as the reference's stable argsort."""
+    scores = scores.masked_fill(~candidates, NEG_INF)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    idx = torch.arange(scores.shape[-1])
+    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
+    return candidates & (rank < take)
+
+
 def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
 
@@ -133,23 +143,9 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     dense_row = (budget <= 0) | (keep_n >= n_t)  # [C]
     if spec.is_dense or bool(dense_row.all()):
         return valid.expand(scores.shape[0], -1, -1)
-    candidates = valid & ~forced
-    scores = scores.masked_fill(~candidates, NEG_INF)
-    # stable descending sort: ties go to the lower page index, as the reference's stable argsort
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
     take = (keep_n - forced.sum(-1))[None, :, None]
-    keep = forced | (candidates & (rank < take))
+    keep = forced | _top_take(scores, valid & ~forced, take)
     return torch.where(dense_row[None, :, None], valid, keep)
-
-
-def _top_take(scores: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
-    """Mask of the ``take [1|Hkv, C, 1]`` best ``candidates`` by ``scores`` (ties: lower index)."""
-    scores = scores.masked_fill(~candidates, NEG_INF)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    idx = torch.arange(scores.shape[-1])
-    rank = torch.empty_like(order).scatter_(-1, order, idx.expand_as(order))
-    return candidates & (rank < take)
 
 
 def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores: torch.Tensor) -> torch.Tensor:
