@@ -84,7 +84,7 @@ class TeacherForcer:
 
 def run(package: ModelPackage, prompts, fraction: float, args, reference=None) -> dict:
     """One hot fraction over all prompts; returns tokens (reference run), agreement and page counts."""
-    config = EngineConfig(hot_fraction=fraction, prefix_sharing=False, max_batch=args.batch,
+    config = EngineConfig(hot_fraction=fraction, prefix_sharing=False, max_batch=args.batch, kv_scales=args.kv_scales,
                           prefill_chunk=args.prefill_chunk, max_tokens_per_step=args.prefill_chunk * args.batch,
                           max_seq_len=args.context + args.decode, threads=args.threads)
     engine = Engine(package, config)
@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-agreement", type=float, default=0.99)
     ap.add_argument("--target-ratio", type=float, default=0.55)
     ap.add_argument("--check-integrity", action="store_true", help="pool integrity check after every step")
+    ap.add_argument("--kv-scales", choices=("dynamic", "static"), default="dynamic",
+                    help="cold-page INT8 scales: per page (dynamic) or the calibration's ranges (static)")
     ap.add_argument("--out", default=str(RESULTS / "mixed_precision.md"))
     args = ap.parse_args(argv)
 
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
         f"Written by `{command}` ({platform.machine()}, {platform.python_version()}).",
         "",
         f"Model: {package.manifest.get('model_name', package.path.name)}, {package.dtype} hot pages, page size "
-        f"{package.page_size}, cold K per {tiers.k_granularity} / V per {tiers.v_granularity} scales, "
+        f"{package.page_size}, cold K per {tiers.k_granularity} / V per {tiers.v_granularity} scales "
+        f"({args.kv_scales}), "
         f"token budget {package.token_budget}, {package.manifest['dense_layers']} dense layers. "
         f"{len(prompts)} prompts x {args.context} tokens, {args.decode} teacher-forced greedy positions each "
         f"({len(prompts) * args.decode} per setting).",
@@ -189,6 +192,7 @@ def main(argv=None) -> int:
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows, chosen=chosen, target_met=met,
                                                         prompts=len(prompts), context=args.context,
+                                                        kv_scales=args.kv_scales,
                                                         decode=args.decode), indent=2) + "\n")
     print("\n".join(lines))
     print(f"RESULT kv_bytes_ratio={chosen[own]:.4f} top1_agreement={chosen['agreement']:.4f}")

@@ -53,3 +53,25 @@ def test_bytes_per_page():
     assert bytes_per_page("head", 3, 16, 64) == 3 * 16 * 64 + 4 * 3
     assert bytes_per_page("channel", 3, 16, 64) == 3 * 16 * 64 + 4 * 3 * 64
     assert bytes_per_page("token", 3, 16, 64) == 3 * 16 * 64 + 4 * 3 * 16
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_static_scale_covers_the_calibrated_range_and_clips_beyond(rng, granularity):
+    from tinyserve_trt.ops.quantization import quantize_page_static, static_page_scale
+
+    hkv, ps, d = 2, 4, 8
+    absmax = rng.uniform(0.5, 4.0, (hkv, 1, d)).astype(np.float32)  # calibrated per (head, channel)
+    scale = static_page_scale(absmax / 127, granularity, ps)
+    assert scale.shape == scale_shape(granularity, hkv, ps, d)
+    # a wider scale never clips more: it is >= the calibrated scale of every element it covers
+    assert np.all(np.broadcast_to(scale, (hkv, ps, d)) >= np.broadcast_to(absmax / 127, (hkv, ps, d)) - 1e-9)
+    inside = (rng.uniform(-1, 1, (hkv, ps, d)) * absmax).astype(np.float32)
+    q, s = quantize_page_static(inside, scale)
+    np.testing.assert_array_equal(s, scale)
+    assert np.all(np.abs(dequantize_page(q, s) - inside) <= np.broadcast_to(s, inside.shape) / 2 + 1e-6)
+    outside = inside.copy()
+    outside[0, 0, 0] = 10 * np.broadcast_to(scale, inside.shape)[0, 0, 0] * 127
+    q, _ = quantize_page_static(outside, scale)
+    assert q[0, 0, 0] == 127  # clipped at the calibrated range
+    with pytest.raises(ValueError, match="static scale"):
+        static_page_scale(np.ones((2, 3, 8), np.float32), granularity, ps)

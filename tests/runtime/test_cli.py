@@ -52,7 +52,9 @@ def test_generate_hot_fraction_and_no_kv_tiers(llama_cold, capsys):
               "--ignore-eos", "--json"]
     assert main([*common, "--hot-fraction", "0.1"]) == 0
     engine = json.loads(capsys.readouterr().out)["stats"]["engine"]
-    assert engine["hot_fraction"] == 0.1 and engine["pages_demoted"] > 0
+    assert engine["hot_fraction"] == 0.1 and engine["pages_demoted"] > 0 and engine["kv_scales"] == "dynamic"
+    assert main([*common, "--hot-fraction", "0.1", "--kv-scales", "static"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["engine"]["kv_scales"] == "static"
     assert main([*common, "--no-kv-tiers"]) == 0
     assert "pages_demoted" not in json.loads(capsys.readouterr().out)["stats"]["engine"]
     with pytest.raises(SystemExit) as e:

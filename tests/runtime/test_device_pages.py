@@ -44,11 +44,15 @@ def test_quantize_matches_the_numpy_reference(granularity, dtype, device):
     np.testing.assert_array_equal(s.cpu().numpy(), want_s)
 
 
-def _pools(device, dtype="float32", k_gran="channel", v_gran="token"):
-    """(numpy pool, device-attached pool, its DevicePages) of the same geometry."""
+def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False):
+    """(numpy pool, device-attached pool, its DevicePages) of the same geometry; ``static``:
+    calibrated scales (small enough that some values clip)."""
     config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype)
-    tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran)
-    host, dev = TieredPagePool(config, tiers, L, H, D), TieredPagePool(config, tiers, L, H, D)
+    tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran,
+                       scales="static" if static else "dynamic")
+    scales = (np.full((L, H, 1, D), 6.0 / 127, np.float32), np.full((L, H, 1, 1), 9.0 / 127, np.float32)) \
+        if static else None
+    host, dev = (TieredPagePool(config, tiers, L, H, D, static_scales=scales) for _ in range(2))
     pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran))
     dev.attach_device(pages)
     return host, dev, pages
@@ -93,10 +97,11 @@ def _assert_same(host, dev, pages, handles):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("grans", [("channel", "token"), ("head", "channel")])
-def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, device):
+@pytest.mark.parametrize("grans,static", [(("channel", "token"), False), (("head", "channel"), False),
+                                          (("channel", "token"), True)], ids=["channel-token", "head-channel", "static"])
+def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, device):
     rng = np.random.default_rng()
-    host, dev, pages = _pools(device, dtype, *grans)
+    host, dev, pages = _pools(device, dtype, *grans, static=static)
     a, b = host.allocate(3), dev.allocate(3)
     assert a == b
     k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)

@@ -119,3 +119,36 @@ def test_tiered_engine_refuses_a_backend_without_cold_pages(llama_cold, monkeypa
     monkeypatch.setattr(OrtBackend, "reads_cold_pages", False)
     with pytest.raises(ValueError, match="cannot read INT8 cold pages"):
         LLM(llama_cold[1])
+
+
+def test_static_scales_come_from_the_package_calibration(llama_cold, tmp_path):
+    from tinyserve_trt.calibration.artifact import CalibrationArtifact
+
+    _, pkg, manifest = llama_cold
+    with pytest.raises(ValueError, match="kv_scales"):
+        EngineConfig(kv_scales="fixed")
+    reference, _ = run_checked(LLM(pkg, prefix_sharing=False, hot_fraction=1.0), PROMPTS)
+    llm = LLM(pkg, prefix_sharing=False, hot_fraction=0.1, kv_scales="static")
+    tokens, most_cold = run_checked(llm, PROMPTS)
+    pool = llm.engine.pool
+    k_static, v_static = CalibrationArtifact.load(pkg / manifest["cold_tier"]["calibration"]["file"]).static_scales()
+    assert most_cold > 0 and pool.tiers.scales == "static"
+    for page in pool.cold_pages():
+        c = pool.physical(page) - pool.num_hot
+        np.testing.assert_array_equal(pool.k_scale(0)[c], k_static[0])  # K per channel
+        np.testing.assert_array_equal(pool.v_scale(2)[c], np.broadcast_to(v_static[2], pool.v_scale(2)[c].shape))
+    same = [a == b for ref, got in zip(reference, tokens) for a, b in zip(ref, got)]
+    print(f"static scales, hot fraction 0.1: greedy token agreement {np.mean(same):.3f} over {len(same)} tokens")
+    assert len(same) == GREEDY.max_tokens * len(PROMPTS)  # the tiny model's ranges are random: no accuracy claim
+
+
+def test_static_scales_need_a_calibrated_package(llama, tmp_path):
+    from tinyserve_trt.export.config import ExportConfig
+    from tinyserve_trt.export.pipeline import export_model
+
+    pkg = tmp_path / "pkg"
+    export_model(llama[0], pkg, ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True,
+                                             validate=False), quiet=True)
+    with pytest.raises(ValueError, match="static KV scales need a package exported with --calibration"):
+        LLM(pkg, kv_scales="static")
+    assert LLM(pkg).engine.pool.tiers.scales == "dynamic"

@@ -222,3 +222,33 @@ def test_plain_pool_reads_the_same_way():
     assert np.shares_memory(inputs["key_cache"], pool.k_pages(1))
     tiered = make_pool()
     assert set(tiered.cache_inputs(0)) == set(schema.INPUT_NAMES[3:7]) | set(schema.COLD_INPUTS)
+
+
+def test_static_scales_are_the_calibrated_ones(rng):
+    k_static = rng.uniform(0.5, 2.0, (L, H, 1, D)).astype(np.float32) / 127
+    v_static = rng.uniform(0.5, 2.0, (L, H, 1, 1)).astype(np.float32) / 127
+    pool = TieredPagePool(
+        CacheConfig(page_size=PS, num_pages=6), TierConfig(num_cold_pages=4, scales="static"), L, H, D,
+        static_scales=(k_static, v_static))
+    (a,) = pool.allocate(1)
+    fill(pool, a, rng)
+    keys = pool.k_pages(1)[pool.physical(a)].copy()
+    _, new = pool.demote(a)
+    c = new - pool.num_hot
+    np.testing.assert_array_equal(pool.k_scale(1)[c], k_static[1])  # K per channel: the calibrated scale
+    np.testing.assert_array_equal(pool.v_scale(1)[c], np.broadcast_to(v_static[1], (H, PS, 1)))  # V per token
+    inside = np.abs(keys) <= 127 * np.broadcast_to(k_static[1], keys.shape)
+    err = np.abs(pool.dequantized_keys(1, a) - keys)
+    assert np.all(err[inside] <= np.broadcast_to(k_static[1], keys.shape)[inside] / 2 + 1e-6)
+    assert np.any(~inside)  # standard normals past 2/127*127: some clip, and that is the point of the test
+    pool.check_integrity([[a]], check_data=True)  # min/max are those of the clipped, dequantized keys
+    with pytest.raises(ValueError, match="static"):
+        TieredPagePool(CacheConfig(page_size=PS, num_pages=6), TierConfig(num_cold_pages=4, scales="static"), L, H, D)
+    with pytest.raises(ValueError, match="static"):
+        TieredPagePool(CacheConfig(page_size=PS, num_pages=6), TierConfig(num_cold_pages=4), L, H, D,
+                       static_scales=(k_static, v_static))
+    with pytest.raises(ValueError, match="positive"):
+        TieredPagePool(CacheConfig(page_size=PS, num_pages=6), TierConfig(num_cold_pages=4, scales="static"), L, H,
+                       D, static_scales=(k_static[:1], v_static))
+    with pytest.raises(ValueError, match="scales"):
+        TierConfig(scales="fixed")

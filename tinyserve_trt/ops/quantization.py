@@ -16,6 +16,10 @@ KIVI (Liu et al., 2024) quantizes K per channel (keys have outlier channels)
 and V per token; ``benchmarks/quant_granularity.py`` measures the choice on
 SmolLM2 (``benchmarks/results/quant_granularity.md``). Pure numpy; does not
 modify its inputs.
+
+Scales are dynamic (each page's own absmax) by default; ``static_page_scale`` /
+``quantize_page_static`` use calibrated ranges instead (``tinyserve-calibrate``
+records them), which clip what falls outside.
 """
 
 from __future__ import annotations
@@ -63,6 +67,41 @@ def quantize_page(x: np.ndarray, granularity: str, valid: int | None = None) -> 
     # divide by the float32 scale actually stored, so the error bound holds for it
     q = np.clip(np.rint(xf / scale.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
     return q, scale
+
+
+def static_page_scale(static: np.ndarray, granularity: str, page_size: int) -> np.ndarray:
+    """A calibrated scale ``[Hkv, 1|ps, D|1]`` (e.g. per channel ``[Hkv, 1, D]``, per head
+    ``[Hkv, 1, 1]``) as one page's scale of ``granularity``: the max over the axes that
+    granularity does not split (a wider scale never clips more), broadcast to its shape."""
+    static = np.asarray(static, np.float32)
+    if static.ndim != 3 or static.shape[1] not in (1, page_size):
+        raise ValueError(f"a static scale is [Hkv, 1|ps, D|1], got shape {static.shape}")
+    hkv, d = static.shape[0], static.shape[2]
+    target = scale_shape(granularity, hkv, page_size, d)
+    axes = tuple(a for a in (1, 2) if target[a] == 1 and static.shape[a] != 1)
+    reduced = static.max(axis=axes, keepdims=True) if axes else static
+    return np.ascontiguousarray(np.broadcast_to(reduced, target), np.float32)
+
+
+def layer_page_scales(static: np.ndarray, granularity: str, num_layers: int, num_kv_heads: int, page_size: int,
+                      head_dim: int) -> np.ndarray:
+    """:func:`static_page_scale` of every layer: ``static [L, Hkv, 1|ps, 1|D]`` (positive) ->
+    ``[L, Hkv, ps|1, D|1]``. ValueError naming the expected shape otherwise."""
+    static = np.asarray(static, np.float32)
+    if static.ndim != 4 or static.shape[:2] != (num_layers, num_kv_heads) or \
+            static.shape[3] not in (1, head_dim) or not np.all(static > 0):
+        raise ValueError(f"static scales must be positive [L={num_layers}, Hkv={num_kv_heads}, 1|ps, 1|D={head_dim}], "
+                         f"got shape {static.shape}")
+    return np.stack([static_page_scale(a, granularity, page_size) for a in static])
+
+
+def quantize_page_static(x: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a page with a fixed (calibrated) ``scale`` of its shape: values past
+    ``127 * scale`` clip, so ``|x - x'| <= scale / 2`` holds only for values inside the
+    calibrated range. Returns ``(q int8, scale float32)`` like :func:`quantize_page`."""
+    scale = np.asarray(scale, np.float32)
+    q = np.clip(np.rint(x.astype(np.float64) / scale.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
+    return q, scale.copy()
 
 
 def dequantize_page(q: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:

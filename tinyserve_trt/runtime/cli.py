@@ -96,6 +96,8 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
                    help="share of KV pages kept hot (FP) when the package has an INT8 cold tier "
                         "(default: the calibrated value; 1.0 never demotes)")
     p.add_argument("--no-kv-tiers", action="store_true", help="keep every KV page hot (ignore the cold tier)")
+    p.add_argument("--kv-scales", choices=("dynamic", "static"), default=ec.kv_scales,
+                   help="INT8 scales of cold pages: each page's own range, or the calibration's (static)")
 
 
 def _memory(text: str) -> int | float:
@@ -118,7 +120,7 @@ def _generate(args) -> int:
     package = ModelPackage.load(args.model_dir)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
-              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers)
+              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -151,7 +153,7 @@ def _serve(args) -> int:
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
-                  kv_tiers=not args.no_kv_tiers)
+                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     try:
         from tinyserve_trt.runtime.server.app import serve

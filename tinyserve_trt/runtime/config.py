@@ -143,6 +143,8 @@ class EngineConfig:
                          value; 1.0 never demotes.
     hot_pages:           most pages kept hot (with or instead of hot_fraction); None = no cap.
     hot_decay:           per-step decay of the page hit counts, in (0, 1]; None = the package's.
+    kv_scales:           INT8 scales of cold pages: ``dynamic`` (each page's absmax) or ``static``
+                         (the package's calibration ranges; values outside them clip).
     """
 
     backend: str = "ort"
@@ -159,8 +161,11 @@ class EngineConfig:
     hot_fraction: float | None = None
     hot_pages: int | None = None
     hot_decay: float | None = None
+    kv_scales: str = "dynamic"
 
     def __post_init__(self):
+        if self.kv_scales not in ("dynamic", "static"):
+            raise ValueError(f"kv_scales must be 'dynamic' or 'static', got {self.kv_scales!r}")
         if self.hot_fraction is not None and (not isinstance(self.hot_fraction, (int, float))
                                               or isinstance(self.hot_fraction, bool)
                                               or not 0.0 <= self.hot_fraction <= 1.0):

@@ -46,9 +46,10 @@ class Tiering:
             math.ceil(config.max_tokens_per_step / ps) + config.max_batch
         num_hot = max(1, min(n, target + headroom))
         self.tiers = TierConfig(num_cold_pages=max(1, n - target), k_granularity=tier["k_granularity"],
-                                v_granularity=tier["v_granularity"])
+                                v_granularity=tier["v_granularity"], scales=config.kv_scales)
         dims = (package.num_layers, package.num_kv_heads, package.head_dim)
-        self.pool = TieredPagePool(replace(cache, num_pages=num_hot), self.tiers, *dims)
+        static = _static_scales(package) if config.kv_scales == "static" else None
+        self.pool = TieredPagePool(replace(cache, num_pages=num_hot), self.tiers, *dims, static_scales=static)
         self.policy = HotnessPolicy(self.hot_config, self.pool.num_pages)
         self.hot_page_bytes = CacheConfig.page_bytes(ps, *dims, cache.dtype)
         self.cold_page_bytes = cold_page_bytes(self.tiers, ps, *dims, cache.dtype)
@@ -82,7 +83,23 @@ class Tiering:
 
     def stats(self) -> dict:
         pool = self.pool
-        return dict(hot_fraction=self.hot_config.hot_fraction, hot_slots=pool.num_hot, cold_slots=pool.num_cold,
+        return dict(hot_fraction=self.hot_config.hot_fraction, kv_scales=self.tiers.scales, hot_slots=pool.num_hot,
+                    cold_slots=pool.num_cold,
                     pages_hot=len(pool.hot_pages()), pages_cold=len(pool.cold_pages()), pages_demoted=self.demoted,
                     **self.kv_bytes(), peak_kv_bytes=self.peak["kv_bytes"],
                     peak_kv_bytes_all_hot=self.peak["kv_bytes_all_hot"])
+
+
+def _static_scales(package) -> tuple[np.ndarray, np.ndarray]:
+    """The calibration's static K/V scales, from the artifact the package carries."""
+    from tinyserve_trt.calibration.artifact import CalibrationArtifact
+
+    cal = package.cold_tier.get("calibration")
+    if not cal:
+        raise ValueError(f"{package.path}: static KV scales need a package exported with --calibration "
+                         "(this one has default cold-tier settings and no calibration ranges)")
+    artifact = CalibrationArtifact.load(package.path / cal["file"])
+    k, v = artifact.static_scales()
+    if k.shape[:2] != (package.num_layers, package.num_kv_heads) or k.shape[3] != package.head_dim:
+        raise ValueError(f"{package.path / cal['file']}: calibration ranges {k.shape} do not fit the model")
+    return k, v

@@ -31,10 +31,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from tinyserve_trt.ops.quantization import (GRANULARITIES, bytes_per_page, dequantize_page, quantize_page,
-                                            scale_shape)
+from tinyserve_trt.ops.quantization import (GRANULARITIES, bytes_per_page, dequantize_page, layer_page_scales,
+                                            quantize_page, quantize_page_static, scale_shape)
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.pages import OutOfPagesError, PagePool, PoolIntegrityError
+
+
+SCALES = ("dynamic", "static")
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,14 @@ class TierConfig:
     k_granularity / v_granularity: scale granularity (``ops.quantization.GRANULARITIES``);
     per channel for K and per token for V is KIVI's choice, see
     ``benchmarks/results/quant_granularity.md`` for SmolLM2.
+    scales: ``dynamic`` (each page's absmax) or ``static`` (a calibration's ranges, passed
+    to ``TieredPagePool(static_scales=...)``; values outside them clip).
     """
 
     num_cold_pages: int = 1024
     k_granularity: str = "channel"
     v_granularity: str = "token"
+    scales: str = "dynamic"  # or "static": the calibration's ranges (TieredPagePool(static_scales=...))
 
     def __post_init__(self):
         if not isinstance(self.num_cold_pages, int) or isinstance(self.num_cold_pages, bool) \
@@ -58,6 +64,8 @@ class TierConfig:
         for name in ("k_granularity", "v_granularity"):
             if getattr(self, name) not in GRANULARITIES:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
+        if self.scales not in SCALES:
+            raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
 
 
 def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -78,7 +86,7 @@ class TieredPagePool(PagePool):
     """
 
     def __init__(self, config: CacheConfig, tiers: TierConfig, num_layers: int, num_kv_heads: int,
-                 head_dim: int):
+                 head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None):
         hot, cold = config.num_pages, tiers.num_cold_pages
         # The base sets up handle bookkeeping and Ptot-row metadata; its float K/V
         # arrays (np.zeros: never touched, so never resident) are replaced below.
@@ -96,6 +104,14 @@ class TieredPagePool(PagePool):
         self._phys = np.full(hot + cold, -1, np.int64)  # handle -> physical id, -1 unbound
         self._free_hot: deque[int] = deque(range(hot))
         self._free_cold: deque[int] = deque(range(hot, hot + cold))
+        if (tiers.scales == "static") != (static_scales is not None):
+            raise ValueError("TierConfig.scales='static' needs static_scales (a calibration's static_scales()), "
+                             "and only it takes them")
+        # per layer, the page scales of the calibrated ranges (K, V): [L, Hkv, ps|1, D|1]
+        self.static_scales = None if static_scales is None else tuple(
+            layer_page_scales(arr, gran, num_layers, num_kv_heads, self.page_size, head_dim)
+            for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
+
 
     # ---- views the op reads ------------------------------------------------
     def k_pages_int8(self, layer: int) -> np.ndarray:
@@ -294,8 +310,13 @@ class TieredPagePool(PagePool):
         c = new - self.num_hot
         kg, vg = self.tiers.k_granularity, self.tiers.v_granularity
         for layer in range(self.num_layers):
-            self._kq[layer, c], self._ks[layer, c] = quantize_page(self._k[layer, old], kg)
-            self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, old], vg)
+            if self.static_scales is not None:
+                ks, vs = (s[layer] for s in self.static_scales)
+                self._kq[layer, c], self._ks[layer, c] = quantize_page_static(self._k[layer, old], ks)
+                self._vq[layer, c], self._vs[layer, c] = quantize_page_static(self._v[layer, old], vs)
+            else:
+                self._kq[layer, c], self._ks[layer, c] = quantize_page(self._k[layer, old], kg)
+                self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, old], vg)
             deq = dequantize_page(self._kq[layer, c], self._ks[layer, c], self._k.dtype)
             self._update_minmax(layer, [new], deq[None], [self.page_size])
 

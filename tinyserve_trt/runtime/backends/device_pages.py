@@ -19,8 +19,8 @@ slot). Demotions are queued and run batched, one set of tensor ops per layer
 for all of a rebalance's pages, at the next :meth:`flush` (the backend calls it
 before each step; a copy flushes first, since it may read or overwrite a queued
 page). The math is ``ops.quantization``'s, in float64 like the numpy reference,
-so a page demoted here holds the same int8 values, scales and min/max as one
-demoted by the numpy pool (``tests/runtime/test_device_pages.py``, on CPU tensors).
+(each page's absmax, or the pool's static calibrated scales), so a page demoted
+here holds the same int8 values, scales and min/max as one demoted by the numpy pool (``tests/runtime/test_device_pages.py``, on CPU tensors).
 New tokens are written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata.
 """
@@ -36,12 +36,17 @@ COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
 _REDUCE = {"head": (2, 3), "channel": (2,), "token": (3,)}  # axes of [N, Hkv, ps, D] one scale spans
 
 
-def quantize_pages(torch, x, granularity: str):
+def quantize_pages(torch, x, granularity: str, scale=None):
     """``ops.quantization.quantize_pages`` in torch: ``x [N, Hkv, ps, D]`` full pages ->
-    ``(int8 [N, Hkv, ps, D], float32 scales [N, Hkv, ps|1, D|1])`` on ``x``'s device."""
+    ``(int8 [N, Hkv, ps, D], float32 scales [N, Hkv, ps|1, D|1])`` on ``x``'s device.
+    ``scale`` (one page's ``[Hkv, ps|1, D|1]``): a static scale for every page
+    (``ops.quantization.quantize_page_static``) instead of each page's absmax."""
     xf = x.double()
-    amax = xf.abs().amax(dim=_REDUCE[granularity], keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
+    if scale is not None:
+        scale = scale.float().expand(x.shape[0], *scale.shape)
+    else:
+        amax = xf.abs().amax(dim=_REDUCE[granularity], keepdim=True)
+        scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
     q = torch.clamp(torch.round(xf / scale.double()), -QMAX, QMAX).to(torch.int8)
     return q, scale
 
@@ -88,6 +93,9 @@ class DevicePages:
                          value_scale=torch.ones((self.num_cold, *scale_shape(self.grans[1], h, ps, d)),
                                                 dtype=torch.float32, device=device))
             self.layers.append(t)
+        static = getattr(pool, "static_scales", None)  # TieredPagePool: per layer page scales (K, V), or None
+        self.static = None if static is None else [
+            tuple(torch.from_numpy(s[layer]).to(device) for s in static) for layer in range(pool.num_layers)]
         self._pending: list[tuple[int, int]] = []  # queued demotions (hot physical id, cold physical id)
 
     @property
@@ -148,10 +156,11 @@ class DevicePages:
         meta = torch.tensor(list(last), dtype=torch.long, device=self.device)
         cold = meta - self.num_hot
         kg, vg = self.grans
-        for t in self.layers:
-            q, s = quantize_pages(torch, t["key_cache"][hot], kg)
+        for layer, t in enumerate(self.layers):
+            ks, vs = self.static[layer] if self.static else (None, None)
+            q, s = quantize_pages(torch, t["key_cache"][hot], kg, ks)
             t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
             keys = dequantize_pages(q, s, self.dtype)  # what the op attends: min/max describe these
             t["key_min"][meta], t["key_max"][meta] = keys.amin(dim=2), keys.amax(dim=2)
-            q, s = quantize_pages(torch, t["value_cache"][hot], vg)
+            q, s = quantize_pages(torch, t["value_cache"][hot], vg, vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s
