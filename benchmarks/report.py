@@ -36,6 +36,11 @@ EXPECTED = [
     ("passkey_page16_6k", "the same 6K passkey trials at page size 16", "benchmarks/passkey.py --page-size 16"),
     ("passkey_page4_grid", "the passkey grid of passkey.json at page size 4", "benchmarks/passkey.py --page-size 4"),
     ("page_size_cpu", "decode step time at page 16 vs page 4", "benchmarks/bench_page_size.py"),
+    ("quality_sweep_two_level", "two-level selection (16-token pages, then 4/8-token sub-pages) vs page sizes",
+     "benchmarks/quality_sweep.py --variants ..."),
+    ("passkey_two_level_grid", "the passkey grid with two-level selection (16 -> 4, 4x candidates)",
+     "benchmarks/passkey.py --sub-page-size 4 --candidates 4"),
+    ("passkey_two_level_c8_6k", "6K passkey, two-level with 8x candidates", "benchmarks/passkey.py --candidates 8"),
 ]
 
 
