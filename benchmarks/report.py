@@ -41,6 +41,9 @@ EXPECTED = [
     ("passkey_two_level_grid", "the passkey grid with two-level selection (16 -> 4, 4x candidates)",
      "benchmarks/passkey.py --sub-page-size 4 --candidates 4"),
     ("passkey_two_level_c8_6k", "6K passkey, two-level with 8x candidates", "benchmarks/passkey.py --candidates 8"),
+    ("mixed_precision_static16", "INT8 cold pages with the calibration's static scales, 16 prompts",
+     "benchmarks/bench_mixed.py --kv-scales static"),
+    ("mixed_precision_dynamic16", "the same 16 prompts with dynamic scales", "benchmarks/bench_mixed.py --prompts 16"),
 ]
 
 
