@@ -8,10 +8,11 @@ Writes benchmarks/results/quality_sweep.md and .json; the LAST line printed is
 ``RESULT best_ppl_ratio=<ratio> budget=<tokens> variant=<name>``.
 
 Variants are ``name:key=value,key=value`` (keys: page_size, group_reduce,
-sink_pages, recent_pages, dense_layers, sub_page_size, candidates; unspecified
+sink_pages, recent_pages, dense_layers, sub_page_size, candidates, candidate_share; unspecified
 keys take the exporter's defaults), separated by ``;``. ``sub_page_size`` > 0 is
 the two-level selection (``evaluation.decode_attention.select_sub_pages``: rank
-pages, keep ``candidates`` x budget tokens of them, re-rank their sub-pages),
+pages, keep ``candidates`` x budget tokens of them - or ``candidate_share`` of the
+pages if more - and re-rank their sub-pages),
 measured here before any kernel implements it.
 
 The ``reads`` column models one step's memory traffic per KV head at the full
@@ -36,14 +37,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_VARIANTS = ("default:;page8:page_size=8;sum:group_reduce=sum;page8_sum:page_size=8,group_reduce=sum;"
                     "recent4:recent_pages=4;sinks4:sink_pages=4;dense0:dense_layers=0")
 KEYS = {"page_size": int, "group_reduce": str, "sink_pages": int, "recent_pages": int, "dense_layers": int,
-        "sub_page_size": int, "candidates": float}
+        "sub_page_size": int, "candidates": float, "candidate_share": float}
 
 
 def modelled_reads(settings: dict, context: int, budget: int) -> float:
     """Key vectors one decode step reads per KV head (see the module docstring)."""
     reads = 2 * -(-context // settings["page_size"]) + 2 * budget
     if settings["sub_page_size"]:
-        reads += 2 * min(context, settings["candidates"] * budget) / settings["sub_page_size"]
+        candidates = max(settings["candidates"] * budget, settings.get("candidate_share", 0.0) * context)
+        reads += 2 * min(context, candidates) / settings["sub_page_size"]
     return reads
 
 
@@ -67,7 +69,8 @@ def parse_variants(text: str, defaults: dict) -> list[tuple[str, dict]]:
 def main(argv=None) -> int:
     d = ExportConfig()
     defaults = dict(page_size=d.resolved_page_size(), group_reduce="max", sink_pages=d.sink_pages,
-                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=0, candidates=2.0)
+                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=0, candidates=2.0,
+                    candidate_share=0.0)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", type=Path, default=None, help="plain-text file (default: Hamlet)")
     ap.add_argument("--context", type=int, default=8192)
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         spec = SelectionSpec("query_aware", budget=args.budget, page_size=s["page_size"], sink_pages=s["sink_pages"],
                              recent_pages=s["recent_pages"], group_reduce=s["group_reduce"],
-                             sub_page_size=s["sub_page_size"], candidates=s["candidates"])
+                             sub_page_size=s["sub_page_size"], candidates=s["candidates"],
+                             candidate_share=s["candidate_share"])
         r = pp.run(spec, dense_layers=s["dense_layers"])
         reads = modelled_reads(s, int(ids.numel()), args.budget) / modelled_reads(defaults, int(ids.numel()), args.budget)
         rows.append(dict(variant=name, **s, ppl=r.ppl, ratio=r.ppl / dense.ppl, reads=round(reads, 3),
@@ -131,7 +135,8 @@ def render(data: dict, machine: str, command: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
-        two = f"{r['sub_page_size']} ({r['candidates']:g}x)" if r.get("sub_page_size") else "-"
+        share = f", >= {r['candidate_share']:.0%} of pages" if r.get("candidate_share") else ""
+        two = f"{r['sub_page_size']} ({r['candidates']:g}x{share})" if r.get("sub_page_size") else "-"
         reads = f"{r['reads']:.2f}x" if "reads" in r else "-"
         lines.append(f"| {r['variant']} | {r['page_size']} | {two} | {r['group_reduce']} | {r['sink_pages']} | "
                      f"{r['recent_pages']} | {r['dense_layers']} | {r['ppl']:.4f} | {r['ratio']:.4f} | {reads} |")

@@ -100,6 +100,9 @@ def test_quality_sweep_modelled_reads():
     assert sweep.modelled_reads({**base, "page_size": 4}, 8192, 1024) == 2 * 2048 + 2 * 1024
     # two-level: + min/max of the 2048 candidate tokens' 4-token sub-pages
     assert sweep.modelled_reads({**base, "sub_page_size": 4}, 8192, 1024) == 2 * 512 + 2 * 1024 + 2 * 512
+    # at least half the context as candidates: 4096 tokens' sub-pages
+    assert sweep.modelled_reads({**base, "sub_page_size": 4, "candidate_share": 0.5}, 8192, 1024) == \
+        2 * 512 + 2 * 1024 + 2 * 1024
 
 
 def test_bench_page_size_smoke(llama, tmp_path, capsys):

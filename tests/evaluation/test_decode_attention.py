@@ -168,7 +168,8 @@ def _two_level_step_ref(q, k, v, t, spec):
             return max(float(np.sum(np.maximum(qi * lo, qi * hi))) for qi in qg)
 
         coarse = {p: score(*page_min_max(k[h, p * ps:(p + 1) * ps], min(ps, t - p * ps))) for p in range(n)}
-        n_cand = max(int(spec.candidates * spec.budget) // ps, len(forced)) - len(forced)
+        cand_tokens = max(int(spec.candidates * spec.budget), int(spec.candidate_share * n) * ps)
+        n_cand = max(cand_tokens // ps, len(forced)) - len(forced)
         cand = sorted((p for p in range(n) if p not in forced), key=lambda p: (-coarse[p], p))[:n_cand]
         n_sub = -(-t // sp)
         forced_sub = [s for s in range(n_sub) if s * sp // ps in forced]
@@ -191,7 +192,8 @@ def _two_level_step_ref(q, k, v, t, spec):
     SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=2.0),
     SelectionSpec("query_aware", budget=12, page_size=PS, sub_page_size=4, candidates=1.5, sink_pages=0),
     SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=8.0, recent_pages=2),
-], ids=["x2", "x1.5-nosink", "all-candidates"])
+    SelectionSpec("query_aware", budget=8, page_size=PS, sub_page_size=2, candidates=1.0, candidate_share=0.5),
+], ids=["x2", "x1.5-nosink", "all-candidates", "share"])
 def test_two_level_selection_matches_a_step_by_step_reference(rng, spec):
     q, k, v = random_qkv(rng)
     q_start = 20
@@ -209,3 +211,5 @@ def test_two_level_spec_validation():
         SelectionSpec("query_aware", page_size=8, sub_page_size=4, page_fraction=0.5)
     with pytest.raises(ValueError, match="candidates"):
         SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidates=0.5)
+    with pytest.raises(ValueError, match="candidate_share"):
+        SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidate_share=1.5)

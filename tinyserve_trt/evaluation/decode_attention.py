@@ -41,6 +41,7 @@ class SelectionSpec:
     page_fraction: float | None = None
     sub_page_size: int = 0  # > 0: two-level selection (see ``select_sub_pages``); evaluation only, not the op
     candidates: float = 2.0  # two-level: coarse pages kept as candidates, in multiples of the budget
+    candidate_share: float = 0.0  # two-level: ... or at least this share of the step's pages
 
     def __post_init__(self):
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
@@ -57,6 +58,8 @@ class SelectionSpec:
                              f"token budget; got {self.sub_page_size}")
         if self.candidates < 1.0:
             raise ValueError(f"candidates must be >= 1 (a multiple of the budget), got {self.candidates}")
+        if not 0.0 <= self.candidate_share <= 1.0:
+            raise ValueError(f"candidate_share must be in [0, 1], got {self.candidate_share}")
 
     @property
     def is_dense(self) -> bool:
@@ -123,11 +126,13 @@ def _top_take(scores: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor
     return candidates & (rank < take)
 
 
-def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor,
+                 budget: torch.Tensor | None = None) -> torch.Tensor:
     """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
 
     scores: ``page_scores`` ``[Hkv, C, NP]`` (NP >= pages of the last step). A
     dense row (budget 0 or one that covers every page) keeps every written page.
+    budget: ``[C]`` tokens per step, overriding the spec's budget / page fraction.
     """
     ps = spec.page_size
     n_pages = scores.shape[-1]
@@ -135,7 +140,9 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     idx = torch.arange(n_pages)
     valid = idx[None, :] < n_t[:, None]  # [C, NP]
     forced = valid & ((idx[None, :] < spec.sink_pages) | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
-    if spec.page_fraction is not None:
+    if budget is not None:
+        pass
+    elif spec.page_fraction is not None:
         budget = torch.floor(spec.page_fraction * n_t.double()).long() * ps
     else:
         budget = torch.full_like(n_t, spec.budget)
@@ -152,7 +159,8 @@ def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores:
     """Two-level selection: kept sub-pages ``[Hkv, C, NP * r]`` (bool, ``r = page_size / sub_page_size``).
 
     Level 1 keeps the forced pages and the best others up to ``candidates x budget``
-    tokens, by the page scores ``scores [Hkv, C, NP]``. Level 2 scores the candidates'
+    tokens (or ``candidate_share`` of the step's pages, if more), by the page scores
+    ``scores [Hkv, C, NP]``. Level 2 scores the candidates'
     sub-pages of ``sub_page_size`` tokens with their own min/max (from ``k [Hkv, T, D]``)
     and keeps the forced pages' sub-pages whole plus the best candidate sub-pages up to
     the budget. Per step it reads the coarse min/max of every page plus the fine min/max
@@ -161,9 +169,10 @@ def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores:
     ps, sp = spec.page_size, spec.sub_page_size
     r = ps // sp
     n_pages = scores.shape[-1]
-    coarse = replace(spec, budget=int(spec.candidates * spec.budget), sub_page_size=0)
-    cand = select_pages(coarse, positions, scores)  # [Hkv, C, NP], forced included
     n_t = (positions + ps - 1) // ps
+    by_share = torch.floor(spec.candidate_share * n_t.double()).long() * ps
+    cand_budget = torch.clamp(by_share, min=int(spec.candidates * spec.budget))
+    cand = select_pages(replace(spec, sub_page_size=0), positions, scores, cand_budget)  # forced included
     idx = torch.arange(n_pages)
     forced = (idx[None, :] < n_t[:, None]) & ((idx[None, :] < spec.sink_pages)
                                               | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
