@@ -1,0 +1,69 @@
+"""TrtBackend over a TieredPagePool (INT8 cold pages), against the stand-in engine on CPU.
+
+Every full page but a sequence's last is demoted after each step. The toy model
+reads each row's cached keys through the page table it is fed; what it read must be
+the exact keys for hot pages and their INT8 round trip for cold ones - so a handle
+fed instead of a physical id, an unbound cold pool or a demotion that quantized the
+wrong page shows up as a wrong sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.runtime.trt_fakes import (COLD_TIER, DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, REQUESTS,  # noqa: E402
+                                     fake_backend)  # noqa: F401
+from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: E402
+from tinyserve_trt.runtime.config import SchedulerConfig  # noqa: E402
+from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
+from tinyserve_trt.runtime.scheduler import Scheduler  # noqa: E402
+
+
+def _toy_page_keys(tokens: list[int], page: int, layer: int) -> np.ndarray:
+    """``[HEADS, PAGE_SIZE, DIM]`` keys the fake engine computed for a full logical page."""
+    pos = np.arange(page * PAGE_SIZE, (page + 1) * PAGE_SIZE)
+    ids = np.asarray(tokens, np.float32)[pos]
+    grid = 0.5 * np.arange(HEADS)[:, None, None] + 0.125 * np.arange(DIM)
+    return ((ids + 0.25 * pos + layer)[None, :, None] + grid).astype(np.float32)
+
+
+def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(fake_backend):
+    """A tiered pool: every full page but a sequence's last is demoted after each step.
+    The toy model reads each row's cached keys through the page table; what it read
+    must be the exact keys for hot pages and their INT8 round trip for cold ones."""
+    backend, pool = fake_backend(tiered=True)
+    assert backend.reads_cold_pages and backend.pages.num_cold == PAGES
+    sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=8), pool)
+    for rid, (prompt, n) in REQUESTS.items():
+        sched.add(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    read_cold = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        cold_pages = [[p for p in s.pages if not pool.is_hot(p)] for s in batch.seqs]
+        out = backend.run(batch)
+        for row, seq in enumerate(batch.seqs):
+            past = int(batch.past_lens[row])
+            want = 0.0
+            for layer in range(LAYERS):
+                for lp in range(-(-past // PAGE_SIZE)):
+                    n = min(PAGE_SIZE, past - lp * PAGE_SIZE)
+                    if seq.pages[lp] in cold_pages[row]:
+                        keys = _toy_page_keys(seq.token_ids, lp, layer)
+                        keys = dequantize_page(*quantize_page(keys, COLD_TIER["k_granularity"]))
+                        read_cold += 1
+                    else:
+                        keys = _toy_page_keys(seq.token_ids + [0] * PAGE_SIZE, lp, layer)
+                    want += float(keys[0, :n, 0].sum())
+            np.testing.assert_allclose(backend.engine.last_context[row], want, rtol=1e-6)
+        sched.postprocess(batch, out.logits.argmax(axis=1))
+        for seq in sched.running:  # demote between steps, as Tiering.rebalance does
+            for page in seq.pages[:-1]:
+                if pool.is_hot(page) and pool.is_full(page):
+                    pool.demote(page)
+    assert read_cold > 0 and pool.num_cold_free < PAGES
+    pool.check_integrity()
+
+

@@ -1,0 +1,252 @@
+"""A stand-in TensorRT engine and ``torch.cuda`` for TrtBackend tests on CPU.
+
+The fake engine computes a toy model from the bytes at the addresses bound to its
+context: K/V from (token, position, layer), logits from the row's cached keys read
+through the page table (cold pages, physical ids >= P, dequantized from the bound
+INT8 pools, as the op). A fake "graph" records the ``execute_async_v3`` calls made
+during capture and re-runs them on replay. ``fake_backend`` builds a TrtBackend on
+them over a plain or a tiered pool; ``greedy`` drives it with a real Scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tinyserve_trt.runtime.backends import trt as trt_backend
+from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES
+from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
+from tinyserve_trt.runtime.pages import PagePool
+from tinyserve_trt.runtime.sampling import SamplingParams
+from tinyserve_trt.runtime.scheduler import Scheduler
+from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
+
+LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 3, 4, 16, 48
+NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8}
+COLD_TIER = dict(k_granularity="channel", v_granularity="token")
+
+# ---- a stand-in TensorRT ------------------------------------------------------------
+_capturing: list = []  # the fake CUDAGraph being captured, if any
+
+
+def _spec(cold: bool = False) -> dict[str, tuple[str, str]]:
+    spec = {n: ("INPUT", "INT32") for n in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget")}
+    spec["logits_index"] = ("INPUT", "INT64")
+    for i in range(LAYERS):
+        spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in HOT_ROLES})
+        if cold:
+            spec.update({f"{r}.{i}": ("INPUT", "INT8" if r.endswith("int8") else "FLOAT") for r in COLD_ROLES})
+        spec.update({f"new_key.{i}": ("OUTPUT", "FLOAT"), f"new_value.{i}": ("OUTPUT", "FLOAT"),
+                     f"selected_pages.{i}": ("OUTPUT", "INT32")})
+    spec["logits"] = ("OUTPUT", "FLOAT")
+    return spec
+
+
+class FakeEngine:
+    device_memory_size_v2 = 4096
+
+    def __init__(self, capturable: bool = True, cold: bool = False):
+        self.spec, self.capturable, self.contexts = _spec(cold), capturable, []
+        self.names = list(self.spec)
+        self.last_context = None  # per row: the sum the toy model read from the cache
+
+    num_io_tensors = property(lambda self: len(self.names))
+
+    def get_tensor_name(self, i):
+        return self.names[i]
+
+    def get_tensor_mode(self, name):
+        return types.SimpleNamespace(name=self.spec[name][0])
+
+    def get_tensor_dtype(self, name):
+        return types.SimpleNamespace(name=self.spec[name][1])
+
+    def create_execution_context(self, strategy=None):
+        self.contexts.append(FakeContext(self, strategy))
+        return self.contexts[-1]
+
+
+class FakeContext:
+    def __init__(self, engine, strategy):
+        self.engine, self.strategy = engine, strategy
+        self.shapes, self.addrs, self.log, self.memory = {}, {}, [], None
+
+    def set_device_memory(self, ptr, size):
+        self.memory = (ptr, size)
+
+    def set_input_shape(self, name, shape):
+        self.log.append("bind")
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_tensor_address(self, name, ptr):
+        self.log.append("bind")
+        self.addrs[name] = ptr
+        return True
+
+    def get_tensor_shape(self, name):
+        (b, t), w = self.shapes["input_ids"], self.shapes["page_table"][1]
+        if name == "logits":
+            return (b, 1, VOCAB)
+        return (b, HEADS, w) if name.startswith("selected_pages") else (b, HEADS, t, DIM)
+
+    def _view(self, name, shape=None):
+        shape = shape or self.shapes.get(name) or self.get_tensor_shape(name)
+        dtype = np.dtype(NP[self.engine.spec[name][1]])
+        size = int(np.prod(shape)) * dtype.itemsize
+        return np.frombuffer((ctypes.c_char * size).from_address(self.addrs[name]), dtype).reshape(shape)
+
+    def execute_async_v3(self, stream_handle):
+        if _capturing:
+            self.log.append("capture")
+            if not self.engine.capturable:
+                return False
+            _capturing[-1].ops.append(self._compute)
+            return True
+        self.log.append("execute")
+        self._compute()
+        return True
+
+    def _compute(self):
+        """A toy model: K/V from (token, position, layer); logits from the row's cached keys."""
+        ids, pos = self._view("input_ids"), self._view("position_ids")
+        table, past, last = self._view("page_table"), self._view("past_lens"), self._view("logits_index")
+        b_rows, width = ids.shape
+        context = np.zeros(b_rows)
+        for layer in range(LAYERS):
+            grid = 0.5 * np.arange(HEADS)[:, None, None] + 0.125 * np.arange(DIM)
+            key = (ids + 0.25 * pos + layer)[:, None, :, None] + grid
+            self._view(f"new_key.{layer}")[...] = key
+            self._view(f"new_value.{layer}")[...] = -key
+            pages = -(-past // PAGE_SIZE)
+            self._view(f"selected_pages.{layer}")[...] = np.arange(table.shape[1]) < pages[:, None, None]
+            cache = self._view(f"key_cache.{layer}")
+            if f"key_cache_int8.{layer}" in self.shapes:  # physical ids >= P are cold: dequantized, as the op
+                cold = self._view(f"key_cache_int8.{layer}").astype(np.float32) * self._view(f"key_scale.{layer}")
+                cache = np.concatenate([cache, cold])
+            for b in range(b_rows):  # never reads a page-table column past past_lens
+                slots = np.arange(past[b])
+                context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()
+        self.engine.last_context = context
+        rows = np.arange(b_rows)
+        phase = ids[rows, last] + 0.1 * pos[rows, last] + 1e-3 * context
+        self._view("logits")[...] = np.cos(0.37 * np.arange(VOCAB) * (1 + phase[:, None]))[:, None, :]
+
+
+class FakeCudaGraph:
+    def __init__(self):
+        self.ops = []
+
+    def replay(self):
+        for op in self.ops:
+            op()
+
+
+@contextlib.contextmanager
+def _fake_capture(graph, stream=None):
+    if stream is None or stream.cuda_stream == 0:
+        raise RuntimeError("capture needs a non-default stream")
+    _capturing.append(graph)
+    try:
+        yield
+    finally:
+        _capturing.pop()
+
+
+class FakeLogger:
+    WARNING = 1
+
+    def __init__(self, level):
+        pass
+
+
+class FakeStream:
+    cuda_stream = 7
+
+    def __init__(self, device=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _fake_torch() -> types.ModuleType:
+    """Real torch, except that devices are the CPU and ``torch.cuda`` streams/graphs are fakes."""
+    fake = types.ModuleType("torch")
+    fake.__getattr__ = lambda name: getattr(torch, name)
+    fake.device = lambda *args, **kwargs: torch.device("cpu")
+    fake.cuda = types.SimpleNamespace(Stream=FakeStream, stream=lambda s: contextlib.nullcontext(),
+                                      CUDAGraph=FakeCudaGraph, graph=_fake_capture)
+    return fake
+
+
+_appended: list[int] = []  # rows of each append call
+
+
+def _fake_append(key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens):
+    from tinyserve_trt.kernels.references import append_kv_ref
+
+    _appended.append(key.shape[0])
+    got = append_kv_ref(*(t.numpy() for t in (key, value, key_cache, value_cache, key_min, key_max,
+                                              page_table, past_lens)))
+    for dst, src in zip((key_cache, value_cache, key_min, key_max), got):
+        dst.copy_(torch.from_numpy(src))
+
+
+@pytest.fixture
+def fake_backend(monkeypatch, tmp_path):
+    """backend(cuda_graphs=..., capturable=...) -> (TrtBackend on fakes, its PagePool)."""
+    (tmp_path / "model.plan").write_bytes(b"fake")
+    layers = [{r: f"{r}.{i}" for r in (*HOT_ROLES, *COLD_ROLES, "new_key", "new_value", "selected_pages")}
+              for i in range(LAYERS)]
+    package = types.SimpleNamespace(
+        path=tmp_path, dtype="float32", layers=layers, logits="logits", cold_tier=None,
+        manifest={"engine": {"file": "model.plan", "max_batch": 8, "max_pages": 16}},
+        inputs={r: r for r in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget",
+                               "logits_index")})
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    monkeypatch.setattr("tinyserve_trt.kernels.harness.append_kv_gpu", _fake_append)
+    _appended.clear()
+
+    def make(cuda_graphs=True, capturable=True, tiered=False):
+        engine = FakeEngine(capturable, cold=tiered)
+        package.cold_tier = COLD_TIER if tiered else None
+        trt = types.SimpleNamespace(
+            Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
+            ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))
+        monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda: trt)
+        cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32")
+        pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **COLD_TIER), LAYERS, HEADS, DIM) if tiered \
+            else PagePool(cache, LAYERS, HEADS, DIM)
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, "torch", _fake_torch())
+            backend = trt_backend.TrtBackend(package, pool, cuda_graphs=cuda_graphs)
+        return backend, pool
+
+    return make
+
+
+def greedy(backend, pool, requests):
+    """Drive ``backend`` with a real Scheduler; per step (kind, batch size, width, logits)."""
+    sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=8), pool)
+    for rid, (prompt, n) in requests.items():
+        sched.add(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    steps = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        out = backend.run(batch)
+        # copies: on the CPU stand-in ``.cpu()`` aliases the graph's static outputs (on a GPU it copies)
+        steps.append(("decode" if batch.input_ids.shape[1] == 1 else "prefill", len(batch),
+                      batch.page_table.shape[1], out.logits.copy(), [s.copy() for s in out.selected_pages]))
+        sched.postprocess(batch, out.logits.argmax(axis=1))
+    return steps
+
+
+REQUESTS = {"a": (list(range(1, 6)), 9), "b": ([(7 * i) % 15 + 1 for i in range(11)], 12), "c": ([3, 1, 4], 5)}
+
