@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     print(f"bench_mixed: {len(prompts)} prompts x {args.context} tokens, {args.decode} positions each, "
           f"hot fractions {fractions}", file=sys.stderr, flush=True)
     ref = run(package, prompts, 1.0, args)
+    print(f"bench_mixed: hot 100% (reference): {ref['hot_pages']} pages, {ref['seconds']:.0f}s", file=sys.stderr,
+          flush=True)
     rows = [dict(ref, agreement=1.0, positions=len(prompts) * args.decode)]
     for f in fractions:
         if f != 1.0:
