@@ -67,3 +67,9 @@ def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(f
     pool.check_integrity()
 
 
+def test_a_pool_larger_than_the_engine_profile_is_refused_in_one_line(fake_backend):
+    fake_backend(tiered=True, max_pool_pages=PAGES, max_cold_pages=PAGES)  # fits exactly
+    with pytest.raises(RuntimeError, match=f"needs {PAGES} cold pages but the engine was built for at most 8"):
+        fake_backend(tiered=True, max_pool_pages=PAGES, max_cold_pages=8)
+    with pytest.raises(RuntimeError, match=f"needs {PAGES} pool pages but the engine was built for at most 10"):
+        fake_backend(max_pool_pages=10)

@@ -201,7 +201,7 @@ def _fake_append(key, value, key_cache, value_cache, key_min, key_max, page_tabl
 
 @pytest.fixture
 def fake_backend(monkeypatch, tmp_path):
-    """backend(cuda_graphs=..., capturable=...) -> (TrtBackend on fakes, its PagePool)."""
+    """backend(cuda_graphs=..., capturable=..., tiered=..., **limits) -> (TrtBackend on fakes, its pool)."""
     (tmp_path / "model.plan").write_bytes(b"fake")
     layers = [{r: f"{r}.{i}" for r in (*HOT_ROLES, *COLD_ROLES, "new_key", "new_value", "selected_pages")}
               for i in range(LAYERS)]
@@ -214,9 +214,11 @@ def fake_backend(monkeypatch, tmp_path):
     monkeypatch.setattr("tinyserve_trt.kernels.harness.append_kv_gpu", _fake_append)
     _appended.clear()
 
-    def make(cuda_graphs=True, capturable=True, tiered=False):
+    def make(cuda_graphs=True, capturable=True, tiered=False, **limits):
+        """``limits``: extra ``manifest["engine"]`` entries (max_pool_pages, max_cold_pages)."""
         engine = FakeEngine(capturable, cold=tiered)
         package.cold_tier = COLD_TIER if tiered else None
+        package.manifest = {"engine": {"file": "model.plan", "max_batch": 8, "max_pages": 16, **limits}}
         trt = types.SimpleNamespace(
             Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
             ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))

@@ -239,7 +239,7 @@ def _check_pool_fits(engine_info: dict, pages: DevicePages, path) -> None:
         limit = engine_info.get(key)
         if limit is not None and have > limit:
             raise RuntimeError(f"{path}: the page pool needs {have} {key[4:].replace('_', ' ')} but the engine "
-                               f"was built for at most {limit}; lower EngineConfig.num_pages / memory, or re-export")
+                               f"was built for at most {limit}; lower EngineConfig.memory / max_batch / max_seq_len")
 
 
 class _DecodeGraph:
