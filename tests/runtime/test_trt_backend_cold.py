@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.runtime.trt_fakes import (COLD_TIER, DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, REQUESTS,  # noqa: E402
-                                     fake_backend)  # noqa: F401
+                                     fake_backend, require_trt_gpu)  # noqa: F401
 from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: E402
 from tinyserve_trt.runtime.config import SchedulerConfig  # noqa: E402
 from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
@@ -73,3 +73,31 @@ def test_a_pool_larger_than_the_engine_profile_is_refused_in_one_line(fake_backe
         fake_backend(tiered=True, max_pool_pages=PAGES, max_cold_pages=8)
     with pytest.raises(RuntimeError, match=f"needs {PAGES} pool pages but the engine was built for at most 10"):
         fake_backend(max_pool_pages=10)
+
+
+# ---- on a GPU with TensorRT -------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.trt
+def test_gpu_cold_tier_engine_agrees_with_ort(tiny_root):
+    """A tiny LLaMA exported for TensorRT with a cold tier: at 10% hot, the engine demotes
+    pages and its greedy tokens stay close to ONNX Runtime's on the same package."""
+    require_trt_gpu()
+    from tests.tiny_models import export_source
+    from tinyserve_trt import LLM
+    from tinyserve_trt.export.config import ExportConfig
+    from tinyserve_trt.export.pipeline import export_model
+
+    root = tiny_root / "trt-cold"
+    root.mkdir(exist_ok=True)
+    pkg = root / "pkg"
+    export_model(export_source("llama", root / "src"), pkg, ExportConfig(
+        page_size=4, token_budget=16, dense_layers=1, backend="trt", cold_pages=True, max_context=256), quiet=True)
+    prompts = [[(i * 7 + 1) % 256 for i in range(80)], [(i * 37 + 11) % 256 for i in range(41)]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens, demoted = {}, {}
+    for backend in ("ort", "trt"):
+        llm = LLM(pkg, backend=backend, hot_fraction=0.1, prefix_sharing=False)
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
+        demoted[backend] = llm.stats()["pages_demoted"]
+    same = [a == b for x, y in zip(tokens["ort"], tokens["trt"]) for a, b in zip(x, y)]
+    assert demoted["trt"] > 0 and np.mean(same) >= 0.8, (demoted, np.mean(same))

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.runtime.trt_fakes import (HEADS, LAYERS, VOCAB, REQUESTS, _appended, fake_backend,  # noqa: E402,F401
-                                     greedy, trt_backend)
+                                     greedy, require_trt_gpu, trt_backend)
 from tinyserve_trt.runtime.backends.device_pages import HOT_ROLES  # noqa: E402
 from tinyserve_trt.runtime.config import SchedulerConfig  # noqa: E402
 from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
@@ -95,17 +95,7 @@ def test_batch_outside_the_profile_raises_before_running(fake_backend):
 # ---- on a GPU with TensorRT -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trt_llama(tiny_root):
-    try:
-        import tensorrt  # noqa: F401
-    except Exception:
-        pytest.skip("TensorRT is not installed: decode-step CUDA graphs need a TensorRT engine")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
-    try:
-        trt_backend._load_tensorrt()
-    except RuntimeError as e:  # plugin library or cuda-python missing
-        pytest.skip(str(e))
-    pytest.importorskip("transformers")
+    require_trt_gpu()
     from tests.tiny_models import build_package
 
     root = tiny_root / "trt-graphs"

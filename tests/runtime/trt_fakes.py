@@ -252,3 +252,18 @@ def greedy(backend, pool, requests):
 
 REQUESTS = {"a": (list(range(1, 6)), 9), "b": ([(7 * i) % 15 + 1 for i in range(11)], 12), "c": ([3, 1, 4], 5)}
 
+
+def require_trt_gpu() -> None:
+    """Skip (with the reason) unless TensorRT, the plugin library, cuda-python, a CUDA
+    device and transformers are all present - what a real engine test needs."""
+    try:
+        import tensorrt  # noqa: F401
+    except Exception:
+        pytest.skip("TensorRT is not installed: this test needs a TensorRT engine")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch")
+    try:
+        trt_backend._load_tensorrt()
+    except RuntimeError as e:  # plugin library or cuda-python missing
+        pytest.skip(str(e))
+    pytest.importorskip("transformers")
