@@ -126,6 +126,14 @@ def _top_take(scores: torch.Tensor, candidates: torch.Tensor, take: torch.Tensor
     return candidates & (rank < take)
 
 
+def _written_and_forced(spec: SelectionSpec, n_t: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[C, NP]`` masks: the pages written at each step (``n_t`` of them), and the forced ones
+    among them (the first ``sink_pages`` and the last ``recent_pages``)."""
+    idx = torch.arange(n_pages)[None, :]
+    valid = idx < n_t[:, None]
+    return valid, valid & ((idx < spec.sink_pages) | (idx >= (n_t - spec.recent_pages)[:, None]))
+
+
 def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor,
                  budget: torch.Tensor | None = None) -> torch.Tensor:
     """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
@@ -135,11 +143,8 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     budget: ``[C]`` tokens per step, overriding the spec's budget / page fraction.
     """
     ps = spec.page_size
-    n_pages = scores.shape[-1]
     n_t = (positions + ps - 1) // ps  # pages in the cache at each step
-    idx = torch.arange(n_pages)
-    valid = idx[None, :] < n_t[:, None]  # [C, NP]
-    forced = valid & ((idx[None, :] < spec.sink_pages) | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
+    valid, forced = _written_and_forced(spec, n_t, scores.shape[-1])
     if budget is not None:
         pass
     elif spec.page_fraction is not None:
@@ -173,9 +178,7 @@ def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores:
     by_share = torch.floor(spec.candidate_share * n_t.double()).long() * ps
     cand_budget = torch.clamp(by_share, min=int(spec.candidates * spec.budget))
     cand = select_pages(replace(spec, sub_page_size=0), positions, scores, cand_budget)  # forced included
-    idx = torch.arange(n_pages)
-    forced = (idx[None, :] < n_t[:, None]) & ((idx[None, :] < spec.sink_pages)
-                                              | (idx[None, :] >= (n_t - spec.recent_pages)[:, None]))
+    _, forced = _written_and_forced(spec, n_t, n_pages)
     fmin, fmax = page_min_max(k[:, :n_pages * ps], sp)  # [Hkv, NP*r, D]; a partial sub-page is in a forced page
     fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), q, fmin, fmax)  # [Hkv, C, NP*r]
     written = torch.arange(n_pages * r)[None, :] < ((positions + sp - 1) // sp)[:, None]  # [C, NP*r]

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import contextlib
 
-from tinyserve_trt.ops.quantization import QMAX, scale_shape
+from tinyserve_trt.ops.quantization import QMAX, _reduce_axes, scale_shape
 
 HOT_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
 COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
-_REDUCE = {"head": (2, 3), "channel": (2,), "token": (3,)}  # axes of [N, Hkv, ps, D] one scale spans
 
 
 def quantize_pages(torch, x, granularity: str, scale=None):
@@ -45,7 +44,8 @@ def quantize_pages(torch, x, granularity: str, scale=None):
     if scale is not None:
         scale = scale.float().expand(x.shape[0], *scale.shape)
     else:
-        amax = xf.abs().amax(dim=_REDUCE[granularity], keepdim=True)
+        axes = tuple(a + 1 for a in _reduce_axes(granularity))  # of [N, Hkv, ps, D]: one scale's span
+        amax = xf.abs().amax(dim=axes, keepdim=True)
         scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
     q = torch.clamp(torch.round(xf / scale.double()), -QMAX, QMAX).to(torch.int8)
     return q, scale
