@@ -11,7 +11,7 @@ and dense, reuses its pages; the original prefills it once in chunks and stacks 
 B times (its batch-8 x 8K prefill would need ~29 GB). Only decode steps are
 timed: the median over --steps steps, best of --passes passes.
 Writes benchmarks/results/decode_cpu.md and decode_cpu.json (the report's decode
-format, ``tinyserve_trt/evaluation/results.py``); the LAST line printed is
+format, ``tinyserve_dev/evaluation/results.py``); the LAST line printed is
 ``RESULT speedup_8k_b8_vs_original=<original step time / sparse step time>``
 (named after the largest context and batch measured).
 """
@@ -240,7 +240,7 @@ SYSTEMS = {"sparse": "tinyserve sparse b{budget}", "dense": "tinyserve dense", "
 
 def write_json(path: Path, rows, threads: int, budget: int) -> None:
     """The report's decode format: one row per (system, context, batch)."""
-    from tinyserve_trt.evaluation import results as results_io
+    from tinyserve_dev.evaluation import results as results_io
 
     records = [dict(system=SYSTEMS[k].format(budget=budget), context=context, batch=batch,
                     ms_per_token=round(v * 1e3 / batch, 3), ms_per_step=round(v * 1e3, 3),

@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.ops import schema  # noqa: E402
-from tinyserve_trt.ops.cases import CaseSpec, make_case  # noqa: E402
+from tinyserve_dev.cases import CaseSpec, make_case  # noqa: E402
 from tinyserve_trt.ops.node import make_op_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

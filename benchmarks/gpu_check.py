@@ -34,11 +34,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tinyserve_trt.kernels.harness import ForwardCall, sparse_attention_gpu  # noqa: E402
-from tinyserve_trt.kernels.references import (attention_with_selection_ref, dequantized_float32_case,  # noqa: E402
+from tinyserve_dev.kernels.harness import ForwardCall, sparse_attention_gpu  # noqa: E402
+from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case,  # noqa: E402
                                               selection_score_gap)
 from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
-from tinyserve_trt.ops.cases import CaseSpec, make_mixed_case  # noqa: E402
+from tinyserve_dev.cases import CaseSpec, make_mixed_case  # noqa: E402
 
 HKV, D, PS = 8, 128, 16
 

@@ -3,7 +3,7 @@
 For each context length and depth a 5-digit passkey is hidden in filler text
 (chat template, one user turn). The text before the question is prefilled
 densely once; the question and the greedy answer run as decode steps under
-each budget (``tinyserve_trt.evaluation``: exactly what the op's decode step
+each budget (``tinyserve_dev.evaluation``: exactly what the op's decode step
 attends), with the exporter's default dense leading layers. Accuracy per
 (context, budget) cell is the share of depths answered correctly.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.export.config import ExportConfig  # noqa: E402
-from tinyserve_trt.evaluation import results as results_io  # noqa: E402
+from tinyserve_dev.evaluation import results as results_io  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,9 +51,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from tinyserve_trt.evaluation.decode_attention import DENSE, SelectionSpec
-    from tinyserve_trt.evaluation.passkey import PasskeyTrial, build_prompt, random_passkey
-    from tinyserve_trt.export.sources.smollm2 import load_hf
+    from tinyserve_dev.evaluation.decode_attention import DENSE, SelectionSpec
+    from tinyserve_dev.evaluation.passkey import PasskeyTrial, build_prompt, random_passkey
+    from tinyserve_trt.export.hf.smollm2 import load_hf
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,7 +3,7 @@
 One long text is cut to --context tokens. The first context - eval_tokens - 1
 tokens are prefilled densely (as serving does); the last --eval-tokens
 positions are decode steps under each selection (all evaluated at once by
-``tinyserve_trt.evaluation``, exactly as the op's decode step would attend at
+``tinyserve_dev.evaluation``, exactly as the op's decode step would attend at
 each position), and their next-token NLL gives the perplexity.
 
 - perplexity: dense vs each policy (query_aware, window, oracle) at each
@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.export.config import ExportConfig  # noqa: E402
-from tinyserve_trt.evaluation import results as results_io  # noqa: E402
-from tinyserve_trt.evaluation.texts import default_text_path, read_text  # noqa: E402
+from tinyserve_dev.evaluation import results as results_io  # noqa: E402
+from tinyserve_dev.evaluation.texts import default_text_path, read_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"ppl_ratio_1k": 1.02, "recall_30pct": 0.95}
@@ -69,10 +69,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from tinyserve_trt.evaluation.decode_attention import DENSE, SelectionSpec
-    from tinyserve_trt.evaluation.perplexity import PrefixPerplexity
-    from tinyserve_trt.evaluation.recall import RecallProbe
-    from tinyserve_trt.export.sources.smollm2 import load_hf
+    from tinyserve_dev.evaluation.decode_attention import DENSE, SelectionSpec
+    from tinyserve_dev.evaluation.perplexity import PrefixPerplexity
+    from tinyserve_dev.evaluation.recall import RecallProbe
+    from tinyserve_trt.export.hf.smollm2 import load_hf
 
     if args.threads:
         torch.set_num_threads(args.threads)

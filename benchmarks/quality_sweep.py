@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.export.config import ExportConfig  # noqa: E402
-from tinyserve_trt.evaluation import results as results_io  # noqa: E402
-from tinyserve_trt.evaluation.texts import default_text_path, read_text  # noqa: E402
+from tinyserve_dev.evaluation import results as results_io  # noqa: E402
+from tinyserve_dev.evaluation.texts import default_text_path, read_text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_VARIANTS = ("default:;page8:page_size=8;sum:group_reduce=sum;page8_sum:page_size=8,group_reduce=sum;"
@@ -86,9 +86,9 @@ def main(argv=None) -> int:
         ap.error(str(e))
     import torch
 
-    from tinyserve_trt.evaluation.decode_attention import DENSE, SelectionSpec
-    from tinyserve_trt.evaluation.perplexity import PrefixPerplexity
-    from tinyserve_trt.export.sources.smollm2 import load_hf
+    from tinyserve_dev.evaluation.decode_attention import DENSE, SelectionSpec
+    from tinyserve_dev.evaluation.perplexity import PrefixPerplexity
+    from tinyserve_trt.export.hf.smollm2 import load_hf
 
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()

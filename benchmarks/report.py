@@ -1,7 +1,7 @@
 """Collect every benchmark result in benchmarks/results/ into REPORT.md with PNG plots.
 
 Reads the machine-readable JSON each benchmark writes next to its markdown
-(format: ``tinyserve_trt/evaluation/results.py``); for op_cpu it falls back
+(format: ``tinyserve_dev/evaluation/results.py``); for op_cpu it falls back
 to the markdown table when no op_cpu.json exists yet. Benchmarks not run yet
 are listed as missing. ``benchmarks/results/analysis.md``, if present, is
 appended verbatim (the why behind missed targets, written by a person).
@@ -301,7 +301,7 @@ def build(results: Path) -> str:
     lines += ["", "## Decode throughput", ""]
     lines += section_decode(decode, results) if decode else [
         "Missing: no decode results yet. A decode benchmark writes `<name>.json` in the format documented in "
-        "`tinyserve_trt/evaluation/results.py` (rows of system, context, batch, tokens_per_s)."]
+        "`tinyserve_dev/evaluation/results.py` (rows of system, context, batch, tokens_per_s)."]
     others = [stem for stem, _, _ in EXPECTED[3:] if stem not in decode and (loaded[stem] or
                                                                              (results / f"{stem}.md").is_file())]
     if others:

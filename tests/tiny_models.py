@@ -1,7 +1,7 @@
 """Tiny random decoder LLMs exported to ONNX with KV-cache I/O, and their packages.
 
 Built by the tests themselves (no downloads): a seeded random model from
-``tinyserve_trt.export.sources.tiny_models``, exported with KV-cache I/O by
+``tinyserve_dev.models.tiny_models``, exported with KV-cache I/O by
 ``torch_export`` (legacy exporter), a byte-level tokenizer, then
 ``export_model`` into a package.
 """
@@ -18,8 +18,8 @@ VOCAB = 256
 def export_source(arch: str, outdir: Path, seed: int = 0) -> Path:
     """Write ``outdir/model.onnx`` (+ config.json, byte tokenizer) of a random tiny ``arch`` model,
     built and exported by the package's own fixture sources (legacy exporter, eager attention)."""
-    from tinyserve_trt.export.sources.tiny_models import TinyModelConfig, build_tiny_model
-    from tinyserve_trt.export.sources.torch_export import export_causal_lm
+    from tinyserve_dev.models.tiny_models import TinyModelConfig, build_tiny_model
+    from tinyserve_trt.export.hf.torch_export import export_causal_lm
 
     model = build_tiny_model(TinyModelConfig(kind=arch, vocab_size=VOCAB, max_positions=512, seed=seed),
                              attn_implementation="eager")

@@ -7,9 +7,9 @@ torch = pytest.importorskip("torch")
 
 from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
 from tinyserve_trt.ops.reference import page_min_max  # noqa: E402
-from tinyserve_trt.evaluation.decode_attention import (  # noqa: E402
+from tinyserve_dev.evaluation.decode_attention import (  # noqa: E402
     SelectionSpec, decode_attention, page_mass, page_scores, select_pages)
-from tinyserve_trt.evaluation.recall import step_recall  # noqa: E402
+from tinyserve_dev.evaluation.recall import step_recall  # noqa: E402
 
 H, HKV, D, PS, T = 4, 2, 16, 8, 75
 

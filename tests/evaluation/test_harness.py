@@ -5,10 +5,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tinyserve_trt.evaluation.decode_attention import DENSE, SelectionSpec  # noqa: E402
-from tinyserve_trt.evaluation.harness import SparseAttentionHarness, use_harness  # noqa: E402
-from tinyserve_trt.evaluation.perplexity import PrefixPerplexity, cache_kwarg  # noqa: E402
-from tinyserve_trt.evaluation.recall import RecallProbe  # noqa: E402
+from tinyserve_dev.evaluation.decode_attention import DENSE, SelectionSpec  # noqa: E402
+from tinyserve_dev.evaluation.hf_harness import SparseAttentionHarness, use_harness  # noqa: E402
+from tinyserve_dev.evaluation.perplexity import PrefixPerplexity, cache_kwarg  # noqa: E402
+from tinyserve_dev.evaluation.recall import RecallProbe  # noqa: E402
 
 T = 96
 
@@ -93,6 +93,6 @@ def test_probe_sees_every_layer(tiny):
 def test_light_import():
     import subprocess
     import sys
-    code = ("import sys, tinyserve_trt.evaluation, tinyserve_trt.evaluation.results, "
-            "tinyserve_trt.evaluation.texts; assert 'torch' not in sys.modules; print('ok')")
+    code = ("import sys, tinyserve_dev.evaluation, tinyserve_dev.evaluation.results, "
+            "tinyserve_dev.evaluation.texts; assert 'torch' not in sys.modules; print('ok')")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tinyserve_trt.evaluation import passkey as pk  # noqa: E402
-from tinyserve_trt.evaluation.decode_attention import DENSE, SelectionSpec  # noqa: E402
+from tinyserve_dev.evaluation import passkey as pk  # noqa: E402
+from tinyserve_dev.evaluation.decode_attention import DENSE, SelectionSpec  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from tinyserve_trt.evaluation.results import validate_decode  # noqa: E402
+from tinyserve_dev.evaluation.results import validate_decode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

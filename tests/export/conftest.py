@@ -22,7 +22,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 def export_fixture(tmp_path_factory):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tinyserve_trt.export.sources.torch_export import export_tiny
+    from tinyserve_dev.models.tiny_models import export_tiny
 
     env = os.environ.get("TINYSERVE_FIXTURE_DIR")
     root = Path(env) if env else tmp_path_factory.mktemp("export_fixtures")

@@ -25,6 +25,6 @@ def build(kind: str):
 
 
 def export(kind: str, out_dir: Path) -> Path:
-    from tinyserve_trt.export.sources.torch_export import export_causal_lm
+    from tinyserve_trt.export.hf.torch_export import export_causal_lm
 
     return export_causal_lm(build(kind), Path(out_dir) / "model.onnx", "legacy_eager")

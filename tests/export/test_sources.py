@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 
-from tinyserve_trt.export.sources.torch_export import EXPORT_STYLES, io_names
+from tinyserve_trt.export.hf.torch_export import EXPORT_STYLES, io_names
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def _twin(fixture_dir):
-    from tinyserve_trt.export.sources.tiny_models import TinyModelConfig, build_tiny_model
+    from tinyserve_dev.models.tiny_models import TinyModelConfig, build_tiny_model
 
     meta = json.loads((fixture_dir / "fixture.json").read_text())
     cfg = TinyModelConfig(kind=meta["kind"], seed=meta["seed"])
@@ -34,7 +34,7 @@ def _twin(fixture_dir):
 
 
 def _check_parity(fixture_dir, lengths):
-    from tinyserve_trt.export.sources.parity import Scenario, max_abs_diff, run_onnx, run_torch
+    from tinyserve_dev.models.parity import Scenario, max_abs_diff, run_onnx, run_torch
 
     model = _twin(fixture_dir)
     scenario = Scenario.random(lengths, vocab_size=model.config.vocab_size, decode_steps=2)
@@ -89,7 +89,7 @@ _SIGNATURE = {
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_attention_block_signature(export_fixture, kind, style):
-    from tinyserve_trt.export.sources.graph_report import attention_block
+    from tinyserve_dev.models.graph_report import attention_block
 
     model = onnx.load(str(export_fixture(kind, style) / "model.onnx"))
     ops = {n.op_type for n in attention_block(model, layer=1)}
@@ -111,7 +111,7 @@ def test_optimum_fixture(optimum_fixture_dir):
 
 def test_tiny_models_are_deterministic():
     torch = pytest.importorskip("torch")
-    from tinyserve_trt.export.sources.tiny_models import build_tiny_model
+    from tinyserve_dev.models.tiny_models import build_tiny_model
 
     for kind in KINDS:
         a, b = build_tiny_model(kind), build_tiny_model(kind)
@@ -121,8 +121,8 @@ def test_tiny_models_are_deterministic():
 def test_wrapper_matches_plain_forward():
     """The torch twin goes through the export wrapper; check it is the model."""
     torch = pytest.importorskip("torch")
-    from tinyserve_trt.export.sources.parity import Scenario, run_torch
-    from tinyserve_trt.export.sources.tiny_models import build_tiny_model
+    from tinyserve_dev.models.parity import Scenario, run_torch
+    from tinyserve_dev.models.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", "eager")
     scenario = Scenario.random((4, 4), vocab_size=256, decode_steps=0)
@@ -133,8 +133,8 @@ def test_wrapper_matches_plain_forward():
 
 
 def test_config_validation():
-    from tinyserve_trt.export.sources.tiny_models import TinyModelConfig
-    from tinyserve_trt.export.sources.torch_export import get_style
+    from tinyserve_dev.models.tiny_models import TinyModelConfig
+    from tinyserve_trt.export.hf.torch_export import get_style
 
     with pytest.raises(ValueError, match="kind"):
         TinyModelConfig(kind="bert")
@@ -147,7 +147,7 @@ def test_config_validation():
 def test_smollm2_missing_package_message(monkeypatch):
     import importlib.util
 
-    from tinyserve_trt.export.sources import smollm2
+    from tinyserve_trt.export.hf import smollm2
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -162,8 +162,8 @@ def test_smollm2_export_matches_torch():
     """The real model: cached legacy export (builds ~35 s the first time) vs HF."""
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from tinyserve_trt.export.sources import smollm2
-    from tinyserve_trt.export.sources.parity import Scenario, max_abs_diff, run_onnx, run_torch
+    from tinyserve_trt.export.hf import smollm2
+    from tinyserve_dev.models.parity import Scenario, max_abs_diff, run_onnx, run_torch
 
     try:
         smollm2.find_gguf()

@@ -28,7 +28,7 @@ def cuda_lib():
         pytest.skip("torch is not installed: the GPU harness runs kernels on torch CUDA tensors")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device visible to torch")
-    from tinyserve_trt.kernels import library
+    from tinyserve_trt.cuda import library
 
     if not library.library_path().is_file():
         nvcc_or_skip()

@@ -7,9 +7,9 @@ is checked here on CPU against cases built by ``ops.cases``.
 
 import pytest
 
-from tinyserve_trt.kernels import library
+from tinyserve_trt.cuda import library
 from tinyserve_trt.ops import quantization, schema
-from tinyserve_trt.ops.cases import CaseSpec, make_case, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
 
 
 def _shapes(case):

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from tinyserve_trt.kernels import library
+from tinyserve_trt.cuda import library
 from tinyserve_trt.ops import schema
-from tinyserve_trt.ops.cases import CaseSpec, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, make_mixed_case
 
 from .conftest import ROOT, nvcc_or_skip
 

@@ -13,10 +13,10 @@ with the reference on the dequantized all-hot cache (``dequantized_float32_case`
 import numpy as np
 import pytest
 
-from tinyserve_trt.kernels.references import (append_kv_ref, attention_with_selection_ref,
+from tinyserve_dev.kernels.references import (append_kv_ref, attention_with_selection_ref,
                                               dequantized_float32_case, selection_score_gap)
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, make_case, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def _assert_close(got, want, dtype, what):
 
 
 def _run_and_check(case, attrs, dtype, **kw):
-    from tinyserve_trt.kernels.harness import sparse_attention_gpu
+    from tinyserve_dev.kernels.harness import sparse_attention_gpu
 
     out, sel = sparse_attention_gpu(**case, attrs=attrs, **kw)
     ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
@@ -84,7 +84,7 @@ def test_decode_scores_spill_to_workspace(cuda_lib, rng):
 
 def test_decode_ties_keep_lowest_index(cuda_lib, rng):
     """Pages with identical metadata score exactly alike: the lower logical index wins, as in numpy."""
-    from tinyserve_trt.kernels.harness import sparse_attention_gpu
+    from tinyserve_dev.kernels.harness import sparse_attention_gpu
 
     case = make_case(CaseSpec((160,), 2, 1, 32, 16, 1, "float32", budget=64), rng)
     table = case["page_table"][0]
@@ -106,7 +106,7 @@ def test_prefill_matches_reference(cuda_lib, rng, dtype, new_tokens):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_append_kv_matches_reference(cuda_lib, rng, dtype):
-    from tinyserve_trt.kernels.harness import append_kv_gpu
+    from tinyserve_dev.kernels.harness import append_kv_gpu
 
     ps, S = 16, 3
     case = make_case(CaseSpec((0, 15, 16, 40), 4, 2, 32, ps, S, dtype, spare_pages=4), rng)
@@ -163,7 +163,7 @@ def test_mixed_decode_head_dims_and_splits(cuda_lib, rng, head_dim):
 
 def test_mixed_equals_kernel_on_dequantized_cache(cuda_lib, rng):
     """float32: dequantizing on load must give what the hot path gives on the dequantized pools."""
-    from tinyserve_trt.kernels.harness import sparse_attention_gpu
+    from tinyserve_dev.kernels.harness import sparse_attention_gpu
 
     case = make_mixed_case(CaseSpec((130, 300, 64), 8, 2, 64, 16, 1, "float32", budget=64), rng, 0.5)
     _assert_mixed(case)
@@ -187,8 +187,8 @@ def test_single_cold_or_single_hot_page(cuda_lib, rng, cold_fraction):
 
 
 def test_unsupported_reports_status(cuda_lib, rng):
-    from tinyserve_trt.kernels.harness import sparse_attention_gpu
-    from tinyserve_trt.kernels.library import KernelError
+    from tinyserve_dev.kernels.harness import sparse_attention_gpu
+    from tinyserve_trt.cuda.library import KernelError
 
     case = make_case(CaseSpec((40,), 2, 1, 16, 16, 1, "float32", budget=16), rng)
     with pytest.raises(KernelError, match="unsupported"):

@@ -1,4 +1,4 @@
-"""The ctypes structs in tinyserve_trt/kernels/library.py match qsa_launch.h byte for byte.
+"""The ctypes structs in tinyserve_trt/cuda/library.py match qsa_launch.h byte for byte.
 
 Compiles a tiny host C program against the header (no CUDA needed) that
 prints each field's offset and each struct's size, and compares.
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tinyserve_trt.kernels import library
+from tinyserve_trt.cuda import library
 
 from .conftest import ROOT
 

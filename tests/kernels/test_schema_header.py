@@ -2,7 +2,7 @@
 
 import re
 
-from tinyserve_trt.kernels import schema_header
+from tinyserve_dev import schema_header
 from tinyserve_trt.ops import schema
 
 from .conftest import ROOT
@@ -10,7 +10,7 @@ from .conftest import ROOT
 
 def test_generated_header_is_up_to_date():
     assert schema_header.HEADER_PATH.read_text() == schema_header.render(), \
-        "plugins/generated/qsa_schema.h is stale: run `python -m tinyserve_trt.kernels.schema_header`"
+        "plugins/generated/qsa_schema.h is stale: run `python -m tinyserve_dev.schema_header`"
 
 
 def test_header_lists_every_attribute_in_schema_order():

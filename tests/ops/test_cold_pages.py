@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, dequantized_case, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, dequantized_case, make_mixed_case
 from tinyserve_trt.ops.node import make_node, make_op_model
 
 from .conftest import run_op

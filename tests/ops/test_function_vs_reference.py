@@ -5,7 +5,7 @@ import onnx
 import pytest
 
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, make_case
+from tinyserve_dev.cases import CaseSpec, make_case
 from tinyserve_trt.ops.node import make_op_model
 from tinyserve_trt.ops.policies import get_policy, reduce_group
 

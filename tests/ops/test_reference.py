@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from tinyserve_trt.ops import schema, select_pages, sparse_attention_ref
-from tinyserve_trt.ops.cases import CaseSpec, contiguous_kv, make_case
+from tinyserve_dev.cases import CaseSpec, contiguous_kv, make_case
 from tinyserve_trt.ops.policies import get_policy
 
 from .conftest import run_op

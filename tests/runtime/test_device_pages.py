@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinyserve_trt.kernels.references import append_kv_ref  # noqa: E402
+from tinyserve_dev.kernels.references import append_kv_ref  # noqa: E402
 from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noqa: E402
 from tinyserve_trt.ops.quantization import quantize_pages as quantize_pages_np  # noqa: E402
 from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES, DevicePages, quantize_pages  # noqa: E402

@@ -16,7 +16,7 @@ def smollm2(tmp_path_factory):
     pytest.importorskip("transformers")
     from tinyserve_trt.export.config import ExportConfig
     from tinyserve_trt.export.pipeline import export_model
-    from tinyserve_trt.export.sources import smollm2 as source
+    from tinyserve_trt.export.hf import smollm2 as source
 
     src = source.ensure_onnx()
     pkg = tmp_path_factory.mktemp("smollm2") / "pkg"

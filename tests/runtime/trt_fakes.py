@@ -190,7 +190,7 @@ _appended: list[int] = []  # rows of each append call
 
 
 def _fake_append(key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens):
-    from tinyserve_trt.kernels.references import append_kv_ref
+    from tinyserve_dev.kernels.references import append_kv_ref
 
     _appended.append(key.shape[0])
     got = append_kv_ref(*(t.numpy() for t in (key, value, key_cache, value_cache, key_min, key_max,
@@ -211,7 +211,7 @@ def fake_backend(monkeypatch, tmp_path):
         inputs={r: r for r in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget",
                                "logits_index")})
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
-    monkeypatch.setattr("tinyserve_trt.kernels.harness.append_kv_gpu", _fake_append)
+    monkeypatch.setattr("tinyserve_dev.kernels.harness.append_kv_gpu", _fake_append)
     _appended.clear()
 
     def make(cuda_graphs=True, capturable=True, tiered=False, **limits):

@@ -82,7 +82,7 @@ def run(argv=None) -> int:
         raise InputError("give a model or --demo, not both")
     extra = {}
     if args.model is None:
-        from .sources import smollm2
+        from .hf import smollm2
 
         source = smollm2.ensure_onnx()
         extra = {"model_name": "SmolLM2-135M-Instruct"}

@@ -28,7 +28,7 @@ from ..ops.quantization import scale_shape
 from .errors import UnsupportedError
 from .graph_walk import consumers
 from .rules.base import AttentionMatch
-from .source_io import SourceIO
+from .graph_io import SourceIO
 
 PAGE_TABLE, PAST_LENS, TOKEN_BUDGET, LOGITS_INDEX = "page_table", "past_lens", "token_budget", "logits_index"
 

@@ -24,8 +24,8 @@ from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
 from .package import MANIFEST, special_tokens, tokenizer_files, write_package
 from .probe import run_with_outputs, source_feeds
-from .source import file_sha256, find_attention, load_source
-from .source_io import find_source_io
+from .loader import file_sha256, find_attention, load_source
+from .graph_io import find_source_io
 
 # Contexts at which masks are checked for sliding windows (past Mistral's 4096 first).
 LONG_PROBE_PASTS = (4100, 1000, 250, 60)

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .source_io import SourceIO
+from .graph_io import SourceIO
 
 
 def source_feeds(graph: ir.Graph, io: SourceIO, past_inputs: list[ir.Value], batch: int, past: int, seq: int,

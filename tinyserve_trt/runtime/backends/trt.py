@@ -205,7 +205,7 @@ class TrtBackend(Backend):
         """New K/V into their pages (+ metadata). Only the batch's rows are written (a graph's
         padding rows are not); rows with fewer new tokens than the batch's width (right-padded
         prefill chunks) are written row by row, so no padding token lands in a page."""
-        from tinyserve_trt.kernels.harness import append_kv_gpu
+        from tinyserve_dev.kernels.harness import append_kv_gpu
 
         torch = self._torch
         table = torch.from_numpy(np.ascontiguousarray(batch.page_table, np.int32)).to(self.device)

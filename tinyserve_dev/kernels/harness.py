@@ -16,8 +16,8 @@ import ctypes
 
 import numpy as np
 
-from ..ops import schema
-from . import library
+from tinyserve_trt.ops import schema
+from tinyserve_trt.cuda import library
 
 
 def _torch():

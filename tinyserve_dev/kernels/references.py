@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import schema
-from ..ops.cases import dequantized_case
-from ..ops.policies import get_policy, reduce_group
-from ..ops.reference import page_keys_values, page_min_max
+from tinyserve_trt.ops import schema
+from tinyserve_dev.cases import dequantized_case
+from tinyserve_trt.ops.policies import get_policy, reduce_group
+from tinyserve_trt.ops.reference import page_keys_values, page_min_max
 
 
 def _pages(case, b):

@@ -12,13 +12,14 @@ Weights come from ``torch.manual_seed(seed)`` before construction, so two
 calls with the same seed give bit-identical models. torch and transformers
 are imported inside the functions: importing this module costs nothing.
 
-Run ``python -m tinyserve_trt.export.sources.tiny_models --out DIR`` to write
+Run ``python -m tinyserve_dev.models.tiny_models --out DIR`` to write
 every model x exporter style (see ``torch_export.EXPORT_STYLES``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +134,7 @@ def build_tiny_model(cfg: TinyModelConfig | str, attn_implementation: str = "eag
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import torch_export
+    from tinyserve_trt.export.hf import torch_export
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory to write <kind>/<style>/model.onnx")
@@ -145,11 +146,30 @@ def main(argv: list[str] | None = None) -> int:
     for kind in args.kinds:
         for style in args.styles:
             t0 = time.perf_counter()
-            path = torch_export.export_tiny(kind, style, args.out / kind / style)
+            path = export_tiny(kind, style, args.out / kind / style)
             print(f"{kind:6s} {style:13s} {time.perf_counter() - t0:6.1f} s  {path}")
     print(f"total {time.perf_counter() - total:.1f} s")
     return 0
 
 
+def export_tiny(kind: str, style, out_dir: str | Path) -> Path:
+    """Build the seeded tiny ``kind`` model and export it in ``style`` to
+    ``out_dir/model.onnx``; also writes ``config.json`` (the HF config) and
+    ``fixture.json`` (kind, style, seed) so a test can rebuild the torch twin."""
+    from tinyserve_trt.export.hf.torch_export import export_causal_lm, get_style
+
+    style = get_style(style)
+    cfg = TinyModelConfig(kind=kind)
+    model = build_tiny_model(cfg, attn_implementation=style.attn_implementation)
+    out_dir = Path(out_dir)
+    path = export_causal_lm(model, out_dir / "model.onnx", style)
+    model.config.to_json_file(str(out_dir / "config.json"))
+    meta = {"kind": kind, "style": style.name, "opset": style.opset, "dynamo": style.dynamo,
+            "attn_implementation": style.attn_implementation, "seed": cfg.seed}
+    (out_dir / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
+

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import page_min_max
+from tinyserve_trt.ops.reference import page_min_max
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     from the DEQUANTIZED keys: metadata must bound what the op attends, and
     rounding can move a key up to scale/2 past the original extremes.
     """
-    from .quantization import dequantize_page, quantize_page  # noqa: PLC0415 (cases only)
+    from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: PLC0415 (cases only)
 
     case = make_case(spec, rng)
     valid = page_valid_tokens(case)
@@ -141,7 +141,7 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
 def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The all-hot equivalent of a mixed case: cold pages dequantized into the float pools,
     same page ids, no cold inputs. The op must give the same result on both."""
-    from .quantization import dequantize_page  # noqa: PLC0415
+    from tinyserve_trt.ops.quantization import dequantize_page  # noqa: PLC0415
 
     dt = case["key_cache"].dtype
     out = {k: v for k, v in case.items() if k not in ("key_cache_int8", "value_cache_int8",

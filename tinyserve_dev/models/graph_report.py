@@ -15,7 +15,7 @@ with the attributes that matter for rewriting (perm, axis, to, scale, ...).
 Nodes computing only int64/bool values (shape arithmetic, masks) are tagged
 ``int`` so the float data path stands out; ``--float-only`` hides them.
 
-Usage: ``python -m tinyserve_trt.export.sources.graph_report MODEL.onnx [--layer 0]``
+Usage: ``python -m tinyserve_dev.models.graph_report MODEL.onnx [--layer 0]``
 """
 
 from __future__ import annotations

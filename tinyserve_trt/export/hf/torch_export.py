@@ -26,7 +26,6 @@ torch and transformers are imported inside functions.
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from dataclasses import dataclass
@@ -244,21 +243,3 @@ def _name_dims(path: Path, num_layers: int) -> None:
     rename(graph.output)
     rename(graph.value_info)
     onnx.save(model, str(path))
-
-
-def export_tiny(kind: str, style: str | ExportStyle, out_dir: str | Path) -> Path:
-    """Build the seeded tiny ``kind`` model and export it in ``style`` to
-    ``out_dir/model.onnx``; also writes ``config.json`` (the HF config) and
-    ``fixture.json`` (kind, style, seed) so a test can rebuild the torch twin."""
-    from .tiny_models import TinyModelConfig, build_tiny_model
-
-    style = get_style(style)
-    cfg = TinyModelConfig(kind=kind)
-    model = build_tiny_model(cfg, attn_implementation=style.attn_implementation)
-    out_dir = Path(out_dir)
-    path = export_causal_lm(model, out_dir / "model.onnx", style)
-    model.config.to_json_file(str(out_dir / "config.json"))
-    meta = {"kind": kind, "style": style.name, "opset": style.opset, "dynamo": style.dynamo,
-            "attn_implementation": style.attn_implementation, "seed": cfg.seed}
-    (out_dir / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return path

@@ -1,6 +1,6 @@
 """Markdown tables of the op's inputs, outputs and attributes, generated from the schema.
 
-``docs/op.md`` embeds them between markers; ``python -m tinyserve_trt.ops.doc_tables
+``docs/op.md`` embeds them between markers; ``python -m tinyserve_dev.doc_tables
 docs/op.md`` refreshes them and a test fails when they are stale.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import schema
+from tinyserve_trt.ops import schema
 
 BEGIN, END = "<!-- BEGIN GENERATED: schema tables -->", "<!-- END GENERATED: schema tables -->"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_attention import SelectionSpec
-from .harness import SparseAttentionHarness, use_harness
+from .hf_harness import SparseAttentionHarness, use_harness
 from .perplexity import cache_kwarg
 
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. "

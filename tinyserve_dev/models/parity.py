@@ -87,7 +87,7 @@ def run_torch(model, scenario: Scenario) -> list[StepResult]:
     """Drive ``model`` (HF causal LM) through the scenario via the export wrapper."""
     import torch
 
-    from .torch_export import cache_geometry, make_wrapper
+    from tinyserve_trt.export.hf.torch_export import cache_geometry, make_wrapper
 
     layers, kv_heads, head_dim = cache_geometry(model.config)
     wrapper = make_wrapper(model)

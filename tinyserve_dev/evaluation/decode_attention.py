@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops import schema
+from tinyserve_trt.ops import schema
 
 NEG_INF = float("-inf")
 

@@ -6,5 +6,5 @@ position; ``harness`` plugs it into a Hugging Face decoder; ``recall``
 measures attention-mass recall; ``perplexity``, ``passkey`` and ``texts``
 serve ``benchmarks/quality.py`` and ``benchmarks/passkey.py``.
 torch and transformers are imported by these submodules only, so
-``import tinyserve_trt.evaluation`` stays light.
+``import tinyserve_dev.evaluation`` stays light.
 """
