@@ -16,6 +16,12 @@ pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 MODEL = "tiny"
+FUZZ_REPORT: list[str] = []  # lines the fuzz test leaves for the terminal summary (CI's log)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in FUZZ_REPORT:
+        terminalreporter.write_line(line)
 
 
 class LiveServer:

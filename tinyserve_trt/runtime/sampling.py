@@ -149,6 +149,12 @@ class Sampler:
     def sample_row(row: np.ndarray, params: SamplingParams, history: Sequence[int],
                    rng: np.random.Generator) -> int:
         """One token from ``row [vocab]`` (float64, modified in place)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # extreme params: handled below, not warned
+            return Sampler._sample_row(row, params, history, rng)
+
+    @staticmethod
+    def _sample_row(row: np.ndarray, params: SamplingParams, history: Sequence[int],
+                    rng: np.random.Generator) -> int:
         vocab = row.shape[0]
         if params.repetition_penalty != 1.0 and len(history):
             seen = np.unique(np.asarray(history, np.int64))
