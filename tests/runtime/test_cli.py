@@ -93,3 +93,16 @@ def test_readme_chat_command_is_greedy_without_a_generation_config(llama, capsys
         assert main([*cmd, "--temperature", "5", "--seed", str(seed)]) == 0
         sampled.add(tuple(json.loads(capsys.readouterr().out)["token_ids"]))
     assert sampled != {tuple(runs[0])}  # the flag overrides the greedy default
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--max-n", "129"], "max_n must be an int in [1, 128]"),
+    (["--max-n", "0"], "max_n"),
+    (["--max-batch", "10000000000"], "max_batch must be <= 2147483647"),
+    (["--timeout", "nan"], "timeout"),
+    (["--token-budget", "1000000000000"], "token_budget"),
+])
+def test_serve_rejects_out_of_bounds_options_before_loading(llama, capsys, args, match):
+    assert main(["serve", str(llama[1]), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err

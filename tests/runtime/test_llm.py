@@ -302,3 +302,40 @@ def test_async_llm_fails_only_the_failed_batch_then_gives_up_after_repeated_fail
     assert all(isinstance(r, RuntimeError) for r in again)  # two failures in a row: it gives up
     assert not alive and isinstance(error, EngineBroken) and "2 consecutive" in str(error)
     assert "injected backend failure" in caplog.text and "Traceback" in caplog.text  # logged with its traceback
+
+
+def test_async_llm_fails_one_request_whose_delivery_raises(llama, monkeypatch):
+    """Text/stop handling of one request raising (outside the engine step) fails that request
+    only: its pages are freed and the others finish."""
+    import tinyserve_trt.runtime.async_llm as async_llm
+    from tinyserve_trt.runtime.engine import StepFailed
+
+    class Flaky(async_llm.RequestTracker):
+        def update(self, seq):
+            if self.prompt_token_ids[0] == 99:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return super().update(seq)
+
+    monkeypatch.setattr(async_llm, "RequestTracker", Flaky)
+
+    async def main():
+        engine = AsyncLLM(llama[1], dense=True)
+
+        async def run(prompt):
+            try:
+                async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
+                    pass
+                return len(r.outputs[0].token_ids)
+            except RuntimeError as e:
+                return e
+
+        try:
+            got = await asyncio.gather(run([5, 6]), run([99, 1]), run([7, 8]))
+            in_use = await engine.run_on_engine(lambda e: (e.scheduler.check_integrity(), e.stats()["pages_in_use"]))
+            return got, in_use[1], engine.is_alive
+        finally:
+            engine.shutdown()
+
+    got, in_use, alive = asyncio.run(main())
+    assert got[0] == got[2] == GREEDY.max_tokens and isinstance(got[1], StepFailed) and "injected" in str(got[1])
+    assert in_use == 0 and alive

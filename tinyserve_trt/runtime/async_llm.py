@@ -156,6 +156,19 @@ class AsyncLLM:
                     fut.set_exception(error) if error is not None else fut.set_result(result)
             loop.call_soon_threadsafe(settle)
 
+    def _deliver(self, seq) -> None:
+        """Hand ``seq``'s new tokens to its request's tracker and the snapshot to its client."""
+        entry = self._live.get(seq.request_id)
+        if entry is None:
+            return
+        tracker = entry[0]
+        if tracker.update(seq):
+            self.engine.finish(seq)
+        snap = tracker.snapshot()
+        self._send(seq.request_id, snap)
+        if snap.finished:
+            del self._live[seq.request_id]
+
     def _fail_step(self, e: StepFailed) -> None:
         """Answer the failed step's requests with the error; give up after too many in a row."""
         self._failures += 1
@@ -187,16 +200,14 @@ class AsyncLLM:
                     continue
                 self._failures = 0  # consecutive: a step that ran resets it
                 for seq in seqs:
-                    entry = self._live.get(seq.request_id)
-                    if entry is None:
-                        continue
-                    tracker = entry[0]
-                    if tracker.update(seq):
-                        self.engine.finish(seq)
-                    snap = tracker.snapshot()
-                    self._send(seq.request_id, snap)
-                    if snap.finished:
-                        del self._live[seq.request_id]
+                    try:
+                        self._deliver(seq)
+                    except Exception as e:  # one request's text/stop handling failed: fail that request
+                        log.error("delivering %s failed; failing the request", seq.request_id, exc_info=True)
+                        self.engine.abort(seq.request_id)
+                        if seq.request_id in self._live:
+                            self._send(seq.request_id, StepFailed([seq.request_id], e))
+                            del self._live[seq.request_id]
             for rid in list(self._live):  # shut down with requests in flight: do not leave them waiting
                 self._send(rid, RuntimeError("engine shut down"))
             self._live.clear()
