@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.runtime.faults import poison_backend
+
 from tinyserve_trt import LLM, AsyncLLM, SamplingParams
 from tinyserve_trt.runtime.backends import BACKENDS, make_backend
 from tinyserve_trt.runtime.model_package import ModelPackage, PackageError
@@ -231,21 +233,6 @@ def test_defaults_follow_the_generation_config(tmp_path, llama):
 
 
 # ---- a supervised engine (issue #19) ---------------------------------------------------
-
-
-def poison_backend(engine, poison_token: int, times: int = 1):
-    """Make ``engine.backend.run`` raise on a batch holding a prompt that starts with
-    ``poison_token`` (at most ``times`` times); returns the list of failures raised."""
-    run, raised = engine.backend.run, []
-
-    def flaky(batch):
-        if len(raised) < times and any(s.token_ids[0] == poison_token for s in batch.seqs):
-            raised.append(batch)
-            raise RuntimeError("injected backend failure")
-        return run(batch)
-
-    engine.backend.run = flaky
-    return raised
 
 
 def test_a_failed_step_fails_its_requests_frees_their_pages_and_the_engine_goes_on(llama):

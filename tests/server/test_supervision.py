@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.runtime.test_llm import poison_backend
+from tests.runtime.faults import poison_backend
 from tests.server.conftest import MODEL, LiveServer, requests_total
 
 ROOT = Path(__file__).resolve().parents[2]
