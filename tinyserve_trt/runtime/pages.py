@@ -57,8 +57,8 @@ class PagePool:
         self.num_pages = n = config.num_pages
         self.page_size = config.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.storage = storage or HostKVStorage(num_layers, n, num_kv_heads, self.page_size, head_dim,
-                                                config.dtype)
+        self.storage = storage if storage is not None else HostKVStorage(
+            num_layers, n, num_kv_heads, self.page_size, head_dim, config.dtype)
         self._num_valid = np.zeros((num_layers, n), np.int32)  # by physical id; layers are written one by one
         self._refcount = np.zeros(n, np.int32)
         self._cached = np.zeros(n, bool)

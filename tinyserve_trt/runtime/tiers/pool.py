@@ -69,11 +69,6 @@ class TieredPagePool(PagePool):
         self._free_hot: deque[int] = deque(range(hot))
         self._free_cold: deque[int] = deque(range(hot, hot + cold))
 
-    @property
-    def static_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per layer page scales (K, V) ``[L, Hkv, ps|1, D|1]`` of a static calibration, or None."""
-        return self.storage.static_scales
-
     # ---- views the op reads (the storage's) ----------------------------------
     def k_pages_int8(self, layer: int):
         """``[num_cold, Hkv, ps, D]`` int8 cold keys of ``layer``."""
@@ -224,7 +219,6 @@ class TieredPagePool(PagePool):
         p = int(self._phys[page])
         if p < 0:
             raise ValueError(f"page {page} is free")
-        self.storage.flush()
         return self.storage.read_page(layer, p)[0]
 
     # ---- invariant ------------------------------------------------------------
