@@ -361,6 +361,7 @@ class PagePool:
                 if n == 0:
                     continue
                 keys, kmin, kmax = self.storage.read_page(layer, p)
-                if not (np.array_equal(keys[:, :n].min(axis=1), kmin) and np.array_equal(keys[:, :n].max(axis=1), kmax)):
+                keys = keys[:, :n]
+                if not (np.array_equal(keys.min(axis=1), kmin) and np.array_equal(keys.max(axis=1), kmax)):
                     raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
                                              "min/max are stale")

@@ -16,14 +16,16 @@ The backend attaches it to its pool (``PagePool.attach_storage``); the pool keep
 the bookkeeping and asks for data moves with physical ids, as of any
 ``KVStorage``: :meth:`copy_page` (copy-on-write; a cold source is dequantized),
 :meth:`demote_page` (quantize a full hot page into a cold slot) and
-:meth:`write_tokens` (tests; a GPU backend's append kernel writes the step's
-tokens itself and the pool only counts them). Demotions are queued and run batched, one set of tensor ops per layer
-for all of a rebalance's pages, at the next :meth:`flush` (the backend calls it
-before each step; a copy flushes first, since it may read or overwrite a queued
-page). The math is ``ops.quantization``'s, in float64 like the numpy reference,
-(each page's absmax, or the pool's static calibrated scales), so a page demoted
-here holds the same int8 values, scales and min/max as one demoted by the numpy pool (``tests/runtime/test_device_pages.py``, on CPU tensors).
-New tokens are written by the backend (``qsa_append_kv`` on a GPU) into the hot
+:meth:`write_tokens` (tests; on a GPU the backend's append kernel writes a step's
+tokens itself and the pool only counts them). Demotions are queued and run
+batched, one set of tensor ops per layer for all of a rebalance's pages, at the
+next :meth:`flush` (the backend calls it before each step; a copy flushes
+first, since it may read or overwrite a queued page). The math is
+``ops.quantization``'s, in float64 like the numpy reference (each page's
+absmax, or the pool's static calibrated scales), so a page demoted here holds
+the same int8 values, scales and min/max as one demoted by ``HostKVStorage``
+(``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
+written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata. torch is imported by the constructor only.
 """
 
