@@ -95,15 +95,15 @@ class CalibrationArtifact:
 
     # ---- apply ----------------------------------------------------------------
     def tier_config(self, num_cold_pages: int):
-        """The pool's :class:`~tinyserve_trt.runtime.tiers.TierConfig` with these granularities."""
-        from tinyserve_trt.runtime.tiers import TierConfig  # noqa: PLC0415
+        """The pool's :class:`~tinyserve_trt.runtime.tiers.config.TierConfig` with these granularities."""
+        from tinyserve_trt.runtime.tiers.config import TierConfig  # noqa: PLC0415
 
         return TierConfig(num_cold_pages=num_cold_pages, k_granularity=self.k_granularity,
                           v_granularity=self.v_granularity)
 
     def hotness_config(self, **overrides):
-        """The :class:`~tinyserve_trt.runtime.hotness.HotnessConfig` for this calibration."""
-        from tinyserve_trt.runtime.hotness import HotnessConfig  # noqa: PLC0415
+        """The :class:`~tinyserve_trt.runtime.tiers.hotness.HotnessConfig` for this calibration."""
+        from tinyserve_trt.runtime.tiers.hotness import HotnessConfig  # noqa: PLC0415
 
         kw = dict(hot_fraction=self.hot_fraction, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
         kw.update(overrides)

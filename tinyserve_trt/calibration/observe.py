@@ -20,7 +20,7 @@ from tinyserve_trt.calibration.artifact import CalibrationArtifact
 from tinyserve_trt.calibration.source import ObservationSource
 from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page, quantize_page
 from tinyserve_trt.runtime.config import CacheConfig
-from tinyserve_trt.runtime.tiers import TierConfig, cold_page_bytes
+from tinyserve_trt.runtime.tiers.config import TierConfig, cold_page_bytes
 
 Progress = Callable[[Iterable, str], Iterable]
 

@@ -157,10 +157,10 @@ def _load_calibration(config: ExportConfig):
 def _cold_tier(config: ExportConfig, artifact, num_layers: int, dims: dict) -> dict:
     """The manifest's ``cold_tier``: granularities, hot/cold policy parameters (the calibration's,
     else the runtime defaults) and where they came from."""
-    from ..runtime.hotness import HotnessConfig
+    from ..runtime.tiers.hotness import HotnessConfig
 
     if artifact is None:
-        from ..runtime.tiers import TierConfig
+        from ..runtime.tiers.config import TierConfig
 
         tiers, hot = TierConfig(), HotnessConfig()
         grans, source = (tiers.k_granularity, tiers.v_granularity), None

@@ -7,7 +7,7 @@ the callers' business; the engine works on token ids.
 
 With a package that has an INT8 cold tier (and ``EngineConfig.kv_tiers``), the
 pool is a ``TieredPagePool`` and each step also feeds the op's page
-selections to the hotness policy and demotes between steps (``tiering.py``).
+selections to the hotness policy and demotes between steps (``tiers/tiering.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tinyserve_trt.runtime.pages import PagePool
 from tinyserve_trt.runtime.sampling import SampleOutput, Sampler, SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.sequence import FinishReason, Sequence
-from tinyserve_trt.runtime.tiering import Tiering
+from tinyserve_trt.runtime.tiers.tiering import Tiering
 
 
 class StepFailed(RuntimeError):

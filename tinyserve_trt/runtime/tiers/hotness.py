@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyserve_trt.runtime.pages import OutOfPagesError
-from tinyserve_trt.runtime.tiers import TieredPagePool
+from tinyserve_trt.runtime.tiers.pool import TieredPagePool
 
 
 @dataclass(frozen=True)
