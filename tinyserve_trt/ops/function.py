@@ -15,6 +15,10 @@ overload.
 Decode (S == 1): gather only the selected pages (TopK over page scores), so
 the bytes read scale with the budget, not the context. Prefill (S > 1): every
 valid page, causal over the new tokens - K becomes the page count.
+
+Two-level (overload ``..._two_level``, ``sub_page_size`` > 0): the selection
+is ``ops/two_level_onnx.py`` (a second TopK over the candidates' sub-pages)
+and K/V are gathered by sub-page; the attention below is shared.
 """
 
 from __future__ import annotations
