@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.ops.fine_bounds import page_sub_bounds
 from tinyserve_trt.ops.reference import page_min_max
 
 
@@ -25,12 +26,15 @@ class CaseSpec:
     budget: int = 0  # same budget for every sequence
     spare_pages: int = 3  # pool pages no sequence uses
     extra_table_cols: int = 1  # padding columns past the longest sequence
+    sub_page_size: int = 0  # > 0: also ``key_sub_bounds`` (two-level selection), from the keys the op attends
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if not self.past_lens or min(self.past_lens) < 0:
             raise ValueError("past_lens must be non-empty and >= 0")
+        if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size):
+            raise ValueError(f"sub_page_size must divide page_size {self.page_size}, got {self.sub_page_size}")
 
 
 def make_case(spec: CaseSpec, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -50,6 +54,8 @@ def make_case(spec: CaseSpec, rng: np.random.Generator) -> dict[str, np.ndarray]
     page_table = np.zeros((B, NP), dtype=np.int32)
     key_min = rng.standard_normal((P, Hkv, D)).astype(dt)  # unused pages: garbage metadata
     key_max = key_min.copy()
+    r = ps // spec.sub_page_size if spec.sub_page_size else 1
+    key_sub_bounds = rng.integers(0, 256, (P, Hkv, r, D)).astype(np.uint8)  # unused pages: garbage
     used = 0
     for b, n in enumerate(pages_per_seq):
         ids = perm[used:used + n]
@@ -60,14 +66,18 @@ def make_case(spec: CaseSpec, rng: np.random.Generator) -> dict[str, np.ndarray]
             valid = min(ps, spec.past_lens[b] - i * ps)
             for h in range(Hkv):
                 key_min[pid, h], key_max[pid, h] = page_min_max(key_cache[pid, h], valid)
+            if spec.sub_page_size:
+                key_sub_bounds[pid] = page_sub_bounds(key_cache[pid], spec.sub_page_size, key_min[pid],
+                                                      key_max[pid], valid)
     S = spec.new_tokens
+    extra = dict(key_sub_bounds=key_sub_bounds) if spec.sub_page_size else {}
     return dict(
         query=rng.standard_normal((B, spec.num_heads, S, D)).astype(dt),
         key=rng.standard_normal((B, Hkv, S, D)).astype(dt),
         value=rng.standard_normal((B, Hkv, S, D)).astype(dt),
         key_cache=key_cache, value_cache=value_cache, key_min=key_min, key_max=key_max,
         page_table=page_table, past_lens=np.asarray(spec.past_lens, dtype=np.int32),
-        token_budget=np.full(B, spec.budget, dtype=np.int32),
+        token_budget=np.full(B, spec.budget, dtype=np.int32), **extra,
     )
 
 
@@ -102,7 +112,8 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     hold at least one page). Cold pages are quantized with ``ops.quantization``
     from their valid tokens, and their ``key_min``/``key_max`` are recomputed
     from the DEQUANTIZED keys: metadata must bound what the op attends, and
-    rounding can move a key up to scale/2 past the original extremes.
+    rounding can move a key up to scale/2 past the original extremes. So are
+    their ``key_sub_bounds`` when ``spec.sub_page_size`` is set.
     """
     from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: PLC0415 (cases only)
 
@@ -121,20 +132,26 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
 
     dt = case["key_cache"].dtype
     key_min, key_max = case["key_min"][old_of_new].copy(), case["key_max"][old_of_new].copy()
+    sub = case["key_sub_bounds"][old_of_new].copy() if spec.sub_page_size else None
     kq, vq, ks, vs = [], [], [], []
     for i, old in enumerate(cold_old):
         qk, sk = quantize_page(case["key_cache"][old], k_granularity, int(valid[old]))
         qv, sv = quantize_page(case["value_cache"][old], v_granularity, int(valid[old]))
         kq.append(qk), ks.append(sk), vq.append(qv), vs.append(sv)
         deq = dequantize_page(qk, sk, dt)
+        new = hot_old.size + i
         for h in range(deq.shape[0]):
-            key_min[hot_old.size + i, h], key_max[hot_old.size + i, h] = page_min_max(deq[h], int(valid[old]))
+            key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
+        if sub is not None:
+            sub[new] = page_sub_bounds(deq, spec.sub_page_size, key_min[new], key_max[new], int(valid[old]))
     case.update(
         key_cache=case["key_cache"][hot_old], value_cache=case["value_cache"][hot_old],
         key_min=key_min, key_max=key_max, page_table=new_id[case["page_table"]].astype(np.int32),
         key_cache_int8=np.stack(kq), value_cache_int8=np.stack(vq),
         key_scale=np.stack(ks), value_scale=np.stack(vs),
     )
+    if sub is not None:
+        case["key_sub_bounds"] = sub
     return case
 
 

@@ -40,6 +40,7 @@ def render() -> str:
          f'#define QSA_PLUGIN_VERSION "{schema.PLUGIN_VERSION}"',
          f"#define QSA_NUM_INPUTS {len(schema.INPUTS)}",
          f"#define QSA_NUM_REQUIRED_INPUTS {schema.NUM_REQUIRED_INPUTS}",
+         f"#define QSA_NUM_TIERED_INPUTS {schema.NUM_TIERED_INPUTS} /* required + cold tier: a single-level node's most */",
          f"#define QSA_NUM_OUTPUTS {len(schema.OUTPUTS)}", "",
          "/* Input and output positions, in schema order. */"]
     L += [f"#define QSA_IN_{_c_ident(t.name)} {i}" for i, t in enumerate(schema.INPUTS)]

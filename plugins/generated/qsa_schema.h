@@ -7,8 +7,9 @@
 #define QSA_DOMAIN "tinyserve"
 #define QSA_PLUGIN_NAMESPACE "tinyserve"
 #define QSA_PLUGIN_VERSION "1"
-#define QSA_NUM_INPUTS 14
+#define QSA_NUM_INPUTS 15
 #define QSA_NUM_REQUIRED_INPUTS 10
+#define QSA_NUM_TIERED_INPUTS 14 /* required + cold tier: a single-level node's most */
 #define QSA_NUM_OUTPUTS 2
 
 /* Input and output positions, in schema order. */
@@ -26,6 +27,7 @@
 #define QSA_IN_VALUE_CACHE_INT8 11
 #define QSA_IN_KEY_SCALE 12
 #define QSA_IN_VALUE_SCALE 13
+#define QSA_IN_KEY_SUB_BOUNDS 14
 #define QSA_OUT_OUTPUT 0
 #define QSA_OUT_SELECTED_PAGES 1
 
@@ -42,7 +44,7 @@
 #define QSA_GROUP_REDUCE_NAMES {"max", "sum"}
 
 /* Attributes: name, type (0 int, 1 float, 2 string), default, range. */
-#define QSA_NUM_ATTRIBUTES 5
+#define QSA_NUM_ATTRIBUTES 7
 #define QSA_ATTR_SCALE_INDEX 0
 #define QSA_ATTR_SCALE_NAME "scale"
 #define QSA_ATTR_SCALE_TYPE 1
@@ -68,6 +70,18 @@
 #define QSA_ATTR_GROUP_REDUCE_NAME "group_reduce"
 #define QSA_ATTR_GROUP_REDUCE_TYPE 2
 #define QSA_ATTR_GROUP_REDUCE_DEFAULT "max"
+#define QSA_ATTR_SUB_PAGE_SIZE_INDEX 5
+#define QSA_ATTR_SUB_PAGE_SIZE_NAME "sub_page_size"
+#define QSA_ATTR_SUB_PAGE_SIZE_TYPE 0
+#define QSA_ATTR_SUB_PAGE_SIZE_DEFAULT 0
+#define QSA_ATTR_SUB_PAGE_SIZE_MIN 0
+#define QSA_ATTR_SUB_PAGE_SIZE_MAX 65536
+#define QSA_ATTR_CANDIDATE_SHARE_INDEX 6
+#define QSA_ATTR_CANDIDATE_SHARE_NAME "candidate_share"
+#define QSA_ATTR_CANDIDATE_SHARE_TYPE 1
+#define QSA_ATTR_CANDIDATE_SHARE_DEFAULT 0.5f
+#define QSA_ATTR_CANDIDATE_SHARE_MIN 0.0f
+#define QSA_ATTR_CANDIDATE_SHARE_MAX 1.0f
 
 /* X-macro over the attributes in schema order: X(IDENT, "name", type). */
 #define QSA_FOR_EACH_ATTRIBUTE(X) \
@@ -76,6 +90,8 @@
     X(SINK_PAGES, "sink_pages", 0) \
     X(RECENT_PAGES, "recent_pages", 0) \
     X(GROUP_REDUCE, "group_reduce", 2) \
+    X(SUB_PAGE_SIZE, "sub_page_size", 0) \
+    X(CANDIDATE_SHARE, "candidate_share", 1) \
     /* end */
 
 /* Tolerances against the numpy reference, by query dtype. */

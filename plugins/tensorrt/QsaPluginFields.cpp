@@ -97,6 +97,16 @@ bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& 
                 ok = readEnum(f, kPolicyNames, QSA_NUM_POLICIES, attrs.policy);
             } else if (name == QSA_ATTR_GROUP_REDUCE_NAME) {
                 ok = readEnum(f, kGroupReduceNames, QSA_NUM_GROUP_REDUCTIONS, attrs.group_reduce);
+            } else if (name == QSA_ATTR_SUB_PAGE_SIZE_NAME) {
+                ok = readNumber(f, v) && v >= QSA_ATTR_SUB_PAGE_SIZE_MIN && v <= QSA_ATTR_SUB_PAGE_SIZE_MAX &&
+                     v == double(int32_t(v));
+                if (ok && v != 0) {  // two-level selection exists in the ONNX function only (docs/op.md)
+                    error = "sub_page_size > 0 (two-level selection) is not in the CUDA kernels yet";
+                    return false;
+                }
+            } else if (name == QSA_ATTR_CANDIDATE_SHARE_NAME) {
+                ok = readNumber(f, v) && v >= QSA_ATTR_CANDIDATE_SHARE_MIN && v <= QSA_ATTR_CANDIDATE_SHARE_MAX;
+                // read by two-level selection only, which the kernels refuse above
             } else if (name == "plugin_namespace" || name == "plugin_version") {
                 continue;  // the ONNX parser's routing attributes, not ours
             } else {

@@ -70,7 +70,7 @@ int32_t QueryAwareSparseAttentionPlugin::getNbOutputs() const noexcept { return 
 int32_t QueryAwareSparseAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
                                                          DynamicPluginTensorDesc const* out,
                                                          int32_t nbOutputs) noexcept {
-    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_INPUTS) ||
+    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_TIERED_INPUTS) ||
         nbOutputs != QSA_NUM_OUTPUTS) {
         logError("expects 10 or 14 inputs and 2 outputs");
         return -1;
@@ -184,7 +184,7 @@ size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc
 
 int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
                                                        PluginTensorDesc const* out, int32_t nbOutputs) noexcept {
-    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_INPUTS) ||
+    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_TIERED_INPUTS) ||
         nbOutputs != QSA_NUM_OUTPUTS)
         return -1;
     auto dimsOf = [&](int i) { return in[i].dims; };
@@ -193,7 +193,7 @@ int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* i
         return -1;
     }
     mCold = QsaColdDims{};
-    if (nbInputs == QSA_NUM_INPUTS && !coldDimsFrom(dimsOf, mDims, mCold)) {
+    if (nbInputs == QSA_NUM_TIERED_INPUTS && !coldDimsFrom(dimsOf, mDims, mCold)) {
         logError("cold-tier shapes: want int8 [Pcold, Hkv, ps, D] and scales [Pcold, Hkv, 1|ps, 1|D]");
         return -1;
     }
@@ -222,7 +222,7 @@ int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDe
     p.page_table = static_cast<int32_t const*>(inputs[QSA_IN_PAGE_TABLE]);
     p.past_lens = static_cast<int32_t const*>(inputs[QSA_IN_PAST_LENS]);
     p.token_budget = static_cast<int32_t const*>(inputs[QSA_IN_TOKEN_BUDGET]);
-    if (mNbInputs == QSA_NUM_INPUTS) {  // INT8 cold tier: page ids >= P read these
+    if (mNbInputs == QSA_NUM_TIERED_INPUTS) {  // INT8 cold tier: page ids >= P read these
         p.cold = mCold;
         p.key_cache_int8 = inputs[QSA_IN_KEY_CACHE_INT8];
         p.value_cache_int8 = inputs[QSA_IN_VALUE_CACHE_INT8];

@@ -29,7 +29,7 @@ def test_every_layer_takes_the_cold_pools(llama_cold):
     model = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
     ops = [n for n in model.graph.node if n.op_type == schema.OP_TYPE]
     assert len(ops) == manifest["num_layers"]
-    assert all(n.overload.endswith("_int8") and len(n.input) == len(schema.INPUTS) for n in ops)
+    assert all(n.overload.endswith("_int8") and len(n.input) == schema.NUM_TIERED_INPUTS for n in ops)
     assert {f.overload for f in model.functions} == {n.overload for n in ops}
     inputs = {i.name: i for i in model.graph.input}
     hkv, ps, d = manifest["num_kv_heads"], manifest["page_size"], manifest["head_dim"]

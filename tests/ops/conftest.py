@@ -16,7 +16,7 @@ def run_op(case: dict, attrs: schema.OpAttributes, dtype: str):
         so.intra_op_num_threads = 2
         _SESSIONS[key] = ort.InferenceSession(make_op_model(dtype, attrs).SerializeToString(), so,
                                               providers=["CPUExecutionProvider"])
-    feeds = {n: case[n] for n in schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]}
+    feeds = {n: case[n] for n in schema.node_input_names(two_level=attrs.two_level) if n}
     return _SESSIONS[key].run(None, feeds)
 
 

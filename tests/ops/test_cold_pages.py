@@ -21,7 +21,7 @@ def run_mixed(case, attrs, dtype):
         so.intra_op_num_threads = 2
         model = make_op_model(dtype, attrs, cold_pages=True)
         _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return _SESSIONS[key].run(None, {n: case[n] for n in schema.INPUT_NAMES})
+    return _SESSIONS[key].run(None, {n: case[n] for n in schema.node_input_names(True, attrs.two_level) if n})
 
 
 def _check(case, attrs, dtype):
@@ -69,7 +69,7 @@ def test_single_cold_and_single_hot_page(rng):
 
 
 def test_cold_inputs_need_the_int8_overload():
-    names = list(schema.INPUT_NAMES)
+    names = list(schema.node_input_names(cold_pages=True))
     assert make_node(names, ["o"], cold_pages=True).overload == "query_aware_int8"
     with pytest.raises(ValueError, match="cold_pages=True"):
         make_node(names, ["o"])

@@ -135,7 +135,7 @@ def test_the_op_reads_a_tiered_pool(rng, dtype):
     ref, ref_sel = sparse_attention_ref(**feeds, attrs=attrs)
     sess = onnxruntime.InferenceSession(make_op_model(dtype, attrs, cold_pages=True).SerializeToString(),
                                         providers=["CPUExecutionProvider"])
-    out, sel = sess.run(None, {n: feeds[n] for n in schema.INPUT_NAMES})
+    out, sel = sess.run(None, {n: feeds[n] for n in schema.node_input_names(cold_pages=True)})
     np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **schema.TOLERANCES[dtype])
     np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
 

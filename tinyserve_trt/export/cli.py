@@ -43,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=DEFAULTS.policy, choices=selecting(),
                    help="page selection policy of the sparse layers; default %(default)s")
     p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
+    p.add_argument("--sub-page-size", type=int, default=DEFAULTS.sub_page_size,
+                   help="two-level selection: re-rank the candidate pages' sub-pages of this many tokens "
+                        "(e.g. 4; 0 = off; docs/op.md); default %(default)s")
+    p.add_argument("--candidate-share", type=float, default=DEFAULTS.candidate_share,
+                   help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "
                         "an FP16 engine; validated to 5e-2 instead of 1e-4")
     p.add_argument("--calibration", metavar="FILE",
@@ -64,7 +69,8 @@ def _config(args) -> ExportConfig:
         return ExportConfig(page_size=page_size, token_budget=args.token_budget, dense_layers=args.dense_layers,
                             policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
                             fp16=args.fp16, validate=not args.no_validate, backend=args.backend,
-                            cold_pages=args.cold_pages, calibration=args.calibration)
+                            cold_pages=args.cold_pages, calibration=args.calibration,
+                            sub_page_size=args.sub_page_size, candidate_share=args.candidate_share)
     except ValueError as e:
         raise InputError(str(e)) from None
 

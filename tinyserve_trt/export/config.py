@@ -29,6 +29,10 @@ class ExportConfig:
     # supplies the scale granularities and the hot/cold policy parameters.
     cold_pages: bool = False
     calibration: str | None = None
+    # Two-level selection (issue #15): sparse layers re-rank the candidate pages' sub-pages of
+    # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
+    sub_page_size: int = 0
+    candidate_share: float = schema.attribute("candidate_share").default
 
     def __post_init__(self):
         if self.page_size != "auto" and (not isinstance(self.page_size, int) or self.page_size < 1
@@ -42,7 +46,11 @@ class ExportConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_context < 1:
             raise ValueError("max_context must be positive")
-        schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
+        schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
+                            sub_page_size=self.sub_page_size, candidate_share=self.candidate_share)
+        if self.sub_page_size and self.resolved_page_size() % self.sub_page_size:
+            raise ValueError(f"sub_page_size must divide the page size {self.resolved_page_size()}, "
+                             f"got {self.sub_page_size}")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
 
@@ -70,6 +78,9 @@ class ExportConfig:
         return min(hi, max(lo, ideal))
 
     def layer_attributes(self, layer: int, scale: float) -> schema.OpAttributes:
+        """Dense layers, and a sub-page size equal to the page size, are single-level (no fine bounds)."""
         policy = "dense" if layer < self.dense_layers else self.policy
+        two_level = policy != "dense" and self.sub_page_size not in (0, self.resolved_page_size())
         return schema.OpAttributes(scale=scale, policy=policy, sink_pages=self.sink_pages,
-                                   recent_pages=self.recent_pages)
+                                   recent_pages=self.recent_pages, candidate_share=self.candidate_share,
+                                   sub_page_size=self.sub_page_size if two_level else 0)

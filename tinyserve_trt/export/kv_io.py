@@ -98,11 +98,18 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         meta = [_input(g, f"{n}.{i}", dtype, ["total_pages" if cold else "num_pages", hkv, d])
                 for n in ("key_min", "key_max")]
         cold_in = _cold_inputs(g, i, hkv, page_size, d, cold) if cold else []
+        sub_in = []
+        if plan.attrs.two_level:  # compact sub-page bounds, by page id like key_min (ops/fine_bounds.py)
+            r = page_size // plan.attrs.sub_page_size
+            sub_in = [_input(g, f"{schema.TWO_LEVEL_INPUTS[0]}.{i}", ir.DataType.UINT8,
+                             ["total_pages" if cold else "num_pages", hkv, r, d])]
+            cold_in = cold_in or [None] * len(schema.COLD_INPUTS)  # skipped optional inputs
         anchor = m.output.producer()
         act = m.key.past_input.dtype  # the model's activation dtype
         q, k_new, v_new = (_cast(g, anchor, x, dtype) if dtype != act else x
                            for x in (m.query, m.key.new, m.value.new))
-        op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in],
+        op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in,
+                                      *sub_in],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
                      overload=plan.attrs.function_overload(cold_pages=bool(cold)), num_outputs=2,
                      name=f"tinyserve_attention_{i}")
@@ -125,7 +132,8 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         paged.layers.append(dict(key_cache=caches[0].name, value_cache=caches[1].name, key_min=meta[0].name,
                                  key_max=meta[1].name, new_key=new_k.name, new_value=new_v.name,
                                  selected_pages=op.outputs[1].name, policy=plan.attrs.policy,
-                                 **{role: v.name for role, v in zip(schema.COLD_INPUTS, cold_in)}))
+                                 **{role: v.name for role, v in zip(schema.COLD_INPUTS, cold_in) if v is not None},
+                                 **{role: v.name for role, v in zip(schema.TWO_LEVEL_INPUTS, sub_in)}))
     _drop_past_inputs(model, plans, io)
     if last_token_logits and _gather_last_token(g, io):
         paged.inputs["logits_index"] = LOGITS_INDEX

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ops import schema
+from ..ops.fine_bounds import page_sub_bounds
 from ..ops.quantization import scale_shape
 from ..ops.reference import page_min_max
 
@@ -34,8 +35,10 @@ class PagedState:
     out in a shuffled order, min/max maintained exactly. (The serving runtime
     has its own pool with refcounts and prefix sharing.)"""
 
-    def __init__(self, layers, kv_heads, head_dim, page_size, num_pages, dtype, rng, cold_tier: dict | None = None):
+    def __init__(self, layers, kv_heads, head_dim, page_size, num_pages, dtype, rng, cold_tier: dict | None = None,
+                 sub_page_size: int = 0):
         self.ps = page_size
+        self.sp = sub_page_size  # > 0: also the compact sub-page bounds of two-level layers
         self.cold = None
         if cold_tier:  # one cold page nobody uses: ids stay < num_pages, so the op reads the hot pools only
             grans = (cold_tier["k_granularity"], cold_tier["v_granularity"])
@@ -48,6 +51,8 @@ class PagedState:
         self.v = [np.zeros(shape, dtype) for _ in range(layers)]
         self.kmin = [np.zeros(shape[:2] + shape[3:], dtype) for _ in range(layers)]
         self.kmax = [np.zeros(shape[:2] + shape[3:], dtype) for _ in range(layers)]
+        r = page_size // sub_page_size if sub_page_size else 1
+        self.sub = [np.zeros((num_pages, kv_heads, r, head_dim), np.uint8) for _ in range(layers)]
         self.free = list(rng.permutation(num_pages))
         self.tables: list[list[int]] = []
         self.lens: list[int] = []
@@ -66,10 +71,14 @@ class PagedState:
         for i, layer in enumerate(names):
             f.update({layer["key_cache"]: self.k[i], layer["value_cache"]: self.v[i],
                       layer["key_min"]: self.kmin[i], layer["key_max"]: self.kmax[i]})
+            sub_name = layer.get(schema.TWO_LEVEL_INPUTS[0])
+            if sub_name:
+                f[sub_name] = self.sub[i]
             if self.cold is not None:
                 f.update({layer[role]: array for role, array in self.cold.items()})
-                for role in ("key_min", "key_max"):  # [P + Pcold] rows
-                    f[layer[role]] = np.concatenate([f[layer[role]], np.zeros_like(f[layer[role]][:1])])
+                for name in (layer["key_min"], layer["key_max"], sub_name):  # [P + Pcold] rows
+                    if name:
+                        f[name] = np.concatenate([f[name], np.zeros_like(f[name][:1])])
         return f
 
     def write(self, b: int, new_k: list[np.ndarray], new_v: list[np.ndarray], count: int) -> None:
@@ -88,6 +97,9 @@ class PagedState:
             for i in range(len(self.k)):
                 for h in range(self.k[i].shape[1]):
                     self.kmin[i][page, h], self.kmax[i][page, h] = page_min_max(self.k[i][page, h], valid)
+                if self.sp:
+                    self.sub[i][page] = page_sub_bounds(self.k[i][page], self.sp, self.kmin[i][page],
+                                                        self.kmax[i][page], valid)
         self.lens[b] += count
 
 
@@ -103,7 +115,8 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
     ps = manifest["page_size"]
     total = [n + decode_steps for n in lengths]
     state = PagedState(layers, manifest["num_kv_heads"], manifest["head_dim"], ps,
-                       sum(-(-t // ps) for t in total) + 3, dtype, rng, manifest.get("cold_tier"))
+                       sum(-(-t // ps) for t in total) + 3, dtype, rng, manifest.get("cold_tier"),
+                       _sub_page_size(rewritten, io["layers"], ps))
     tokens = [rng.integers(0, vocab, t) for t in total]
     # original: each sequence alone, with its own cache
     ref_logits = [[] for _ in lengths]
@@ -150,3 +163,13 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
             state.write(b, [outs[layer["new_key"]][b] for layer in io["layers"]],
                         [outs[layer["new_value"]][b] for layer in io["layers"]], c)
     return ValidationResult(worst, decode_steps + 1, len(lengths))
+
+
+def _sub_page_size(session, layers, page_size: int) -> int:
+    """Sub-page size of the two-level layers (0: none), from the ``key_sub_bounds`` input's
+    ``r`` dim: the graph is the record, the manifest does not repeat it."""
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    rs = {shapes[layer[n]][2] for layer in layers for n in schema.TWO_LEVEL_INPUTS if n in layer}
+    if len(rs) > 1 or any(not isinstance(r, int) for r in rs):
+        raise ValueError(f"two-level layers disagree on sub-pages per page: {sorted(map(str, rs))}")
+    return page_size // rs.pop() if rs else 0

@@ -15,6 +15,10 @@ overload.
 Decode (S == 1): gather only the selected pages (TopK over page scores), so
 the bytes read scale with the budget, not the context. Prefill (S > 1): every
 valid page, causal over the new tokens - K becomes the page count.
+
+Two-level (overload ``..._two_level``, ``sub_page_size`` > 0): the selection
+is ``ops/two_level_onnx.py`` (a second TopK over the candidates' sub-pages)
+and K/V are gathered by sub-page; the attention below is shared.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from onnx import TensorProto, helper
 from . import schema
 from .graph_builder import GraphBuilder
 from .policies import OnnxScoreContext, get_policy
+from .two_level_onnx import two_level_selection
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -44,6 +49,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     if opset < MIN_OPSET:
         raise ValueError(f"ai.onnx opset {opset} is too old for the op's function (needs >= {MIN_OPSET})")
     policy = get_policy(attrs.policy)
+    two_level = attrs.two_level
     b = GraphBuilder("qsa", opset)
     q, k, v, kc, vc, kmin, kmax, pt, past, budget = schema.INPUT_NAMES[: schema.NUM_REQUIRED_INPUTS]
     kc8, vc8, kscale, vscale = schema.COLD_INPUTS
@@ -81,29 +87,36 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     if not policy.selects:
         dense_b = b.op("Or", dense_b, b.const(True, np.bool_))
     k_b = b.op("Where", dense_b, n_b, keep_n)  # [B]
-    K = b.op("Min", b.reduce("ReduceMax", k_b, [0], keepdims=1), NP)  # [1]
 
     # --- scores -> top-K pages per (sequence, KV head) ------------------------
     pt64 = b.op("Cast", pt, to=I64)
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
-    def gather_rows(pool, ids):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
-        a_c = b.op("Slice", b.op("Shape", pool), i64(2), i64(4), i64(0))
-        rows = b.op("Reshape", pool, b.cat(i64(-1), a_c))  # [N*Hkv, a, c]
-        return b.op("Cast", b.op("Gather", rows, b.op("Add", b.op("Mul", ids, Hkv), h_idx), axis=0), to=F)
+    def gather_rows(pool, ids, sub=None):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
+        shape = b.op("Shape", pool)
+        row = b.op("Add", b.op("Mul", ids, Hkv), h_idx)
+        if sub is None:
+            rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Slice", shape, i64(2), i64(4), i64(0))))
+        else:  # sub = (j [B, Hkv, K], r): sub-page j of each page; a is ps (split in r) or 1 (broadcast)
+            j, r = sub
+            a = b.dim(shape, 2)
+            ra = b.op("Max", b.op("Div", b.op("Mul", a, r), ps), one)  # r, or 1 when a == 1
+            rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Div", a, ra), b.dim(shape, 3)))  # [N*Hkv*ra, a/ra, c]
+            row = b.op("Add", b.op("Mul", row, ra), b.op("Div", b.op("Mul", j, ra), r))
+        return b.op("Cast", b.op("Gather", rows, row, axis=0), to=F)
 
-    def gather_pages(cache, phys):  # phys [B, Hkv, K] -> [B, Hkv, K*ps, D] float32
+    def gather_pages(cache, phys, sub=None):  # phys [B, Hkv, K] -> [B, Hkv, K*(ps|sp), D] float32
         if not cold_pages:
-            pages = gather_rows(cache, phys)
+            pages = gather_rows(cache, phys, sub)
         else:
             # Both tiers are gathered with clipped ids and Where picks per page: one
             # static graph for any hot/cold mix (the CUDA kernel branches instead).
             q8, sc = {kc: (kc8, kscale), vc: (vc8, vscale)}[cache]
             P = b.dim(b.op("Shape", cache), 0)
             is_cold = b.op("GreaterOrEqual", phys, P)
-            hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)))
+            hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)), sub)
             cold_id = b.op("Max", b.op("Sub", phys, P), zero)
-            cold = b.op("Mul", gather_rows(q8, cold_id), gather_rows(sc, cold_id))  # int8 * [ps|1, D|1]
+            cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale
             pages = b.op("Where", b.unsqueeze(is_cold, [3, 4]), cold, hot)
         return b.op("Reshape", pages, b.cat(B, Hkv, i64(-1), D))
 
@@ -145,21 +158,37 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     scores = b.op("Where", valid3, scores, b.const(-np.inf, np.float32))
     scores = b.op("Where", forced3, b.const(np.inf, np.float32), scores)
     scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
-    _, top = b.op_multi("TopK", [scores, K], 2, axis=-1, largest=1, sorted=1)  # [B, Hkv, K] logical pages
-    rank = b.op("Range", zero, b.scalar(K), one)
-    rank_ok = b.op("Less", b.op("Reshape", rank, i64(1, 1, -1)), b.op("Reshape", k_b, i64(-1, 1, 1)))  # [B,1,K]
-    rank_ok = b.op("Expand", rank_ok, b.op("Shape", top))
+    pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
-    selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top, rank_ok,
-                    axis=2, _name=schema.OUTPUT_NAMES[1])
+    def top_k(x, k_per_seq):  # x [B, Hkv, N] -> (indices [B, Hkv, Kmax], rank < k_b [B, Hkv, Kmax])
+        kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(b.op("Shape", x), 2))
+        _, top = b.op_multi("TopK", [x, kmax], 2, axis=-1, largest=1, sorted=1)
+        rank = b.op("Reshape", b.op("Range", zero, b.scalar(kmax), one), i64(1, 1, -1))
+        return top, b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.op("Shape", top))
 
-    # --- attention over the kept pages + the new tokens ----------------------
-    phys = b.op("GatherElements", b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP)), top, axis=2)
-    keys, vals = gather_pages(kc, phys), gather_pages(vc, phys)
-    tok = b.op("Add", b.op("Mul", b.unsqueeze(top, [3]), ps),
-               b.op("Reshape", b.op("Range", zero, b.scalar(ps), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, ps]
-    tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(rank_ok, [3]))
-    tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*ps]
+    if not two_level:
+        top, rank_ok = top_k(scores, k_b)  # [B, Hkv, K] logical pages
+        selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
+                        rank_ok, axis=2, _name=schema.OUTPUT_NAMES[1])
+        phys = b.op("GatherElements", pt_bh, top, axis=2)
+        keys, vals = gather_pages(kc, phys), gather_pages(vc, phys)
+        tok_first, tok_len, tok_ok_rank = b.op("Mul", top, ps), ps, rank_ok
+    else:
+        sel = two_level_selection(
+            b,
+            scores=scores, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax, sub_bounds=schema.TWO_LEVEL_INPUTS[0],
+            gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op, past64=past64, budget=budget,
+            ps=ps, NP=NP, n_b=n_b, pidx_row=pidx_row, forced=forced, keep_n=keep_n, S=S, B=B, Hkv=Hkv, D=D)
+        selected = b.op("Identity", sel["selected"], _name=schema.OUTPUT_NAMES[1])
+        sub = (sel["j"], sel["r"])
+        keys, vals = gather_pages(kc, sel["phys"], sub), gather_pages(vc, sel["phys"], sub)
+        tok_first, tok_len, tok_ok_rank = sel["first_token"], sel["sp"], sel["ok"]
+
+    # --- attention over the kept pages (or sub-pages) + the new tokens --------
+    tok = b.op("Add", b.unsqueeze(tok_first, [3]),
+               b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
+    tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(tok_ok_rank, [3]))
+    tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
     probs, T = attention_probs(keys, tok_ok)
     end = i64(np.iinfo(np.int64).max)
     out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]

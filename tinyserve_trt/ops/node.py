@@ -14,25 +14,30 @@ from . import schema
 from .function import make_function
 
 _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int32": TensorProto.INT32,
-               "int8": TensorProto.INT8, "bool": TensorProto.BOOL}
+               "int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL}
 
 
 def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes | None = None,
               name: str | None = None, cold_pages: bool = False) -> onnx.NodeProto:
-    """One op node. ``inputs``/``outputs`` follow ``schema.INPUTS``/``OUTPUTS`` order;
-    trailing optional ones may be omitted, and "" skips an optional one."""
+    """One op node. ``inputs``/``outputs`` follow ``schema.INPUTS``/``OUTPUTS`` order
+    (``schema.node_input_names``); trailing optional ones may be omitted, and "" skips an
+    optional one. Two-level attributes (``sub_page_size`` > 0) need ``key_sub_bounds``."""
     attrs = attrs or schema.OpAttributes()
     if len(inputs) < schema.NUM_REQUIRED_INPUTS or len(inputs) > len(schema.INPUTS):
         raise ValueError(f"{schema.OP_TYPE} takes {schema.NUM_REQUIRED_INPUTS}-{len(schema.INPUTS)} inputs, "
                          f"got {len(inputs)}")
     if not 1 <= len(outputs) <= len(schema.OUTPUTS):
         raise ValueError(f"{schema.OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
-    n_cold = sum(1 for name in inputs[schema.NUM_REQUIRED_INPUTS:] if name)
+    cold_given = inputs[schema.NUM_REQUIRED_INPUTS:schema.NUM_TIERED_INPUTS]
+    n_cold = sum(1 for name in cold_given if name)
     if cold_pages and n_cold != len(schema.COLD_INPUTS):
-        raise ValueError(f"cold_pages needs all of {schema.COLD_INPUTS}, "
-                         f"got {list(inputs[schema.NUM_REQUIRED_INPUTS:])}")
+        raise ValueError(f"cold_pages needs all of {schema.COLD_INPUTS}, got {list(cold_given)}")
     if n_cold and not cold_pages:
         raise ValueError("cold-page inputs given to a node without cold_pages=True (the plain overload ignores them)")
+    has_fine = any(inputs[schema.NUM_TIERED_INPUTS:])
+    if attrs.two_level != has_fine:
+        raise ValueError(f"sub_page_size={attrs.sub_page_size} {'needs' if attrs.two_level else 'takes no'} "
+                         f"{schema.TWO_LEVEL_INPUTS[0]!r} input (two-level selection reads it)")
     if len(outputs) < len(schema.OUTPUTS):
         # ORT inlines a function only when the node names every output; unused ones are just dropped.
         outputs = list(outputs) + [f"{outputs[0]}_{o}" for o in schema.OUTPUT_NAMES[len(outputs):]]
@@ -77,10 +82,14 @@ def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = No
                   with_selected: bool = True, cold_pages: bool = False) -> onnx.ModelProto:
     """A model holding one op node, every input a graph input (tests, benchmarks).
 
-    ``cold_pages``: the node also takes the INT8 cold-page inputs (the ``_int8`` overload)."""
+    ``cold_pages``: the node also takes the INT8 cold-page inputs (the ``_int8`` overload);
+    two-level ``attrs`` add ``key_sub_bounds``. Feed it ``schema.node_input_names(...)``."""
     if dtype not in schema.FLOAT_TYPES:
         raise ValueError(f"dtype must be one of {schema.FLOAT_TYPES}, got {dtype!r}")
-    required = schema.INPUTS if cold_pages else schema.INPUTS[: schema.NUM_REQUIRED_INPUTS]
+    attrs = attrs or schema.OpAttributes()
+    names = schema.node_input_names(cold_pages, attrs.two_level)
+    by_name = {s.name: s for s in schema.INPUTS}
+    required = [by_name[n] for n in names if n]
     outputs = schema.OUTPUTS if with_selected else schema.OUTPUTS[:1]
 
     def vi(spec):
@@ -88,7 +97,7 @@ def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = No
         shape = [head_dim if (d == "D" and head_dim) else d for d in spec.shape]
         return helper.make_tensor_value_info(spec.name, t, shape)
 
-    node = make_node([s.name for s in required], [s.name for s in outputs], attrs, name="qsa", cold_pages=cold_pages)
+    node = make_node(list(names), [s.name for s in outputs], attrs, name="qsa", cold_pages=cold_pages)
     graph = helper.make_graph([node], "query_aware_sparse_attention", [vi(s) for s in required],
                               [vi(s) for s in outputs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", schema.OPSET)], ir_version=10)

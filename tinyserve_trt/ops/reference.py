@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import schema
+from . import fine_bounds, schema
 from .policies import get_policy, reduce_group, select_pages
+from .two_level import select_sub_pages
 
 
 def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -33,8 +34,11 @@ def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarr
 
 def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens,
                          token_budget, key_cache_int8=None, value_cache_int8=None, key_scale=None,
-                         value_scale=None, *, attrs: schema.OpAttributes | None = None):
-    """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)``. Inputs as in ``schema.INPUTS``."""
+                         value_scale=None, key_sub_bounds=None, *, attrs: schema.OpAttributes | None = None):
+    """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)``. Inputs as in ``schema.INPUTS``.
+
+    Two-level (``attrs.sub_page_size`` not 0 or ps): ``selected_pages`` marks a
+    page when any of its sub-pages is attended."""
     attrs = attrs or schema.OpAttributes()
     policy = get_policy(attrs.policy)
     B, H, S, D = query.shape
@@ -45,6 +49,12 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
     ps = key_cache.shape[2]
     NP = page_table.shape[1]
     scale = schema.resolve_scale(attrs.scale, D)
+    sp = attrs.sub_page_size if attrs.sub_page_size not in (0, ps) else ps
+    if sp != ps:
+        if ps % sp:
+            raise ValueError(f"sub_page_size {sp} must divide the page size {ps}")
+        if key_sub_bounds is None or key_sub_bounds.shape[2] != ps // sp:
+            raise ValueError(f"two-level selection needs key_sub_bounds [Ptot, Hkv, {ps // sp}, D]")
     caches = dict(key_cache=key_cache, value_cache=value_cache, key_cache_int8=key_cache_int8,
                   value_cache_int8=value_cache_int8, key_scale=key_scale, value_scale=value_scale)
     out = np.zeros((B, H, S, D), dtype=np.float64)
@@ -64,12 +74,21 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
                 per_head = policy.score_ref(q[:, 0], key_min[pages, h].astype(np.float64),
                                             key_max[pages, h].astype(np.float64), keys,
                                             key[b, h, 0].astype(np.float64), ps, scale)
-                keep = select_pages(reduce_group(per_head, attrs.group_reduce), int(token_budget[b]), ps,
-                                    attrs.sink_pages, attrs.recent_pages)
+                coarse = reduce_group(per_head, attrs.group_reduce)
+                if sp == ps:
+                    keep = select_pages(coarse, int(token_budget[b]), ps, attrs.sink_pages, attrs.recent_pages)
+                else:
+                    lo, hi = fine_bounds.decode(key_sub_bounds[pages, h], key_min[pages, h], key_max[pages, h])
+                    fine = reduce_group(policy.score_ref(q[:, 0], lo.reshape(-1, D).astype(np.float64),
+                                                         hi.reshape(-1, D).astype(np.float64), keys,
+                                                         key[b, h, 0].astype(np.float64), sp, scale),
+                                        attrs.group_reduce)
+                    keep = select_sub_pages(coarse, fine, past, int(token_budget[b]), ps, sp,
+                                            attrs.candidate_share, attrs.sink_pages, attrs.recent_pages)
             else:
-                keep = np.ones(n, dtype=bool)
-            selected[b, h, :n] = keep
-            tok_keep = np.repeat(keep, ps)[:past]
+                keep = np.ones(n * (ps // sp), dtype=bool)
+            selected[b, h, :n] = keep.reshape(n, ps // sp).any(axis=1)
+            tok_keep = np.repeat(keep, sp)[:past]
             k_all = np.concatenate([keys[tok_keep], key[b, h].astype(np.float64)])  # [T + S, D]
             v_all = np.concatenate([vals[tok_keep], value[b, h].astype(np.float64)])
             t = int(tok_keep.sum())

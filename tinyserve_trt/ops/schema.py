@@ -11,6 +11,7 @@ Named dims used throughout:
   H  query heads    Hkv  KV heads (H % Hkv == 0, G = H / Hkv)
   D  head dim       P    page-pool size (hot pages; + cold pages, see below)
   ps page size      NP   page-table width (max pages per sequence, >= 1)
+  sp sub-page size  r    sub-pages per page (ps / sp; two-level selection only)
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ INPUTS: tuple[TensorSpec, ...] = (
                "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale).", optional=True),
     TensorSpec("value_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
                "Dequantization scale of cold values.", optional=True),
+    TensorSpec("key_sub_bounds", ("Ptot", "Hkv", "r", "D"), "uint8",
+               "Two-level: each sub-page's key min/max per channel, 4 bits each relative to the page's "
+               "key_min/key_max, rounded outward (ops/fine_bounds.py).", optional=True),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -111,6 +115,12 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("group_reduce", "string", "max",
                   "How a GQA group's query heads' page scores combine into one per KV head.",
                   choices=GROUP_REDUCTIONS),
+    AttributeSpec("sub_page_size", "int", 0,
+                  "Two-level selection: re-rank the candidate pages' sub-pages of this many tokens "
+                  "(must divide ps; needs key_sub_bounds). 0 or ps: single-level.", min=0, max=1 << 16),
+    AttributeSpec("candidate_share", "float", 0.5,
+                  "Two-level: share of a sequence's pages kept as candidates (at least the budget's pages).",
+                  min=0.0, max=1.0),
 )
 
 # Attributes TensorRT's ONNX parser reads to import the node as our plugin.
@@ -123,6 +133,21 @@ INPUT_NAMES = tuple(t.name for t in INPUTS)
 OUTPUT_NAMES = tuple(t.name for t in OUTPUTS)
 NUM_REQUIRED_INPUTS = sum(not t.optional for t in INPUTS)
 COLD_INPUTS = tuple(t.name for t in INPUTS if t.name.endswith(("_int8", "_scale")))
+TWO_LEVEL_INPUTS = ("key_sub_bounds",)
+NUM_TIERED_INPUTS = NUM_REQUIRED_INPUTS + len(COLD_INPUTS)  # a single-level node's most inputs
+# Two-level selection re-ranks sub-pages by the policy's bound of q.k; only this policy has one.
+TWO_LEVEL_POLICIES = ("query_aware",)
+
+
+def node_input_names(cold_pages: bool = False, two_level: bool = False) -> tuple[str, ...]:
+    """A node's inputs in schema order: required, then the cold tier, then the fine bounds.
+    An omitted optional input that a later one follows is "" (ONNX's skipped input)."""
+    names = list(INPUT_NAMES[:NUM_REQUIRED_INPUTS])
+    if cold_pages or two_level:
+        names += COLD_INPUTS if cold_pages else [""] * len(COLD_INPUTS)
+    if two_level:
+        names += TWO_LEVEL_INPUTS
+    return tuple(names)
 
 
 def attribute(name: str) -> AttributeSpec:
@@ -141,10 +166,21 @@ class OpAttributes:
     sink_pages: int = field(default_factory=lambda: attribute("sink_pages").default)
     recent_pages: int = field(default_factory=lambda: attribute("recent_pages").default)
     group_reduce: str = field(default_factory=lambda: attribute("group_reduce").default)
+    sub_page_size: int = field(default_factory=lambda: attribute("sub_page_size").default)
+    candidate_share: float = field(default_factory=lambda: attribute("candidate_share").default)
 
     def __post_init__(self):
         for a in ATTRIBUTES:
             a.validate(getattr(self, a.name))
+        if self.sub_page_size and self.policy not in TWO_LEVEL_POLICIES:
+            raise ValueError(f"attribute 'sub_page_size' > 0 (two-level selection) needs policy in "
+                             f"{TWO_LEVEL_POLICIES}, got policy {self.policy!r}")
+
+    @property
+    def two_level(self) -> bool:
+        """The node takes ``key_sub_bounds`` and uses the two-level body (``sub_page_size == ps``
+        selects exactly as single-level; an exporter emits 0 for it)."""
+        return self.sub_page_size > 0
 
     def as_dict(self) -> dict:
         return {a.name: getattr(self, a.name) for a in ATTRIBUTES}
@@ -159,6 +195,8 @@ class OpAttributes:
         parts = [self.policy]
         if self.group_reduce != attribute("group_reduce").default:
             parts.append(self.group_reduce)
+        if self.two_level:
+            parts.append("two_level")
         if cold_pages:
             parts.append("int8")
         return "_".join(parts)

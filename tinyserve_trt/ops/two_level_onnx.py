@@ -1,0 +1,89 @@
+"""The two-level selection of the ONNX function body (``ops/two_level.py`` is the rule).
+
+A first TopK keeps the candidate pages by the coarse scores; their compact
+sub-page bounds (``key_sub_bounds``, decoded as ``ops/fine_bounds.py``) are
+gathered and scored with the policy's own ONNX score; a second TopK over the
+candidates' sub-pages keeps the forced pages' written sub-pages (score +inf)
+and the best others. Only the candidates' fine bounds are read, so the cost
+per step lies between page size and sub-page size. Standard ops only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from .fine_bounds import BITS, INV_LEVELS
+from .policies import OnnxScoreContext
+
+F = TensorProto.FLOAT
+I64 = TensorProto.INT64
+
+
+def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gather_rows, policy, qg, reduce_op,
+                        past64, budget, ps, NP, n_b, pidx_row, forced, keep_n, S, B, Hkv, D) -> dict:
+    """Kept sub-pages of each (sequence, KV head) as ONNX tensors.
+
+    scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); forced ``[B, NP]``;
+    keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b).
+    Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
+    used), ``first_token`` (logical token index of each sub-page), ``selected`` ``[B, Hkv, NP]``
+    (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64).
+    """
+    def i64(*xs):
+        return b.const(list(xs), np.int64, "i")
+    zero, one = b.const(0, np.int64), b.const(1, np.int64)
+    r = b.dim(b.op("Shape", sub_bounds), 2)
+    sp = b.op("Div", ps, r)
+    n_sub = b.op("Div", b.op("Add", past64, b.op("Sub", sp, one)), sp)  # written sub-pages [B]
+    in_page = b.op("Min", b.op("Max", b.op("Sub", b.unsqueeze(n_sub, [1]), b.op("Mul", pidx_row, r)), zero), r)
+    n_forced_sub = b.reduce("ReduceSum", b.op("Where", forced, in_page, zero), [1])  # [B]
+    keep2 = b.op("Max", b.op("Div", b.op("Cast", budget, to=I64), sp), n_forced_sub)
+    dense = b.op("Or", b.op("LessOrEqual", budget, b.const(0, np.int32)), b.op("GreaterOrEqual", keep2, n_sub))
+    dense = b.op("Or", dense, b.op("Greater", S, one))  # prefill attends everything
+
+    # --- level 1: candidate pages ---------------------------------------------
+    share = b.attr_const("candidate_share", "float")
+    by_share = b.op("Cast", b.op("Floor", b.op("Mul", share, b.op("Cast", n_b, to=F))), to=I64)
+    k1 = b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b))
+    top1, ok1 = top_k(scores, k1)  # [B, Hkv, K1] logical pages
+    phys1 = b.op("GatherElements", pt_bh, top1, axis=2)
+
+    # --- level 2: the candidates' sub-pages, scored from their compact bounds ---
+    def page_rows(m):  # [Ptot, Hkv, D] -> [B, Hkv, K1, 1, D] float32
+        return gather_rows(b.unsqueeze(m, [2]), phys1)
+    pmin, pmax = page_rows(kmin), page_rows(kmax)
+    codes = gather_rows(sub_bounds, phys1)  # [B, Hkv, K1, r, D] as float: exact
+    radix = b.const(float(1 << BITS), np.float32)
+    hi_c = b.op("Floor", b.op("Div", codes, radix))
+    lo_c = b.op("Sub", codes, b.op("Mul", radix, hi_c))
+    step = b.op("Mul", b.op("Sub", pmax, pmin), b.const(INV_LEVELS, np.float32))
+    lo = b.op("Add", pmin, b.op("Mul", lo_c, step))  # same float32 steps as fine_bounds.decode
+    hi = b.op("Sub", pmax, b.op("Mul", hi_c, step))
+
+    def as_T(x):  # [B, Hkv, K1, r, D] -> [B, Hkv, D, K1*r]
+        return b.op("Transpose", b.op("Reshape", x, b.cat(B, Hkv, i64(-1), D)), perm=[0, 1, 3, 2])
+    fine_ctx = OnnxScoreContext(b, qg, None, lambda: (as_T(lo), as_T(hi)), None)
+    fine = b.reduce(reduce_op, policy.score_onnx(fine_ctx), [2])  # [B, Hkv, K1*r]
+
+    sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
+                   b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
+    written = b.op("Less", sub_idx, b.op("Reshape", n_sub, i64(-1, 1, 1, 1)))
+    forced1 = b.op("GatherElements", b.op("Expand", b.unsqueeze(forced, [1]), b.cat(B, Hkv, NP)), top1, axis=2)
+
+    def flat(x):  # [B, Hkv, K1, r] -> [B, Hkv, K1*r]
+        return b.op("Reshape", x, b.cat(B, Hkv, i64(-1)))
+    cand = flat(b.op("And", b.unsqueeze(ok1, [3]), written))  # candidates' written sub-pages (forced included)
+    fine = b.op("Where", cand, fine, b.const(-np.inf, np.float32))
+    fine = b.op("Where", flat(b.op("And", b.unsqueeze(forced1, [3]), written)), b.const(np.inf, np.float32), fine)
+    top2, ok2 = top_k(fine, b.op("Where", dense, n_sub, keep2))  # [B, Hkv, K2] into K1*r
+    ok2 = b.op("And", ok2, b.op("GatherElements", cand, top2, axis=2))  # too few candidates: keep what there is
+
+    slot, j = b.op("Div", top2, r), b.op("Mod", top2, r)
+    logical = b.op("GatherElements", top1, slot, axis=2)
+    # a page is selected if any of its sub-pages is; unused slots write to a scratch column NP
+    target = b.op("Where", ok2, logical, NP)
+    marks = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, b.op("Add", NP, one))),
+                 target, b.op("Expand", b.const(True, np.bool_), b.op("Shape", target)), axis=2)
+    return dict(selected=b.op("Slice", marks, i64(0), NP, i64(2)), phys=b.op("GatherElements", phys1, slot, axis=2),
+                j=j, ok=ok2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)), r=r, sp=sp)
