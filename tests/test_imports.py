@@ -14,8 +14,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "tinyserve_trt"
 ROOT = "tinyserve_trt"
 
@@ -37,19 +35,19 @@ def imports_of(path: Path, package_dir: Path = PACKAGE) -> list[tuple[str, int]]
     name = module_name(path, package_dir)
     is_pkg = path.name == "__init__.py"
     here = name.split(".") if is_pkg else name.split(".")[:-1]
-    found = []
+    found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names]
+            found |= {(a.name, node.lineno) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.append((target, node.lineno))
-            found += [(f"{target}.{a.name}", node.lineno) for a in node.names if a.name != "*"]
-    return found
+            found.add((target, node.lineno))
+            found |= {(f"{target}.{a.name}", node.lineno) for a in node.names if a.name != "*"}
+    return sorted(found, key=lambda t: (t[1], t[0]))
 
 
 def unit_of(module: str) -> str | None:
@@ -75,7 +73,9 @@ def edges(package_dir: Path = PACKAGE) -> dict[tuple[str, str], list[str]]:
                 continue
             dst = unit_of(target)
             if dst is not None and dst != src:
-                out.setdefault((src, dst), []).append(f"{src_mod}:{line}")
+                where = out.setdefault((src, dst), [])
+                if f"{src_mod}:{line}" not in where:
+                    where.append(f"{src_mod}:{line}")
     return out
 
 
@@ -145,11 +145,18 @@ def test_walker_sees_function_level_and_relative_imports(tmp_path):
     assert cycle_report(pkg) is None
 
 
-def test_layering_is_documented():
-    """The contracts module's docstring states the layering this test enforces."""
-    contracts = PACKAGE / "contracts" / "__init__.py"
-    if not contracts.is_file():
-        pytest.fail("tinyserve_trt/contracts/__init__.py is missing")
-    doc = ast.get_docstring(ast.parse(contracts.read_text())) or ""
-    for unit in ("ops", "contracts", "export", "runtime", "calibration", "cuda"):
-        assert unit in doc, f"the layering in contracts/__init__.py does not place {unit}"
+def test_imports_follow_the_documented_layers():
+    """Every cross-subpackage import is one ``contracts.LAYERS`` allows (stricter than acyclic)."""
+    from tinyserve_trt.contracts import LAYERS
+
+    units = {unit_of(module_name(p)) for p in PACKAGE.rglob("*.py")} - {None}
+    assert units == set(LAYERS), f"contracts.LAYERS places {sorted(set(LAYERS))}, the package has {sorted(units)}"
+    bad = [f"{a} -> {b} ({', '.join(where[:3])})" for (a, b), where in sorted(edges().items())
+           if b not in LAYERS[a]]
+    assert not bad, "imports against the layering in tinyserve_trt/contracts/__init__.py: " + "; ".join(bad)
+    graph = {a: set(bs) for a, bs in LAYERS.items()}
+    assert find_cycle(graph) is None, "contracts.LAYERS itself has a cycle"
+    doc = ast.get_docstring(ast.parse((PACKAGE / "contracts" / "__init__.py").read_text())) or ""
+    for unit, allowed in LAYERS.items():
+        line = next((ln for ln in doc.splitlines() if ln.strip().startswith(unit + " ")), "")
+        assert all(a in line for a in allowed), f"the docstring's layering line for {unit} omits {allowed}"

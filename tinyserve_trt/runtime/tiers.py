@@ -27,45 +27,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from tinyserve_trt.ops.quantization import (GRANULARITIES, bytes_per_page, dequantize_page, layer_page_scales,
+from tinyserve_trt.contracts.cold_tier import TierConfig
+from tinyserve_trt.ops.quantization import (bytes_per_page, dequantize_page, layer_page_scales,
                                             quantize_page, quantize_page_static, scale_shape)
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.pages import OutOfPagesError, PagePool, PoolIntegrityError
-
-
-SCALES = ("dynamic", "static")
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """The cold INT8 tier.
-
-    num_cold_pages: cold slots (``Pcold >= 1``: the op's ``_int8`` overload needs one).
-    k_granularity / v_granularity: scale granularity (``ops.quantization.GRANULARITIES``);
-    per channel for K and per token for V is KIVI's choice, see
-    ``benchmarks/results/quant_granularity.md`` for SmolLM2.
-    scales: ``dynamic`` (each page's absmax) or ``static`` (a calibration's ranges, passed
-    to ``TieredPagePool(static_scales=...)``; values outside them clip).
-    """
-
-    num_cold_pages: int = 1024
-    k_granularity: str = "channel"
-    v_granularity: str = "token"
-    scales: str = "dynamic"  # or "static": the calibration's ranges (TieredPagePool(static_scales=...))
-
-    def __post_init__(self):
-        if not isinstance(self.num_cold_pages, int) or isinstance(self.num_cold_pages, bool) \
-                or self.num_cold_pages <= 0:
-            raise ValueError(f"num_cold_pages must be a positive int, got {self.num_cold_pages!r}")
-        for name in ("k_granularity", "v_granularity"):
-            if getattr(self, name) not in GRANULARITIES:
-                raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
-        if self.scales not in SCALES:
-            raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
 
 
 def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
