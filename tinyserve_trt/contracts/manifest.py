@@ -147,7 +147,7 @@ class Manifest:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in INT_FIELDS:
+        for name in (*INT_FIELDS, "max_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "token_budget" else 1):
                 raise PackageError(f"field {name!r} must be a positive int, got {value!r}")
