@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
+from tinyserve_trt.ops import policies, schema, sparse_attention_ref  # noqa: E402
 from tinyserve_trt.ops.reference import page_min_max  # noqa: E402
 from tinyserve_dev.evaluation.decode_attention import (  # noqa: E402
     SelectionSpec, decode_attention, page_mass, page_scores, select_pages)
@@ -86,6 +86,30 @@ def test_every_row_equals_reference_decode_step(rng, spec):
             continue
         keep = select_pages(spec, torch.tensor([t]), page_scores(spec, qc, kmin[:, :n_all], kmax[:, :n_all], mass))
         assert keep[:, 0, :n].numpy().tolist() == ref_sel[0, :, :n].tolist(), f"t={t}"
+
+
+@pytest.mark.parametrize("name", policies.registered())
+def test_torch_score_is_the_policy_reference_score(rng, name):
+    """The harness scores through the registry's policy object; its torch form must be
+    the numpy reference's score for every head and position (one definition per policy)."""
+    policy = policies.get_policy(name)
+    q, k, _ = random_qkv(rng)
+    scale = D ** -0.5
+    kmin, kmax = _minmax(k)
+    G = H // HKV
+    for t in (8, 33, 74):
+        n = -(-t // PS)
+        qc = torch.tensor(q[:, t:t + 1]).view(HKV, G, 1, D)
+        mass = page_mass(_dense_probs(q, k, t, scale), PS, n)
+        got = policy.score_torch(qc, torch.tensor(kmin[:, :n]), torch.tensor(kmax[:, :n]), mass)
+        assert got.shape == (HKV, G, 1, n)
+        # the harness's mass also counts the token's own probability, in its own page (forced,
+        # so never a choice): compare an oracle on the pages before it
+        m = t // PS if policy.reads_attention_mass else n
+        for h in range(HKV):
+            want = policy.score_ref(q[h * G:(h + 1) * G, t], kmin[h, :n], kmax[h, :n], k[h, :t], k[h, t], PS, scale)
+            np.testing.assert_allclose(got[h, :, 0, :m].numpy(), want[:, :m], rtol=1e-9, atol=1e-12,
+                                       err_msg=f"t={t} h={h}")
 
 
 def test_chunks_and_offset_do_not_change_rows(rng):

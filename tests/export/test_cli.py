@@ -55,6 +55,17 @@ def test_help_explains_every_option(capsys):
         assert opt in text
 
 
+def test_policy_choices_are_the_registry_selecting_policies(capsys):
+    from tinyserve_trt.ops import policies
+
+    action = next(a for a in cli.parser()._actions if a.dest == "policy")
+    assert tuple(action.choices) == policies.selecting() and "dense" not in action.choices
+    assert set(policies.selecting()) | {"dense"} == set(policies.registered())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["x.onnx", "--policy", "dense"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("make,code,message", [
     (lambda p: p / "missing.onnx", 2, "no such file"),
     (lambda p: (p / "x.onnx").write_text("not a model") and p / "x.onnx", 2, "not a readable ONNX model"),

@@ -60,3 +60,49 @@ def test_generate_hot_fraction_and_no_kv_tiers(llama_cold, capsys):
     with pytest.raises(SystemExit) as e:
         raise SystemExit(main([*common, "--hot-fraction", "2"]))
     assert e.value.code == 2 and "hot_fraction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--token-budget", "1000000000000"], "token_budget must be <= 2147483647"),  # was a traceback, exit 0
+    (["--token-budget", "100000"], "token_budget must be <= 8192"),
+    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "nan"], "top_p"),
+    (["--repetition-penalty", "inf"], "repetition_penalty"),
+    (["--max-tokens", "99999999999"], "max_tokens"),
+    (["--seed", "-3"], "seed"),
+])
+def test_out_of_bounds_flags_one_line_exit_2(llama, capsys, args, match):
+    assert main(["generate", str(llama[1]), "--prompt-ids", "1,2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err and "Traceback" not in err
+
+
+def test_readme_chat_command_is_greedy_without_a_generation_config(llama, capsys):
+    """``tinyserve generate PKG --chat --prompt ...`` (the README's first command) samples
+    with the package's defaults: greedy for a package without generation_config.json, so
+    it gives the model's most likely answer, every time; explicit flags still override."""
+    cmd = ["generate", str(llama[1]), "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "8",
+           "--ignore-eos", "--json"]
+    runs = []
+    for extra in ([], [], ["--temperature", "0"]):
+        assert main([*cmd, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 8
+    sampled = set()
+    for seed in range(4):
+        assert main([*cmd, "--temperature", "5", "--seed", str(seed)]) == 0
+        sampled.add(tuple(json.loads(capsys.readouterr().out)["token_ids"]))
+    assert sampled != {tuple(runs[0])}  # the flag overrides the greedy default
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--max-n", "129"], "max_n must be an int in [1, 128]"),
+    (["--max-n", "0"], "max_n"),
+    (["--max-batch", "10000000000"], "max_batch must be <= 2147483647"),
+    (["--timeout", "nan"], "timeout"),
+    (["--token-budget", "1000000000000"], "token_budget"),
+])
+def test_serve_rejects_out_of_bounds_options_before_loading(llama, capsys, args, match):
+    assert main(["serve", str(llama[1]), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err

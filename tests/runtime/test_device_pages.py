@@ -1,8 +1,8 @@
 """DevicePages: the TensorRT backend's page storage, on CPU torch tensors.
 
-A pool with its data on a device (``PagePool.attach_device``) must end up holding,
-in DevicePages, exactly what the numpy pool holds after the same writes, demotions
-and copy-on-write copies: int8 values, scales, min/max, valid counts. On a GPU the
+A pool whose storage is DevicePages (``PagePool.attach_storage``) must end up holding
+exactly what the pool over the numpy ``HostKVStorage`` holds after the same writes,
+demotions and copy-on-write copies: int8 values, scales, min/max, valid counts. On a GPU the
 same code runs on CUDA tensors (the ``cuda`` cases, marked ``gpu``: ``benchmarks/gpu_check.sh``
 runs them); only the token writes are the append kernel's.
 """
@@ -17,7 +17,8 @@ from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noq
 from tinyserve_trt.ops.quantization import quantize_pages as quantize_pages_np  # noqa: E402
 from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES, DevicePages, quantize_pages  # noqa: E402
 from tinyserve_trt.runtime.config import CacheConfig  # noqa: E402
-from tinyserve_trt.runtime.pages import PagePool  # noqa: E402
+from tinyserve_trt.runtime.kv_storage import KVStorage  # noqa: E402
+from tinyserve_trt.runtime.pages import PagePool, PoolIntegrityError  # noqa: E402
 from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool  # noqa: E402
 
 PS, L, H, D = 4, 2, 2, 8
@@ -54,24 +55,29 @@ def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=Fal
         if static else None
     host, dev = (TieredPagePool(config, tiers, L, H, D, static_scales=scales) for _ in range(2))
     pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran))
-    dev.attach_device(pages)
+    dev.attach_storage(pages)
     return host, dev, pages
 
 
-def _write(host, dev, pages, page_table, past, k, v):
-    """One step's tokens ``k, v [B, H, S, D]`` at ``past`` into both pools (the device
-    side as ``qsa_append_kv`` writes them: through the physical table)."""
+def _write(host, dev, pages, page_table, past, k, v, kernel=True):
+    """One step's tokens ``k, v [B, H, S, D]`` at ``past`` into both pools: the device
+    side as ``qsa_append_kv`` writes them (through the physical table), or with
+    ``kernel=False`` through the pool's ``write_batch`` like the host side."""
     B, _, S, _ = k.shape
     slots = np.array([[page_table[b][(past[b] + i) // PS] * PS + (past[b] + i) % PS for i in range(S)]
                       for b in range(B)])
     for layer in range(L):
         host.write_batch(layer, slots, k, v)
+        if not kernel:
+            dev.write_batch(layer, slots, k, v)
+            continue
         t = pages.layers[layer]
         got = append_kv_ref(k, v, *(t[r].cpu().numpy() for r in HOT_ROLES), dev.physical_table(page_table),
                             np.asarray(past))
         for role, array in zip(HOT_ROLES, got):
             t[role].copy_(torch.from_numpy(array).to(t[role].device))
-    dev.note_device_writes(slots)
+    if kernel:
+        dev.note_device_writes(slots)
 
 
 def _assert_same(host, dev, pages, handles):
@@ -99,17 +105,18 @@ def _assert_same(host, dev, pages, handles):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("grans,static", [(("channel", "token"), False), (("head", "channel"), False),
                                           (("channel", "token"), True)], ids=["channel-token", "head-channel", "static"])
-def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, device):
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-writes", "pool-writes"])
+def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, kernel, device):
     rng = np.random.default_rng()
     host, dev, pages = _pools(device, dtype, *grans, static=static)
     a, b = host.allocate(3), dev.allocate(3)
     assert a == b
     k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)
-    _write(host, dev, pages, [a], [0], k, -k)  # pages 0, 1 full; page 2 holds 2 tokens
+    _write(host, dev, pages, [a], [0], k, -k, kernel)  # pages 0, 1 full; page 2 holds 2 tokens
     assert [host.demote(p) for p in a[:2]] == [dev.demote(p) for p in a[:2]]
     _assert_same(host, dev, pages, a)
     k2 = rng.standard_normal((1, H, 1, D)).astype(dtype)
-    _write(host, dev, pages, [a], [10], k2, k2)  # a decode token after the demotions
+    _write(host, dev, pages, [a], [10], k2, k2, kernel)  # a decode token after the demotions
     # copy-on-write of a cold page into a fresh hot one (a shared prefix diverging)
     host.incref(a[0]), dev.incref(a[0])
     (c_host,), (c_dev,) = host.allocate(1), dev.allocate(1)
@@ -117,8 +124,11 @@ def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, devic
     host.copy_page(a[0], c_host)
     dev.copy_page(a[0], c_dev)
     _assert_same(host, dev, pages, a + [c_host])
-    dev.check_integrity([a, a[:1] + [c_dev]])
-    with pytest.raises(ValueError, match="device"):
+    dev.check_integrity([a, a[:1] + [c_dev]], check_data=True)  # min/max read back from the device
+    host.check_integrity([a, a[:1] + [c_host]], check_data=True)
+    with torch.no_grad():
+        pages.layers[1]["key_max"][dev.physical(a[2])] += 1  # a stale max on the device is caught
+    with pytest.raises(PoolIntegrityError, match="stale"):
         dev.check_integrity(check_data=True)
 
 
@@ -137,7 +147,7 @@ def test_a_cold_slot_demoted_into_twice_before_a_flush_keeps_the_later_page():
 
 def test_note_device_writes_counts_valid_tokens_and_checks_pages():
     pool = PagePool(CacheConfig(page_size=PS, num_pages=4), L, H, D)
-    pool.attach_device(DevicePages(pool, torch.float32, torch.device("cpu")))
+    pool.attach_storage(DevicePages(pool, torch.float32, torch.device("cpu")))
     p, q = pool.allocate(2)
     pool.note_device_writes(np.array([[p * PS, p * PS + 1, p * PS + 2, -1], [q * PS, -1, -1, -1]]))
     assert pool.num_valid(0)[p] == 3 and pool.num_valid(L - 1)[q] == 1
@@ -146,11 +156,11 @@ def test_note_device_writes_counts_valid_tokens_and_checks_pages():
     pool.incref(q)
     with pytest.raises(ValueError, match="shared"):
         pool.note_device_writes(np.array([[q * PS + 1]]))
-    with pytest.raises(ValueError, match="device"):
-        pool.write_tokens(0, np.array([p * PS]), np.zeros((1, H, D), np.float32), np.zeros((1, H, D), np.float32))
+    with pytest.raises(ValueError, match="shared"):
+        pool.write_tokens(0, np.array([q * PS + 1]), np.zeros((1, H, D), np.float32), np.zeros((1, H, D), np.float32))
     tiered = TieredPagePool(CacheConfig(page_size=PS, num_pages=2), TierConfig(num_cold_pages=2), L, H, D)
-    tiered.attach_device(DevicePages(tiered, torch.float32, torch.device("cpu"),
-                                     dict(k_granularity="head", v_granularity="head")))
+    tiered.attach_storage(DevicePages(tiered, torch.float32, torch.device("cpu"),
+                                      dict(k_granularity="head", v_granularity="head")))
     (r,) = tiered.allocate(1)
     tiered.note_device_writes(np.arange(PS)[None] + r * PS)
     tiered.demote(r)
@@ -176,3 +186,18 @@ def test_layouts_and_errors():
     tiered = TieredPagePool(CacheConfig(page_size=PS, num_pages=2), TierConfig(num_cold_pages=2), L, H, D)
     with pytest.raises(ValueError, match="cold tier"):
         DevicePages(tiered, torch.float32, torch.device("cpu"))
+
+
+def test_storage_is_attached_only_to_an_empty_pool_of_its_geometry():
+    pool = PagePool(CacheConfig(page_size=PS, num_pages=4), L, H, D)
+    pages = DevicePages(pool, torch.float32, torch.device("cpu"), dict(k_granularity="head", v_granularity="head"))
+    assert isinstance(pages, KVStorage) and pages.roles == HOT_ROLES + COLD_ROLES
+    other = PagePool(CacheConfig(page_size=PS, num_pages=5), L, H, D)
+    with pytest.raises(ValueError, match="geometry"):
+        other.attach_storage(pages)
+    (p,) = pool.allocate(1)
+    with pytest.raises(ValueError, match="empty pool"):
+        pool.attach_storage(pages)
+    pool.decref(p)
+    pool.attach_storage(pages)  # the unused cold page of a plain pool is accepted
+    assert pool.storage is pages and pool.cache_inputs(0) is pages.layers[0]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tinyserve_trt.runtime.config import CacheConfig
-from tinyserve_trt.runtime.hotness import HotnessConfig, HotnessPolicy
+from tinyserve_trt.runtime.tiers.hotness import HotnessConfig, HotnessPolicy
 from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
 
 PS = 4

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.runtime.faults import poison_backend
+
 from tinyserve_trt import LLM, AsyncLLM, SamplingParams
 from tinyserve_trt.runtime.backends import BACKENDS, make_backend
 from tinyserve_trt.runtime.model_package import ModelPackage, PackageError
@@ -155,3 +157,172 @@ def test_ort_backend_loads_the_exporters_optimized_copy(llama):
     package = ModelPackage.load(llama[1])
     assert package.ort_model_path(ort.__version__).name == "model.ort.onnx"
     assert package.ort_model_path("0.0.0") == package.model_path  # another ORT: the portable model
+
+
+# ---- bounds at the boundary (issue #19) ----------------------------------------------
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(token_budget=10**12), "token_budget"),  # was an int32 OverflowError inside the engine
+    (dict(token_budget=2**31 - 1), "token_budget must be <= 8192"),  # int32-safe, still past the context
+    (dict(n=1000), "^n "),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(stop_token_ids=[256]), r"stop_token_ids must be in \[0, 256\)"),
+])
+def test_llm_rejects_out_of_bounds_requests_before_queuing(llm, params, match):
+    steps = llm.stats()["steps"]
+    with pytest.raises(ValueError, match=match):
+        # the good first request is not queued either: every request is checked first
+        llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], params=[GREEDY, SamplingParams(max_tokens=2, **params)])
+    assert not llm.engine.has_unfinished() and llm.stats()["pages_in_use"] == 0
+    assert llm.stats()["steps"] == steps
+
+
+def test_llm_rejects_an_engine_budget_past_the_context(llama):
+    with pytest.raises(ValueError, match="token_budget must be <= 8192"):
+        LLM(llama[1], token_budget=10**6)
+    with pytest.raises(ValueError, match="token_budget must be <= 2147483647"):
+        AsyncLLM(llama[1], token_budget=10**12)
+
+
+def test_async_llm_rejects_before_queuing(llama):
+    async def main():
+        engine = AsyncLLM(llama[1], dense=True)
+        try:
+            with pytest.raises(ValueError, match="token_budget"):
+                async for _ in engine.generate(prompt_token_ids=[1, 2], params=SamplingParams(token_budget=10**9)):
+                    pass
+            return engine.is_alive, engine.engine.has_unfinished()
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()) == (True, False)
+
+
+# ---- sampling defaults from the package (issue #13 item 6) ---------------------------------
+
+
+def test_defaults_are_greedy_without_a_generation_config(llm):
+    assert not (llm.package.path / "generation_config.json").exists()
+    assert llm.default_params.temperature == 0
+    prompt = [[5, 6, 7, 8]]
+    a = llm.generate(prompt_token_ids=prompt)[0].outputs[0].token_ids
+    b = llm.generate(prompt_token_ids=prompt)[0].outputs[0].token_ids
+    greedy = llm.generate(prompt_token_ids=prompt, params=SamplingParams(temperature=0))[0].outputs[0].token_ids
+    assert a == b == greedy
+
+
+def test_defaults_follow_the_generation_config(tmp_path, llama):
+    from tinyserve_trt.export.package import tokenizer_files
+    from tinyserve_trt.runtime.generation_defaults import default_params, sampling_defaults
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(llama[1], pkg)
+    (pkg / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "eos_token_id": 2}))
+    assert pkg / "generation_config.json" in tokenizer_files(pkg / "model.onnx")  # the exporter copies it
+    with LLM(pkg, dense=True) as sampled:
+        p = sampled.default_params
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.9, 50, 1.1)
+    assert default_params(pkg, temperature=0.0, top_k=3).temperature == 0.0  # explicit wins
+    (pkg / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    assert sampling_defaults(pkg) == {"temperature": 0.0}  # HF: no do_sample = greedy
+    (pkg / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        sampling_defaults(pkg)
+
+
+# ---- a supervised engine (issue #19) ---------------------------------------------------
+
+
+def test_a_failed_step_fails_its_requests_frees_their_pages_and_the_engine_goes_on(llama):
+    from tinyserve_trt.runtime.engine import StepFailed
+
+    with LLM(llama[1], dense=True) as llm:
+        engine = llm.engine
+        raised = poison_backend(engine, 99)
+        engine.add_request("bad", [99, 1, 2, 3, 4, 5], GREEDY)
+        with pytest.raises(StepFailed) as e:
+            engine.step()
+        assert e.value.request_ids == ("bad",) and "injected" in str(e.value) and len(raised) == 1
+        engine.scheduler.check_integrity()
+        assert not engine.has_unfinished() and engine.stats()["pages_in_use"] == 0
+        assert engine.stats()["step_failures"] == 1
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], params=GREEDY)  # the engine still serves
+        assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_async_llm_fails_only_the_failed_batch_then_gives_up_after_repeated_failures(llama, caplog):
+    async def main():
+        engine = AsyncLLM(llama[1], dense=True, max_batch=1, max_consecutive_failures=2)
+        raised = poison_backend(engine.engine, 99)
+
+        async def run(prompt):
+            try:
+                async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
+                    pass
+                return len(r.outputs[0].token_ids)
+            except RuntimeError as e:
+                return e
+
+        try:
+            results = await asyncio.gather(run([5, 6, 7]), run([99, 1, 2]), run([8, 9, 10]))
+            alive_after_one = engine.is_alive
+            pages = await engine.run_on_engine(lambda e: (e.scheduler.check_integrity(), e.stats()["pages_in_use"]))
+            poison_backend(engine.engine, 99, times=5)
+            again = await asyncio.gather(run([99, 3]), run([99, 4]))
+            for _ in range(100):
+                if not engine.is_alive:
+                    break
+                await asyncio.sleep(0.01)
+            return results, alive_after_one, pages[1], again, engine.is_alive, engine.error, len(raised)
+        finally:
+            engine.shutdown()
+
+    from tinyserve_trt.runtime.engine import EngineBroken, StepFailed
+
+    with caplog.at_level("ERROR", logger="tinyserve.engine"):
+        results, alive_after_one, in_use, again, alive, error, n_raised = asyncio.run(main())
+    assert results[0] == results[2] == GREEDY.max_tokens and n_raised == 1
+    assert isinstance(results[1], StepFailed) and "injected" in str(results[1])
+    assert alive_after_one and in_use == 0
+    assert all(isinstance(r, RuntimeError) for r in again)  # two failures in a row: it gives up
+    assert not alive and isinstance(error, EngineBroken) and "2 consecutive" in str(error)
+    assert "injected backend failure" in caplog.text and "Traceback" in caplog.text  # logged with its traceback
+
+
+def test_async_llm_fails_one_request_whose_delivery_raises(llama, monkeypatch):
+    """Text/stop handling of one request raising (outside the engine step) fails that request
+    only: its pages are freed and the others finish."""
+    import tinyserve_trt.runtime.async_llm as async_llm
+    from tinyserve_trt.runtime.engine import StepFailed
+
+    class Flaky(async_llm.RequestTracker):
+        def update(self, seq):
+            if self.prompt_token_ids[0] == 99:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return super().update(seq)
+
+    monkeypatch.setattr(async_llm, "RequestTracker", Flaky)
+
+    async def main():
+        engine = AsyncLLM(llama[1], dense=True)
+
+        async def run(prompt):
+            try:
+                async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
+                    pass
+                return len(r.outputs[0].token_ids)
+            except RuntimeError as e:
+                return e
+
+        try:
+            got = await asyncio.gather(run([5, 6]), run([99, 1]), run([7, 8]))
+            in_use = await engine.run_on_engine(lambda e: (e.scheduler.check_integrity(), e.stats()["pages_in_use"]))
+            return got, in_use[1], engine.is_alive
+        finally:
+            engine.shutdown()
+
+    got, in_use, alive = asyncio.run(main())
+    assert got[0] == got[2] == GREEDY.max_tokens and isinstance(got[1], StepFailed) and "injected" in str(got[1])
+    assert in_use == 0 and alive

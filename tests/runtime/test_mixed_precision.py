@@ -105,7 +105,8 @@ def test_backend_rebinds_a_cold_pool_whose_buffer_changed(llama_cold):
     seq = engine.add_request("r", PROMPTS[0], GREEDY)
     engine.step()  # prefill: pages demoted into the cold tier
     pool = engine.pool
-    pool._kq, pool._vq = pool._kq.copy(), pool._vq.copy()  # as a pool that grew its cold tier would
+    store = pool.storage
+    store._kq, store._vq = store._kq.copy(), store._vq.copy()  # as a pool that grew its cold tier would
     while engine.has_unfinished():
         engine.step()
     name = engine.package.layers[0]["key_cache_int8"]

@@ -149,16 +149,3 @@ def test_write_batch_skips_padding():
     np.testing.assert_array_equal(pool.k_pages(0)[a][:, :2], k[0])
     np.testing.assert_array_equal(pool.k_pages(0)[b][:, 0], k[1, :, 0])
     assert pool.num_valid(0)[b] == 1
-
-
-def test_copy_listener_sees_copy_on_write():
-    """A device-side backend mirrors copies through the listener (the TRT backend does)."""
-    from tinyserve_trt.runtime.config import CacheConfig
-    from tinyserve_trt.runtime.pages import PagePool
-
-    pool = PagePool(CacheConfig(page_size=4, num_pages=4, dtype="float32"), 1, 1, 2)
-    seen = []
-    pool.add_copy_listener(lambda s, d: seen.append((s, d)))
-    a, b = pool.allocate(2)
-    pool.copy_page(a, b)
-    assert seen == [(a, b)]

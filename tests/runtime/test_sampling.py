@@ -91,3 +91,32 @@ def test_logprobs_and_inactive_rows():
     assert [t for t, _ in out.top_logprobs[0]] == [2, 1] and out.top_logprobs[1] is None
     with pytest.raises(ValueError, match="logits"):
         Sampler()(logits[:1], seqs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"token_budget": 10**12}, "token_budget"), ({"max_tokens": 2**31}, "max_tokens"),
+    ({"top_k": 2**40}, "top_k"), ({"n": 129}, "n"), ({"n": 100000}, "n"), ({"seed": 2**64}, "seed"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"), ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["x" * 2000]}, "stop"), ({"logprobs": 2**31}, "logprobs"), ({"temperature": True}, "temperature"),
+])
+def test_params_reject_out_of_bounds(kwargs, field):
+    """Bounds that need no package: finite floats, int32-safe ints, n <= 128 (issue #19)."""
+    with pytest.raises(ValueError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_params_accept_the_bounds():
+    SamplingParams(n=128, max_tokens=2**31 - 1, token_budget=2**31 - 1, seed=2**64 - 1, stop=["x"] * 16,
+                   temperature=1e300, top_k=2**31 - 1)
+
+
+def test_extreme_but_valid_params_sample_a_real_token():
+    """Near-zero temperatures and huge penalties overflow the logits; the sampler still
+    returns a token of the vocabulary (greedy), never NaN-driven garbage."""
+    logits = np.random.default_rng(3).standard_normal((3, 40))
+    seqs = seqs_for(SamplingParams(temperature=1e-300, seed=0), SamplingParams(repetition_penalty=1e-300, seed=0),
+                    SamplingParams(temperature=1e300, seed=0), history=(int(logits[1].argmax()),))
+    out = Sampler()(logits, seqs).token_ids
+    assert out[0] == logits[0].argmax() and 0 <= out[1] < 40 and 0 <= out[2] < 40

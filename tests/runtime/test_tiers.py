@@ -252,3 +252,23 @@ def test_static_scales_are_the_calibrated_ones(rng):
                        D, static_scales=(k_static[:1], v_static))
     with pytest.raises(ValueError, match="scales"):
         TierConfig(scales="fixed")
+
+
+def test_host_storage_addresses_physical_tiers_and_checks_them():
+    from tinyserve_trt.runtime.host_storage import HostKVStorage
+    from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES
+
+    with pytest.raises(ValueError, match="cold tier"):
+        HostKVStorage(1, 2, 1, 4, 2, "float32", num_cold=1)
+    store = HostKVStorage(1, 2, 1, 4, 2, "float32", num_cold=1, granularities=("head", "head"))
+    assert store.roles == HOT_ROLES + COLD_ROLES and store.cache_inputs(0)["key_min"].shape == (3, 1, 2)
+    k = np.arange(8, dtype=np.float32).reshape(4, 1, 2)
+    store.write_tokens(0, np.arange(4), k, -k, np.array([0]), np.array([4]))
+    store.demote_page(0, 2)
+    keys, kmin, kmax = store.read_page(0, 2)
+    np.testing.assert_array_equal(kmin, keys.min(axis=1))
+    np.testing.assert_array_equal(kmax, keys.max(axis=1))
+    with pytest.raises(ValueError, match="outside"):
+        store.write_tokens(0, np.array([8]), k[:1], k[:1], np.array([2]), np.array([1]))  # a cold slot
+    with pytest.raises(ValueError, match="outside"):
+        store.copy_page(0, 2)  # copies land in hot pages only

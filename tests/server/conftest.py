@@ -16,18 +16,24 @@ pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 MODEL = "tiny"
+FUZZ_REPORT: list[str] = []  # lines the fuzz test leaves for the terminal summary (CI's log)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in FUZZ_REPORT:
+        terminalreporter.write_line(line)
 
 
 class LiveServer:
     """uvicorn serving ``create_app(llm, config)`` on 127.0.0.1 until ``stop()``."""
 
-    def __init__(self, llm, config):
+    def __init__(self, llm, config, **app_options):
         import uvicorn
 
         from tinyserve_trt.runtime.server import create_app
 
         self.llm = llm
-        self.app = create_app(llm, config)
+        self.app = create_app(llm, config, **app_options)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.policies import get_policy
 
 NEG_INF = float("-inf")
 
@@ -63,10 +64,10 @@ class SelectionSpec:
 
     @property
     def is_dense(self) -> bool:
-        return self.policy == "dense" or (self.page_fraction is None and self.budget == 0)
+        return not get_policy(self.policy).selects or (self.page_fraction is None and self.budget == 0)
 
     def label(self) -> str:
-        if self.policy == "dense":
+        if not get_policy(self.policy).selects:
             return "dense"
         size = f"{self.page_fraction:.0%}" if self.page_fraction is not None else str(self.budget)
         return f"{self.policy}@{size}"
@@ -101,18 +102,15 @@ def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
     """The group's combined page scores ``[Hkv, C, NP]`` under ``spec.policy``.
 
     q: [Hkv, G, C, D] the chunk's queries; kmin/kmax: [Hkv, NP, D];
-    mass: ``page_mass`` of the dense attention (read by ``oracle`` only; the
-    token's own probability lands in its own page, which is forced or not yet
-    written, so it never changes a choice).
+    mass: ``page_mass`` of the dense attention (read by a policy that
+    ``reads_attention_mass`` only; the token's own probability lands in its own
+    page, which is forced or not yet written, so it never changes a choice).
+    The per-head score is the registry policy's ``score_torch``.
     """
-    if spec.policy == "query_aware":
-        per_head = q.clamp(min=0) @ kmax[:, None].transpose(-1, -2) + q.clamp(max=0) @ kmin[:, None].transpose(-1, -2)
-    elif spec.policy == "window":
-        per_head = torch.arange(kmin.shape[1], dtype=q.dtype).expand(*q.shape[:3], kmin.shape[1])
-    elif spec.policy == "oracle":
-        per_head = mass
-    else:
+    policy = get_policy(spec.policy)
+    if not policy.selects:
         raise ValueError(f"policy {spec.policy!r} does not select pages")
+    per_head = policy.score_torch(q, kmin, kmax, mass)
     return per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)
 
 
@@ -226,9 +224,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         logits = torch.bmm(qc.reshape(Hkv, G * C, D), k_pad[:, :width].transpose(1, 2)).view(Hkv, G, C, width)
         logits.masked_fill_(torch.arange(width)[None, :] > positions[:, None], NEG_INF)
         dense_probs = mass = None
-        if spec.is_dense or spec.policy == "oracle" or probe is not None:
+        needs_mass = get_policy(spec.policy).reads_attention_mass or probe is not None
+        if spec.is_dense or needs_mass:
             dense_probs = torch.softmax(logits, dim=-1)
-            if spec.policy == "oracle" or probe is not None:
+            if needs_mass:
                 mass = dense_probs.view(Hkv, G, C, n_np, ps).sum(-1)
         if probe is not None:
             probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], mass)

@@ -1,17 +1,21 @@
 """The INT8 cold tier's configs, shared by export, calibration and the runtime.
 
-``TierConfig`` sizes and quantizes the cold pool (``runtime.tiers.TieredPagePool``),
-``HotnessConfig`` says which pages stay hot (``runtime.hotness.HotnessPolicy``);
+``TierConfig`` sizes and quantizes the cold pool (``runtime.tiers.pool.TieredPagePool``),
+``HotnessConfig`` says which pages stay hot (``runtime.tiers.hotness.HotnessPolicy``);
 a calibration artifact produces both (``contracts.calibration``), the exporter
 records their values in the manifest's ``cold_tier`` (``contracts.manifest.ColdTier``)
-and the runtime rebuilds them from it. Pure data: no numpy, no pool.
+and the runtime rebuilds them from it; :func:`cold_page_bytes` is what a cold
+page costs (the runtime sizes pools with it, calibration reports memory with it).
+Pure data: no pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyserve_trt.ops.quantization import GRANULARITIES
+import numpy as np
+
+from tinyserve_trt.ops.quantization import GRANULARITIES, bytes_per_page
 
 SCALES = ("dynamic", "static")
 
@@ -42,6 +46,15 @@ class TierConfig:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
         if self.scales not in SCALES:
             raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
+
+
+def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                    dtype: str = "float16") -> int:
+    """Bytes one cold page costs over all layers: int8 K/V, their float32 scales, and
+    key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
+    kv = sum(bytes_per_page(g, num_kv_heads, page_size, head_dim) for g in (tiers.k_granularity,
+                                                                            tiers.v_granularity))
+    return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
 
 
 @dataclass(frozen=True)

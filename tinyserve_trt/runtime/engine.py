@@ -7,7 +7,7 @@ the callers' business; the engine works on token ids.
 
 With a package that has an INT8 cold tier (and ``EngineConfig.kv_tiers``), the
 pool is a ``TieredPagePool`` and each step also feeds the op's page
-selections to the hotness policy and demotes between steps (``tiering.py``).
+selections to the hotness policy and demotes between steps (``tiers/tiering.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,24 @@ from tinyserve_trt.runtime.backends.base import StepOutput
 from tinyserve_trt.runtime.config import EngineConfig
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.pages import PagePool
-from tinyserve_trt.runtime.sampling import Sampler, SamplingParams
+from tinyserve_trt.runtime.sampling import SampleOutput, Sampler, SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.sequence import FinishReason, Sequence
-from tinyserve_trt.runtime.tiering import Tiering
+from tinyserve_trt.runtime.tiers.tiering import Tiering
+
+
+class StepFailed(RuntimeError):
+    """One step raised. The requests it ran (``request_ids``) were aborted and their pages
+    freed; the pool passed ``check_integrity()``, so the engine can go on serving."""
+
+    def __init__(self, request_ids, cause: BaseException):
+        super().__init__(f"engine step failed: {cause!r}")
+        self.request_ids, self.cause = tuple(request_ids), cause
+
+
+class EngineBroken(RuntimeError):
+    """A failed step could not be cleaned up (or the pool's invariants no longer hold):
+    the engine must not serve again."""
 
 
 class Engine:
@@ -52,8 +66,9 @@ class Engine:
         self.sampler = Sampler(seed)
         self._sparse_layers = [i for i, layer in enumerate(package.layers) if layer.get("policy") != "dense"]
         self._observed_layers = self._sparse_layers or list(range(package.num_layers))  # hotness: selections
+        self._unsettled: ScheduledBatch | None = None  # scheduled, not yet handed to postprocess
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
-                             pages_selected=0.0, pages_available=0)
+                             pages_selected=0.0, pages_available=0, step_failures=0)
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None
@@ -83,13 +98,42 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one batch. Returns the sequences that sampled a token (finished ones included)."""
-        batch = self.scheduler.schedule()
+        """Run one batch. Returns the sequences that sampled a token (finished ones included).
+
+        Supervised: if anything in the step raises, its requests are aborted and StepFailed
+        is raised (the engine stays usable); EngineBroken if that cleanup fails too."""
+        batch = None
+        try:
+            batch = self._unsettled = self.scheduler.schedule()
+            return self._run(batch)
+        except Exception as e:
+            raise self._failed(batch, e) from e
+        finally:
+            self._unsettled = None
+
+    def _failed(self, batch: ScheduledBatch | None, error: Exception) -> RuntimeError:
+        """Abort the failed step's requests (every unfinished one if it failed before a batch
+        existed), then check the pool; the exception for ``step`` to raise."""
+        self.counters["step_failures"] += 1
+        try:
+            seqs = batch.seqs if batch is not None else [*self.scheduler.waiting, *self.scheduler.running]
+            request_ids = list(dict.fromkeys(s.request_id for s in seqs))
+            for rid in request_ids:
+                self.scheduler.cancel(rid)
+            if batch is not None and self._unsettled is batch:  # the scheduler still waits for it
+                self.scheduler.postprocess(batch, SampleOutput(np.full(len(batch), -1, np.int64)))
+            self.scheduler.check_integrity()
+        except Exception as cleanup:
+            return EngineBroken(f"engine step failed ({error!r}) and its cleanup failed too ({cleanup!r})")
+        return StepFailed(request_ids, error)
+
+    def _run(self, batch: ScheduledBatch) -> list[Sequence]:
         out = self.backend.run(batch)
         sampled = self.sampler(out.logits, batch.seqs, batch.sample_mask)
         self._record(batch, out)
         if self.tiering:  # while the batch's page handles are still held
             self.tiering.observe(batch, out.selected_pages, self._observed_layers)
+        self._unsettled = None  # from here on the scheduler no longer holds it in flight
         self.scheduler.postprocess(batch, sampled)
         if self.tiering:
             self.tiering.rebalance([s.pages for s in self.scheduler.running])
@@ -126,7 +170,7 @@ class Engine:
             pages_cached_idle=pool.num_evictable, prefix_cache_entries=self.scheduler.prefix_cache.num_entries,
             prefix_hit_rate=c["prefix_tokens_reused"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             page_selection_rate=c["pages_selected"] / c["pages_available"] if c["pages_available"] else None,
-            preemptions=self.scheduler.num_preemptions,
+            preemptions=self.scheduler.num_preemptions, step_failures=c["step_failures"],
             **(self.tiering.stats() if self.tiering else {}),
         )
 

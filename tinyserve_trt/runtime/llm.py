@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tinyserve_trt.runtime.config import EngineConfig
 from tinyserve_trt.runtime.engine import Engine
+from tinyserve_trt.runtime.generation_defaults import default_params
+from tinyserve_trt.runtime.limits import check_against_package, check_engine_budget
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.outputs import RequestOutput, RequestTracker
 from tinyserve_trt.runtime.sampling import SamplingParams
@@ -43,7 +45,9 @@ def normalize_prompts(package: ModelPackage, prompts, prompt_token_ids) -> list[
 def engine_from(model_dir: str | Path | ModelPackage, seed: int | None, backend_options: dict,
                 **config) -> Engine:
     package = model_dir if isinstance(model_dir, ModelPackage) else ModelPackage.load(model_dir)
-    return Engine(package, EngineConfig(**config), seed=seed, **backend_options)
+    engine_config = EngineConfig(**config)
+    check_engine_budget(None if engine_config.dense else engine_config.token_budget, package)
+    return Engine(package, engine_config, seed=seed, **backend_options)
 
 
 class LLM:
@@ -51,12 +55,16 @@ class LLM:
     (``backend``, ``token_budget`` (None = the package's default), ``dense``, ``memory``,
     ``prefix_sharing``, ``max_batch``, ``max_tokens_per_step``, ``prefill_chunk``,
     ``max_seq_len``, ``threads``, and for a package with an INT8 cold tier ``kv_tiers``,
-    ``hot_fraction``, ``hot_pages``, ``hot_decay``); ``backend_options`` go to the backend."""
+    ``hot_fraction``, ``hot_pages``, ``hot_decay``); ``backend_options`` go to the backend.
+
+    Without ``params`` a request uses ``default_params``: the package's generation config
+    (greedy when it has none). Bad input raises ValueError before anything is queued."""
 
     def __init__(self, model_dir: str | Path | ModelPackage, *, seed: int | None = None,
                  backend_options: dict | None = None, **config):
         self.engine = engine_from(model_dir, seed, backend_options or {}, **config)
         self.package = self.engine.package
+        self.default_params = default_params(self.package.path)
         self._ids = itertools.count()
 
     @property
@@ -67,9 +75,15 @@ class LLM:
         return self.package if (self.package.path / "tokenizer.json").is_file() else None
 
     def _add(self, prompt: str | None, ids: list[int], params: SamplingParams) -> RequestTracker:
+        self._check(params)
         rid = f"req-{next(self._ids)}"
         self.engine.add_request(rid, ids, params)
         return RequestTracker(rid, prompt, ids, params, self._decoder())
+
+    def _check(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        check_against_package(params, self.package)
 
     def _run(self, trackers: dict[str, RequestTracker]) -> Iterator[RequestTracker]:
         """Step until every tracker finished; yields a tracker each time its request advanced."""
@@ -87,9 +101,11 @@ class LLM:
                  prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None) -> list[RequestOutput]:
         """Generate for a batch of prompts (continuous batching); outputs in prompt order."""
         reqs = normalize_prompts(self.package, prompts, prompt_token_ids)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(reqs)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or self.default_params] * len(reqs)
         if len(plist) != len(reqs):
             raise ValueError(f"{len(plist)} SamplingParams for {len(reqs)} prompts")
+        for p in plist:  # every request checked before the first is queued
+            self._check(p)
         trackers: dict[str, RequestTracker] = {}
         try:
             for (text, ids), p in zip(reqs, plist):
@@ -113,7 +129,7 @@ class LLM:
         if len(reqs) != 1:
             raise ValueError("stream takes one prompt")
         ((text, ids),) = reqs
-        tracker = self._add(text, ids, params or SamplingParams())
+        tracker = self._add(text, ids, params or self.default_params)
         try:
             for _ in self._run({tracker.request_id: tracker}):
                 yield tracker.snapshot()
@@ -125,7 +141,7 @@ class LLM:
         """One chat turn: render ``messages`` with the package's chat template, generate."""
         text = self.package.apply_chat_template(messages)
         ids = self.package.encode(text, add_special_tokens=False)
-        t = self._add(text, ids, params or SamplingParams())
+        t = self._add(text, ids, params or self.default_params)
         for _ in self._run({t.request_id: t}):
             pass
         return t.snapshot()

@@ -1,14 +1,19 @@
-"""PagePool: the owner of KV page ids, their refcounts and their storage.
+"""PagePool: the owner of KV page ids, their refcounts and valid-token counts.
 
 Every page id is in exactly one state:
   free       refcount 0, not cached      -> on the free list
   in use     refcount > 0                -> held by one or more sequences
   evictable  refcount 0, cached          -> kept for prefix reuse, evicted LRU
 
-Storage is per layer, indexed by page id (the op schema's names):
+The pool moves no data: K/V and the per-page key min/max live in its
+:class:`~tinyserve_trt.runtime.kv_storage.KVStorage` (``pool.storage``; numpy
+``HostKVStorage`` unless a backend attaches its own with :meth:`attach_storage`),
+which the pool asks to write, copy and demote pages by physical id. Per layer,
+by physical id (the op schema's names)::
+
   K, V pools        [num_pages, num_kv_heads, page_size, head_dim]
   key_min, key_max  [num_pages, num_kv_heads, head_dim]  min / max over the page's
-                    valid (written) tokens; a page with none has both = 0.
+                    valid (written) tokens; a fresh page has both = 0.
 
 Tiers: here every page is hot and a page id is its physical id. Cold INT8 pages
 (issue #6) live in ``tiers.TieredPagePool``, a subclass whose ids are handles
@@ -24,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from tinyserve_trt.runtime.config import CacheConfig
+from tinyserve_trt.runtime.host_storage import HostKVStorage
+from tinyserve_trt.runtime.kv_storage import KVStorage
 
 
 class OutOfPagesError(RuntimeError):
@@ -35,47 +42,46 @@ class PoolIntegrityError(RuntimeError):
 
 
 class PagePool:
-    """Page ids, refcounts, LRU of cached pages, and the K/V + min/max storage."""
+    """Page ids, refcounts, LRU of cached pages and valid counts over a :class:`KVStorage`.
 
-    def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+    storage: where the data lives (default: a numpy ``HostKVStorage`` of this geometry).
+    """
+
+    def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 storage: KVStorage | None = None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.config = config
-        self.num_pages = config.num_pages
+        self.num_pages = n = config.num_pages
         self.page_size = config.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        dtype = np.dtype(config.dtype)
-        n, h, p, d = self.num_pages, num_kv_heads, self.page_size, head_dim
-        self._k = np.zeros((num_layers, n, h, p, d), dtype)
-        self._v = np.zeros((num_layers, n, h, p, d), dtype)
-        self._key_min = np.zeros((num_layers, n, h, d), dtype)
-        self._key_max = np.zeros((num_layers, n, h, d), dtype)
-        self._num_valid = np.zeros((num_layers, n), np.int32)  # per layer: layers are written one by one
+        self.storage = storage if storage is not None else HostKVStorage(
+            num_layers, n, num_kv_heads, self.page_size, head_dim, config.dtype)
+        self._num_valid = np.zeros((num_layers, n), np.int32)  # by physical id; layers are written one by one
         self._refcount = np.zeros(n, np.int32)
         self._cached = np.zeros(n, bool)
         self._free: deque[int] = deque(range(n))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently released
         self._on_evict: Callable[[int], None] | None = None
-        self._device = None  # a backend's DevicePages once attached: the data lives there
 
-    # ---- views the model reads (no copies) --------------------------------
-    def k_pages(self, layer: int) -> np.ndarray:
+    # ---- views the model reads (the storage's, no copies) -----------------
+    def k_pages(self, layer: int):
         """Key pool of ``layer``: ``[num_pages, num_kv_heads, page_size, head_dim]``."""
-        return self._k[layer]
+        return self.storage.cache_inputs(layer)["key_cache"]
 
-    def v_pages(self, layer: int) -> np.ndarray:
+    def v_pages(self, layer: int):
         """Value pool of ``layer``: ``[num_pages, num_kv_heads, page_size, head_dim]``."""
-        return self._v[layer]
+        return self.storage.cache_inputs(layer)["value_cache"]
 
-    def key_min(self, layer: int) -> np.ndarray:
+    def key_min(self, layer: int):
         """``[num_pages, num_kv_heads, head_dim]`` elementwise min of each page's valid keys."""
-        return self._key_min[layer]
+        return self.storage.cache_inputs(layer)["key_min"]
 
-    def key_max(self, layer: int) -> np.ndarray:
+    def key_max(self, layer: int):
         """``[num_pages, num_kv_heads, head_dim]`` elementwise max of each page's valid keys."""
-        return self._key_max[layer]
+        return self.storage.cache_inputs(layer)["key_max"]
 
     def num_valid(self, layer: int) -> np.ndarray:
         """``[num_pages]`` tokens written to each page of ``layer`` since it was allocated."""
@@ -85,10 +91,9 @@ class PagePool:
         """The op's ``page_table`` for a batch's page ids (int32); ids are physical here."""
         return np.asarray(page_table, np.int32)
 
-    def cache_inputs(self, layer: int) -> dict[str, np.ndarray]:
-        """The op's cache inputs for ``layer`` by schema name (views, no copies)."""
-        return dict(key_cache=self._k[layer], value_cache=self._v[layer], key_min=self._key_min[layer],
-                    key_max=self._key_max[layer])
+    def cache_inputs(self, layer: int) -> dict:
+        """The op's cache inputs for ``layer`` by schema name (the storage's views, no copies)."""
+        return self.storage.cache_inputs(layer)
 
     # ---- state ------------------------------------------------------------
     @property
@@ -138,11 +143,14 @@ class PagePool:
                 if self._on_evict is not None:
                     self._on_evict(page)
             self._refcount[page] = 1
-            self._num_valid[:, page] = 0
-            self._key_min[:, page] = 0
-            self._key_max[:, page] = 0
             pages.append(page)
+        self._reset(np.array(pages, np.int64))
         return pages
+
+    def _reset(self, phys: np.ndarray) -> None:
+        """Fresh physical pages: no valid tokens; the storage resets their min/max."""
+        self._num_valid[:, phys] = 0
+        self.storage.reset_pages(phys)
 
     def incref(self, page: int) -> None:
         """Add a holder. A cached unreferenced page leaves the LRU; a free page is an error."""
@@ -184,7 +192,24 @@ class PagePool:
         """Ids of pages the prefix cache registered (in use or evictable)."""
         return np.flatnonzero(self._cached).tolist()
 
-    # ---- data -------------------------------------------------------------
+    # ---- data (moved by the storage) ---------------------------------------
+    def attach_storage(self, storage: KVStorage) -> None:
+        """Keep the page data in ``storage`` from now on (a backend's ``DevicePages``: its
+        kernels write tokens there and report them with :meth:`note_device_writes`).
+        Only an empty pool (no page in use or cached) swaps storage: nothing is copied."""
+        if np.any(self._refcount > 0) or np.any(self._cached):
+            raise ValueError("attach storage to an empty pool: pages in use would lose their data")
+        want = (self.num_layers, self.num_kv_heads, self.page_size, self.head_dim, self.storage.num_hot,
+                self.storage.num_cold)
+        # over a pool without a cold tier a device storage may hold one unused cold page
+        # (the op's _int8 overload needs one); page ids never reach it
+        got = (storage.num_layers, storage.num_kv_heads, storage.page_size, storage.head_dim, storage.num_hot,
+               storage.num_cold if self.storage.num_cold else 0)
+        if got != want:
+            raise ValueError(f"storage geometry (layers, heads, page size, head dim, hot, cold) {got} "
+                             f"does not match the pool's {want}")
+        self.storage = storage
+
     def copy_page(self, src: int, dst: int) -> None:
         """Copy K, V, key_min/key_max and valid counts of ``src`` into ``dst``, all layers.
 
@@ -192,26 +217,17 @@ class PagePool:
         """
         if self._refcount[src] <= 0:
             raise ValueError(f"copy source page {src} is not in use")
+        self._check_copy_target(dst)
+        s, t = (int(p) for p in self._physical_ids(np.array([src, dst])))
+        self.storage.copy_page(s, t)
+        self._num_valid[:, t] = self._num_valid[:, s]
+
+    def _check_copy_target(self, dst: int) -> None:
         if not self.is_writable(dst):
             raise ValueError(f"copy target page {dst} is shared or cached")
-        if self._device is not None:
-            self._num_valid[:, dst] = self._num_valid[:, src]
-            self._device.copy_page(src, dst)
-        else:
-            for arr in (self._k, self._v, self._key_min, self._key_max, self._num_valid):
-                arr[:, dst] = arr[:, src]
-        for fn in getattr(self, "_copy_listeners", ()):
-            fn(src, dst)
 
-    def add_copy_listener(self, fn: Callable[[int, int], None]) -> None:
-        """Call ``fn(src, dst)`` after every ``copy_page``: a backend that keeps the
-        pages on a device mirrors copy-on-write there."""
-        if not hasattr(self, "_copy_listeners"):
-            self._copy_listeners = []
-        self._copy_listeners.append(fn)
-
-    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Write token K/V into ``layer`` and update key_min/key_max of the touched pages.
+    def write_tokens(self, layer: int, slots: np.ndarray, k, v) -> None:
+        """Write token K/V into ``layer``; the storage updates key_min/key_max of the touched pages.
 
         slots: ``[tokens]`` int, ``page * page_size + offset``; no duplicates.
         k, v:  ``[tokens, num_kv_heads, head_dim]``.
@@ -224,36 +240,33 @@ class PagePool:
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
             raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
         self._check_writable(slots // self.page_size)
-        if self._device is not None:
-            raise ValueError("page data lives on the backend's device (attach_device); use note_device_writes")
-        self._write_physical(layer, slots, k, v)
-
-    def _check_writable(self, pages: np.ndarray) -> None:
-        bad = [int(p) for p in np.unique(pages) if not self.is_writable(p)]
-        if bad:
-            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
-
-    def _physical_ids(self, pages: np.ndarray) -> np.ndarray:
-        """Storage ids of page ids (identity here; handles -> slots in a tiered pool)."""
-        return pages
-
-    # ---- data on a device ---------------------------------------------------
-    def attach_device(self, pages) -> None:
-        """Hand the page data to ``pages`` (a backend's ``DevicePages``). From then on this
-        pool keeps the bookkeeping only - ids, refcounts, valid counts - and forwards data
-        moves to it with physical ids (``copy_page(src, dst)``, a tiered pool's
-        ``demote_page(hot, cold)``); its own K/V/min/max arrays are neither written nor
-        read, and the backend reports its writes with :meth:`note_device_writes`."""
-        self._device = pages
-
-    @property
-    def data_on_device(self) -> bool:
-        return self._device is not None
+        n_tok = slots.shape[0]
+        shape = (n_tok, self.num_kv_heads, self.head_dim)
+        if k.shape != shape or v.shape != shape:
+            raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
+        if n_tok == 0:
+            return
+        if np.unique(slots).shape[0] != n_tok:
+            raise ValueError("duplicate slots in one write")
+        phys = self._physical_ids(slots // self.page_size) * self.page_size + slots % self.page_size
+        pages, offs = phys // self.page_size, phys % self.page_size
+        upages, inv = np.unique(pages, return_inverse=True)
+        old = self._num_valid[layer, upages]
+        last = np.full(upages.shape, -1, np.int64)
+        np.maximum.at(last, inv, offs)
+        new = np.maximum(old, last + 1)
+        appended = np.zeros(upages.shape, np.int64)
+        np.add.at(appended, inv, (offs >= old[inv]).astype(np.int64))
+        if np.any(appended != new - old):
+            raise ValueError("write leaves a gap of unwritten tokens inside a page")
+        self.storage.write_tokens(layer, phys, k, v, upages, new)
+        self._num_valid[layer, upages] = new
 
     def note_device_writes(self, slot_mapping: np.ndarray) -> None:
         """Valid counts after a backend wrote a step's tokens (``slot_mapping``:
         ``[batch, new]`` page * page_size + offset, -1 padding) into every layer's
-        pages on its device. The same page checks as :meth:`write_tokens`."""
+        pages in its attached storage itself (an append kernel, which also refreshes
+        their min/max). The same page checks as :meth:`write_tokens`."""
         slots = np.asarray(slot_mapping, np.int64).reshape(-1)
         slots = slots[slots >= 0]
         if not slots.size:
@@ -267,38 +280,14 @@ class PagePool:
         np.maximum.at(last, inv, slots % self.page_size)
         self._num_valid[:, upages] = np.maximum(self._num_valid[:, upages], last + 1)
 
-    def _write_physical(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """The storage half of :meth:`write_tokens` on storage ids (checked slots):
-        K/V into the slots, valid counts, exact min/max of the touched pages."""
-        n_tok = slots.shape[0]
-        shape = (n_tok, self.num_kv_heads, self.head_dim)
-        if k.shape != shape or v.shape != shape:
-            raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
-        if n_tok == 0:
-            return
-        if np.unique(slots).shape[0] != n_tok:
-            raise ValueError("duplicate slots in one write")
-        pages, offs = slots // self.page_size, slots % self.page_size
-        upages, inv = np.unique(pages, return_inverse=True)
-        valid = self._num_valid[layer]
-        old = valid[upages]
-        last = np.full(upages.shape, -1, np.int64)
-        np.maximum.at(last, inv, offs)
-        new = np.maximum(old, last + 1)
-        appended = np.zeros(upages.shape, np.int64)
-        np.add.at(appended, inv, (offs >= old[inv]).astype(np.int64))
-        if np.any(appended != new - old):
-            raise ValueError("write leaves a gap of unwritten tokens inside a page")
+    def _check_writable(self, pages: np.ndarray) -> None:
+        bad = [int(p) for p in np.unique(pages) if not self.is_writable(p)]
+        if bad:
+            raise ValueError(f"pages {bad} are free, shared or cached; copy-on-write first")
 
-        kl, vl = self._k[layer], self._v[layer]
-        kl[pages, :, offs, :] = k
-        vl[pages, :, offs, :] = v
-        valid[upages] = new
-        keys = kl[upages]  # [U, Hkv, page_size, D]
-        mask = (np.arange(self.page_size)[None, :] < new[:, None])[:, None, :, None]
-        big = np.array(np.inf, keys.dtype)
-        self._key_min[layer, upages] = np.where(mask, keys, big).min(axis=2)
-        self._key_max[layer, upages] = np.where(mask, keys, -big).max(axis=2)
+    def _physical_ids(self, pages: np.ndarray) -> np.ndarray:
+        """Storage ids of page ids (identity here; handles -> slots in a tiered pool)."""
+        return pages
 
     def write_batch(self, layer: int, slot_mapping: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Write a step's new K/V as the model returns them.
@@ -316,13 +305,15 @@ class PagePool:
         self.write_tokens(layer, slot_mapping[keep], k_tok, v_tok)
 
     # ---- invariant --------------------------------------------------------
-    def check_integrity(self, holders: Iterable[Sequence[int]] | None = None) -> None:
+    def check_integrity(self, holders: Iterable[Sequence[int]] | None = None, check_data: bool = False) -> None:
         """Raise PoolIntegrityError unless every page is in exactly one state.
 
         Checks free + in use + evictable == num_pages with no overlap, the
         free/evictable pages' flags, and, when ``holders`` (each holder's page
         list, e.g. every live sequence's page table) is given, that each page's
-        refcount equals the number of times holders reference it.
+        refcount equals the number of times holders reference it. ``check_data``
+        also reads every live page back from the storage and recomputes its
+        key min/max over its valid tokens.
         """
         n = self.num_pages
         free = list(self._free)
@@ -358,3 +349,19 @@ class PagePool:
                 p = int(wrong[0])
                 fail(f"page {p} refcount {self._refcount[p]} but {expected[p]} holders "
                      f"({wrong.size} pages wrong)")
+        if check_data:
+            self._check_minmax()
+
+    def _check_minmax(self) -> None:
+        self.storage.flush()
+        live = np.flatnonzero((self._refcount > 0) | self._cached)
+        for page, p in zip(live.tolist(), self._physical_ids(live).tolist()):
+            for layer in range(self.num_layers):
+                n = int(self._num_valid[layer, p])
+                if n == 0:
+                    continue
+                keys, kmin, kmax = self.storage.read_page(layer, p)
+                keys = keys[:, :n]
+                if not (np.array_equal(keys.min(axis=1), kmin) and np.array_equal(keys.max(axis=1), kmax)):
+                    raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
+                                             "min/max are stale")

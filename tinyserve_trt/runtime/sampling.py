@@ -7,12 +7,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.runtime.limits import (INT32_MAX, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                         MAX_STOP_TOKEN_IDS, SEED_MAX, check_int, is_finite_number, is_int)
+
+
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    temperature:        0 = greedy (argmax); > 0 divides the logits.
+    temperature:        0 = greedy (argmax); > 0 divides the logits (below 1e-5: greedy).
     top_k:              keep the k most likely tokens; 0 = off.
     top_p:              keep the smallest set whose probability reaches top_p; 1 = off.
     repetition_penalty: > 1 discourages tokens already in the prompt or output (CTRL rule:
@@ -23,9 +29,14 @@ class SamplingParams:
     stop_token_ids:     token ids that end generation (the token is kept in the output).
     ignore_eos:         keep generating past the model's EOS token.
     max_tokens:         most tokens to generate.
-    n:                  samples per prompt; the prompt's pages are shared (copy-on-write).
+    n:                  samples per prompt, at most ``limits.MAX_N``; the prompt's pages are
+                        shared (copy-on-write).
     logprobs:           None = off; k >= 0 returns the chosen token's logprob and the top k.
     token_budget:       Quest decode budget in tokens for this request (overrides the scheduler's).
+
+    Floats must be finite and ints int32-safe (``limits.py``); the bounds that depend on
+    the package (budget within its context, ids in its vocabulary) are checked by
+    ``limits.check_against_package`` when a request is added.
     """
 
     temperature: float = 1.0
@@ -45,32 +56,35 @@ class SamplingParams:
         # Lists are accepted for convenience; stored as tuples to stay hashable and frozen.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        # floats: finite only (inf/NaN would turn the logits into NaN)
+        if not is_finite_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check_int("top_k", self.top_k, 0)
+        if not is_finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
-        if self.token_budget is not None and (not _is_int(self.token_budget) or self.token_budget < 0):
-            raise ValueError(f"token_budget must be an int >= 0 or None, got {self.token_budget!r}")
+        if not is_finite_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        check_int("seed", self.seed, 0, SEED_MAX, optional=True)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
+                             f"got {_short(self.stop)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if not all(is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {INT32_MAX}], got {_short(self.stop_token_ids)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("n", self.n, 1, MAX_N)
+        check_int("logprobs", self.logprobs, 0, optional=True)
+        check_int("token_budget", self.token_budget, 0, optional=True)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _short(values) -> str:
+    text = repr(values)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -135,19 +149,27 @@ class Sampler:
     def sample_row(row: np.ndarray, params: SamplingParams, history: Sequence[int],
                    rng: np.random.Generator) -> int:
         """One token from ``row [vocab]`` (float64, modified in place)."""
+        with np.errstate(over="ignore", invalid="ignore"):  # extreme params: handled below, not warned
+            return Sampler._sample_row(row, params, history, rng)
+
+    @staticmethod
+    def _sample_row(row: np.ndarray, params: SamplingParams, history: Sequence[int],
+                    rng: np.random.Generator) -> int:
         vocab = row.shape[0]
         if params.repetition_penalty != 1.0 and len(history):
             seen = np.unique(np.asarray(history, np.int64))
             seen = seen[(seen >= 0) & (seen < vocab)]
             vals = row[seen]
             row[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-        if params.temperature == 0:
+        if params.temperature < GREEDY_BELOW:  # dividing by ~0 overflows to inf/NaN
             return int(np.argmax(row))
         row /= params.temperature
         if 0 < params.top_k < vocab:
             kth = np.partition(row, vocab - params.top_k)[vocab - params.top_k]
             row[row < kth] = -np.inf
         probs = np.exp(row - np.max(row))
+        if not np.isfinite(probs).all():  # +inf logits (a huge penalty ratio): take the largest
+            return int(np.argmax(row))
         probs /= probs.sum()
         if params.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")

@@ -129,10 +129,6 @@ class Scheduler:
             children.append(child)
         return children
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -1,4 +1,4 @@
-"""DevicePages: a backend's KV pages as torch tensors, in its PagePool's physical layout.
+"""DevicePages: the ``KVStorage`` of a backend's KV pages as torch tensors (a GPU's).
 
 Per layer, by the op's input names (``schema.INPUTS``)::
 
@@ -12,27 +12,33 @@ Per layer, by the op's input names (``schema.INPUTS``)::
 ``_int8`` overload needs one and the kernels check ``Ptot >= P + Pcold``; page
 ids stay below ``P``, so it is never read).
 
-The pool keeps the bookkeeping and forwards data moves here with physical ids
-(``PagePool.attach_device``): :meth:`copy_page` (copy-on-write; a cold source
-is dequantized) and :meth:`demote_page` (quantize a full hot page into a cold
-slot). Demotions are queued and run batched, one set of tensor ops per layer
-for all of a rebalance's pages, at the next :meth:`flush` (the backend calls it
-before each step; a copy flushes first, since it may read or overwrite a queued
-page). The math is ``ops.quantization``'s, in float64 like the numpy reference,
-(each page's absmax, or the pool's static calibrated scales), so a page demoted
-here holds the same int8 values, scales and min/max as one demoted by the numpy pool (``tests/runtime/test_device_pages.py``, on CPU tensors).
-New tokens are written by the backend (``qsa_append_kv`` on a GPU) into the hot
-pools and their metadata.
+The backend attaches it to its pool (``PagePool.attach_storage``); the pool keeps
+the bookkeeping and asks for data moves with physical ids, as of any
+``KVStorage``: :meth:`copy_page` (copy-on-write; a cold source is dequantized),
+:meth:`demote_page` (quantize a full hot page into a cold slot) and
+:meth:`write_tokens` (tests; on a GPU the backend's append kernel writes a step's
+tokens itself and the pool only counts them). Demotions are queued and run
+batched, one set of tensor ops per layer for all of a rebalance's pages, at the
+next :meth:`flush` (the backend calls it before each step; a copy flushes
+first, since it may read or overwrite a queued page). The math is
+``ops.quantization``'s, in float64 like the numpy reference (each page's
+absmax, or the pool's static calibrated scales), so a page demoted here holds
+the same int8 values, scales and min/max as one demoted by ``HostKVStorage``
+(``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
+written by the backend (``qsa_append_kv`` on a GPU) into the hot
+pools and their metadata. torch is imported by the constructor only.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from tinyserve_trt.ops.quantization import QMAX, _reduce_axes, scale_shape
+import numpy as np
 
-HOT_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
-COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
+from tinyserve_trt.ops.quantization import QMAX, _reduce_axes, scale_shape
+from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, KVStorage
+
+__all__ = ["COLD_ROLES", "HOT_ROLES", "DevicePages", "dequantize_pages", "quantize_pages"]
 
 
 def quantize_pages(torch, x, granularity: str, scale=None):
@@ -56,10 +62,10 @@ def dequantize_pages(q, scale, dtype):
     return (q.float() * scale.float()).to(dtype)
 
 
-class DevicePages:
+class DevicePages(KVStorage):
     """The page tensors of every layer on ``device``, shaped for ``pool``.
 
-    pool:      a ``PagePool`` or ``TieredPagePool`` (its geometry and tiers).
+    pool:      a ``PagePool`` or ``TieredPagePool`` (its geometry, tiers and static scales).
     dtype:     torch dtype of the hot pages and metadata.
     cold_tier: the package's ``cold_tier`` (granularities), or None for a package without one.
     stream:    a ``torch.cuda.Stream`` the copies and demotions run on (the backend's), or None.
@@ -69,12 +75,14 @@ class DevicePages:
         import torch
 
         self._torch, self.dtype, self.device, self.stream = torch, dtype, device, stream
-        tiered = hasattr(pool, "num_hot")
-        if tiered and cold_tier is None:
+        host = pool.storage
+        if host.num_cold and cold_tier is None:
             raise ValueError("a tiered page pool needs a package with a cold tier (exported with --calibration)")
-        self.num_hot = pool.num_hot if tiered else pool.num_pages
-        self.num_cold = pool.num_cold if tiered else (1 if cold_tier else 0)
-        self.grans = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
+        self.num_layers, self.num_kv_heads, self.page_size, self.head_dim = (
+            pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim)
+        self.num_hot = host.num_hot
+        self.num_cold = host.num_cold or (1 if cold_tier else 0)
+        self.granularities = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
         h, ps, d = pool.num_kv_heads, pool.page_size, pool.head_dim
         total = self.num_hot + self.num_cold
 
@@ -85,35 +93,73 @@ class DevicePages:
         for _ in range(pool.num_layers):
             t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
-            if self.grans:
+            if self.granularities:
+                kg, vg = self.granularities
                 t.update(key_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
                          value_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
-                         key_scale=torch.ones((self.num_cold, *scale_shape(self.grans[0], h, ps, d)),
+                         key_scale=torch.ones((self.num_cold, *scale_shape(kg, h, ps, d)),
                                               dtype=torch.float32, device=device),
-                         value_scale=torch.ones((self.num_cold, *scale_shape(self.grans[1], h, ps, d)),
+                         value_scale=torch.ones((self.num_cold, *scale_shape(vg, h, ps, d)),
                                                 dtype=torch.float32, device=device))
             self.layers.append(t)
-        static = getattr(pool, "static_scales", None)  # TieredPagePool: per layer page scales (K, V), or None
-        self.static = None if static is None else [
-            tuple(torch.from_numpy(s[layer]).to(device) for s in static) for layer in range(pool.num_layers)]
+        self.static_scales = host.static_scales  # (K, V) page scales [L, Hkv, ps|1, D|1] (numpy), or None
+        self.static = None if host.static_scales is None else [
+            tuple(torch.from_numpy(s[layer]).to(device) for s in host.static_scales)
+            for layer in range(pool.num_layers)]
         self._pending: list[tuple[int, int]] = []  # queued demotions (hot physical id, cold physical id)
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        return HOT_ROLES + (COLD_ROLES if self.grans else ())
 
     def _on_stream(self):
         return self._torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _check(self, name: str, phys: int, lo: int, hi: int) -> None:
-        if not lo <= phys < hi:
-            raise ValueError(f"{name} physical page {phys} is outside [{lo}, {hi})")
+    # ---- reads -----------------------------------------------------------------
+    def cache_inputs(self, layer: int) -> dict:
+        return self.layers[layer]
 
-    # ---- data moves the pool forwards ------------------------------------------
+    def read_page(self, layer: int, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies to the host (synchronizing): checks and tests only."""
+        self.check_range("read", page, 0, self.num_hot + self.num_cold)
+        self.flush()
+        t = self.layers[layer]
+        if page < self.num_hot:
+            keys = t["key_cache"][page]
+        else:
+            c = page - self.num_hot
+            keys = dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype)
+        return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
+
+    # ---- data moves the pool asks for ------------------------------------------
+    def reset_pages(self, pages: np.ndarray) -> None:
+        """Nothing to do: the append kernel rewrites a page's min/max from its first token,
+        and the op never reads a page before (no tensor op per allocation)."""
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k, v, pages: np.ndarray, valid: np.ndarray) -> None:
+        """Host arrays ``k, v [tokens, Hkv, D]`` into the hot slots, then min/max of ``pages``
+        (what ``qsa_append_kv`` does on a GPU; the TensorRT backend runs the kernel instead)."""
+        torch = self._torch
+        self.check_range("write", slots // self.page_size, 0, self.num_hot)
+        self.flush()
+        t = self.layers[layer]
+        page = torch.from_numpy(np.asarray(slots // self.page_size, np.int64)).to(self.device)
+        off = torch.from_numpy(np.asarray(slots % self.page_size, np.int64)).to(self.device)
+        pages_t = torch.from_numpy(np.asarray(pages, np.int64)).to(self.device)
+        valid_t = torch.from_numpy(np.asarray(valid, np.int64)).to(self.device)
+        with self._on_stream():
+            t["key_cache"][page, :, off] = torch.as_tensor(np.asarray(k), device=self.device).to(self.dtype)
+            t["value_cache"][page, :, off] = torch.as_tensor(np.asarray(v), device=self.device).to(self.dtype)
+            self._refresh_minmax(t, pages_t, t["key_cache"][pages_t], valid_t)
+
+    def _refresh_minmax(self, t: dict, pages, keys, valid) -> None:
+        """key_min/key_max of physical ``pages`` from ``keys [U, Hkv, ps, D]`` over tokens ``[0, valid)``."""
+        torch = self._torch
+        mask = (torch.arange(self.page_size, device=self.device)[None, :] < valid[:, None])[:, None, :, None]
+        inf = torch.tensor(float("inf"), dtype=keys.dtype, device=self.device)
+        t["key_min"][pages] = torch.where(mask, keys, inf).amin(dim=2)
+        t["key_max"][pages] = torch.where(mask, keys, -inf).amax(dim=2)
+
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``src`` (hot, or cold: dequantized) into hot page ``dst``, metadata included."""
-        self._check("copy target", dst, 0, self.num_hot)
-        self._check("copy source", src, 0, self.num_hot + self.num_cold)
+        self.check_range("copy target", dst, 0, self.num_hot)
+        self.check_range("copy source", src, 0, self.num_hot + self.num_cold)
         self.flush()
         with self._on_stream():
             self._copy(src, dst)
@@ -134,10 +180,10 @@ class DevicePages:
     def demote_page(self, hot: int, cold: int) -> None:
         """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id
         ``>= num_hot``); its metadata becomes min/max of the dequantized keys."""
-        if not self.grans:
+        if not self.granularities:
             raise ValueError("these pages have no cold tier")
-        self._check("demoted", hot, 0, self.num_hot)
-        self._check("cold", cold, self.num_hot, self.num_hot + self.num_cold)
+        self.check_range("demoted", hot, 0, self.num_hot)
+        self.check_range("cold", cold, self.num_hot, self.num_hot + self.num_cold)
         self._pending.append((hot, cold))
 
     def flush(self) -> None:
@@ -155,12 +201,12 @@ class DevicePages:
         hot = torch.tensor(list(last.values()), dtype=torch.long, device=self.device)
         meta = torch.tensor(list(last), dtype=torch.long, device=self.device)
         cold = meta - self.num_hot
-        kg, vg = self.grans
+        kg, vg = self.granularities
         for layer, t in enumerate(self.layers):
             ks, vs = self.static[layer] if self.static else (None, None)
             q, s = quantize_pages(torch, t["key_cache"][hot], kg, ks)
             t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
             keys = dequantize_pages(q, s, self.dtype)  # what the op attends: min/max describe these
-            t["key_min"][meta], t["key_max"][meta] = keys.amin(dim=2), keys.amax(dim=2)
+            self._refresh_minmax(t, meta, keys, torch.full_like(meta, self.page_size))
             q, s = quantize_pages(torch, t["value_cache"][hot], vg, vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s

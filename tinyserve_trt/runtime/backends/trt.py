@@ -7,7 +7,7 @@ layer, in the pool's physical layout), bound by address to the engine's
 New K/V are written into their pages by the ``qsa_append_kv`` kernel (which
 also refreshes key_min/key_max) on the same stream. The host PagePool keeps
 the page bookkeeping (ids, refcounts, prefix cache, valid counts) and forwards
-copy-on-write copies to the device (``PagePool.attach_device``).
+copy-on-write copies to the device (``PagePool.attach_storage``).
 
 INT8 cold tier (issue #6): over a ``TieredPagePool`` the engine's cold inputs
 (``key_cache_int8.{i}`` ...) are bound to device INT8 pools, the page table is
@@ -87,7 +87,7 @@ class TrtBackend(Backend):
         enabled = cuda_graphs and os.environ.get(GRAPHS_ENV, "1") != "0"
         self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if enabled else None
         self._scratch = None  # activation memory of the graph contexts, made with the first one
-        pool.attach_device(self.pages)
+        pool.attach_storage(self.pages)
 
     @property
     def cuda_graphs(self) -> bool:

@@ -1,18 +1,27 @@
 """The OpenAI-compatible HTTP app over one AsyncLLM, and ``serve`` to run it with uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Every error body is OpenAI's
+``GET /health``, ``GET /metrics``, ``GET /openapi.json`` (the request bodies are
+the ``protocol`` models). Every error body is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``; unknown routes get it too.
+
+If the engine thread stops serving (``AsyncLLM.error``), /health answers 503 and
+``on_engine_death`` is called; ``serve`` then shuts uvicorn down and returns
+``EXIT_ENGINE_DEAD``, so a supervisor restarts the process instead of it
+answering 503 forever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -22,25 +31,63 @@ from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, error_body
 from tinyserve_trt.runtime.server.handler import CompletionHandler
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
+from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("tinyserve.server")
+EXIT_ENGINE_DEAD = 3  # the process exit status when the engine could not recover
+WATCH_INTERVAL = 0.2  # seconds between two looks at the engine thread
 
 
-def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown_engine: bool = True) -> FastAPI:
-    """An app serving ``llm``; with ``shutdown_engine`` the app's shutdown stops the engine thread."""
+def _body(model) -> dict:
+    """``openapi_extra`` declaring ``model`` as the JSON request body (the route reads the body
+    itself, so the limits of ``body.py`` apply before validation)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models (and the models they use) as components."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown_engine: bool = True,
+               on_engine_death: Callable[[], None] | None = None) -> FastAPI:
+    """An app serving ``llm``; with ``shutdown_engine`` the app's shutdown stops the engine thread.
+    ``on_engine_death()`` is called (on the event loop) once the engine thread has failed."""
     model_name = config.model_name or llm.package.path.resolve().name
     metrics = ServerMetrics()
     admission = Admission(llm.engine.config.max_batch + config.max_queue)
     handler = CompletionHandler(llm, config, model_name, metrics, admission)
     created = int(time.time())
 
+    async def watch_engine():
+        while llm.is_alive:
+            await asyncio.sleep(WATCH_INTERVAL)
+        if llm.error is not None:
+            log.critical("the engine cannot recover (%r): /health answers 503; stopping the server", llm.error)
+            if on_engine_death is not None:
+                on_engine_death()
+
     @asynccontextmanager
     async def lifespan(app):
-        yield
-        if shutdown_engine:
-            llm.shutdown()
+        watcher = asyncio.ensure_future(watch_engine())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            if shutdown_engine:
+                llm.shutdown()
 
-    app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app)
     app.state.llm, app.state.metrics, app.state.admission = llm, metrics, admission
 
     @app.exception_handler(APIError)
@@ -60,11 +107,11 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
         return await handler(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await handler(request, "chat")
 
@@ -76,7 +123,8 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     @app.get("/health")
     async def health():
         if not llm.is_alive:
-            return JSONResponse(error_body(503, "the engine thread is not running"), status_code=503)
+            why = f": {llm.error!r}" if llm.error is not None else ""
+            return JSONResponse(error_body(503, f"the engine thread is not running{why}"), status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -92,11 +140,22 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     return app
 
 
-def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = "info", **engine_config) -> None:
-    """Load the package, then serve it until interrupted (blocks). ``engine_config``: EngineConfig's fields."""
+def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = "info", **engine_config) -> int:
+    """Load the package, then serve it until interrupted (blocks). ``engine_config``: EngineConfig's
+    fields. Returns the process exit status: 0, or EXIT_ENGINE_DEAD when the engine failed."""
     import uvicorn
 
     llm = AsyncLLM(model_dir, **engine_config)
-    app = create_app(llm, config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=config.graceful_shutdown)
+    server: uvicorn.Server | None = None
+
+    def stop():
+        server.should_exit = True
+
+    app = create_app(llm, config, on_engine_death=stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                           timeout_graceful_shutdown=config.graceful_shutdown))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled (as uvicorn.run swallows it)
+        pass
+    return EXIT_ENGINE_DEAD if llm.error is not None else 0

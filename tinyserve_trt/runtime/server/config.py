@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tinyserve_trt.runtime.limits import MAX_N, is_finite_number, is_int as _is_int
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -17,6 +19,12 @@ class ServerConfig:
     timeout:           seconds a request may take from arrival to its last token; past it the
                        request is aborted (its pages freed) and answered 504. None = no limit.
     graceful_shutdown: seconds uvicorn waits for open requests on shutdown.
+    max_n:             most samples per prompt (``n``) a request may ask for, at most
+                       ``limits.MAX_N`` (OpenAI's 128); each sample is a sequence to decode.
+    max_prompts:       most prompts in one ``/v1/completions`` request (a list of prompts).
+    max_body_bytes:    largest request body; a larger one is answered 400 unread.
+    max_json_depth:    deepest nesting of arrays/objects in a request body (OpenAI's bodies
+                       need about 5); deeper is answered 400 before validation.
     """
 
     host: str = "127.0.0.1"
@@ -25,6 +33,10 @@ class ServerConfig:
     max_queue: int = 256
     timeout: float | None = 600.0
     graceful_shutdown: float = 5.0
+    max_n: int = 16
+    max_prompts: int = 64
+    max_body_bytes: int = 8 << 20
+    max_json_depth: int = 32
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -35,12 +47,13 @@ class ServerConfig:
             raise ValueError(f"model_name must be a non-empty string or None, got {self.model_name!r}")
         if not _is_int(self.max_queue) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
-        if self.timeout is not None and (not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool)
-                                         or not self.timeout > 0):
+        if self.timeout is not None and (not is_finite_number(self.timeout) or not self.timeout > 0):
             raise ValueError(f"timeout must be seconds > 0 or None, got {self.timeout!r}")
-        if not isinstance(self.graceful_shutdown, (int, float)) or self.graceful_shutdown < 0:
+        if not is_finite_number(self.graceful_shutdown) or self.graceful_shutdown < 0:
             raise ValueError(f"graceful_shutdown must be seconds >= 0, got {self.graceful_shutdown!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+        if not _is_int(self.max_n) or not 1 <= self.max_n <= MAX_N:
+            raise ValueError(f"max_n must be an int in [1, {MAX_N}], got {self.max_n!r}")
+        for name in ("max_prompts", "max_body_bytes", "max_json_depth"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -1,6 +1,7 @@
 """CompletionHandler: one OpenAI request from body to answer, for both endpoints.
 
-validate (400) -> tokenize and check the context -> admit (429) -> generate
+read the body within its limits and validate (400) -> tokenize and check the
+context and the package's bounds -> admit (429) -> generate
 on the shared AsyncLLM -> one JSON body, or a server-sent-events stream. Every
 request that reaches here is counted in the metrics once, with its final status.
 """
@@ -15,8 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tinyserve_trt.runtime.async_llm import AsyncLLM
+from tinyserve_trt.runtime.engine import StepFailed
+from tinyserve_trt.runtime.limits import check_against_package
 from tinyserve_trt.runtime.model_package import PackageError
 from tinyserve_trt.runtime.server.admission import Admission
+from tinyserve_trt.runtime.server.body import read_json
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, bad_request, error_body, from_value_error
 from tinyserve_trt.runtime.server.generation import ClientGone, RequestTimeout, outputs, until_done_or_gone
@@ -93,15 +97,18 @@ class CompletionHandler:
 
     # ---- validation ------------------------------------------------------------------
     async def _prepare(self, request: Request, kind: str):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON ({e})") from None
+        cfg = self.config
+        body = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth)
         req = parse(CompletionRequest if kind == "completion" else ChatCompletionRequest, body)
         if req.model != self.model_name:
             raise APIError(400, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         req.check()
+        if req.n > cfg.max_n:
+            raise bad_request(f"n must be <= {cfg.max_n} (this server's limit), got {req.n}", param="n")
+        if isinstance(req, CompletionRequest) and len(req.prompts()) > cfg.max_prompts:
+            raise bad_request(f"prompt must hold at most {cfg.max_prompts} prompts (this server's limit), got "
+                              f"{len(req.prompts())}", param="prompt")
         prompts = self._prompt_ids(req)
         longest = max(len(p) for p in prompts)
         if longest >= self.context:
@@ -117,7 +124,12 @@ class CompletionHandler:
             raise bad_request(f"this model's maximum context length is {self.context} tokens; you requested "
                               f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} for the "
                               f"completion)", param="max_tokens", code="context_length_exceeded")
-        return req, prompts, req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs, self.llm.default_params)
+        try:
+            check_against_package(params, self.llm.package)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        return req, prompts, params
 
     def _prompt_ids(self, req) -> list[list[int]]:
         package = self.llm.package
@@ -170,6 +182,8 @@ class CompletionHandler:
                            code="timeout") from None
         except ValueError as e:
             raise from_value_error(e) from None
+        except StepFailed as e:  # this request's step failed; the engine goes on serving
+            raise APIError(500, str(e), code="engine_step_failed") from None
         except RuntimeError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         n = params.n
@@ -208,6 +222,9 @@ class CompletionHandler:
         except ValueError as e:
             outcome["status"] = 400
             yield json.dumps(from_value_error(e).body())
+        except StepFailed as e:
+            outcome["status"] = 500
+            yield json.dumps(error_body(500, str(e), code="engine_step_failed"))
         except RuntimeError as e:
             outcome["status"] = 503
             yield json.dumps(error_body(503, str(e), code="engine_unavailable"))

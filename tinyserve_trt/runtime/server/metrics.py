@@ -112,6 +112,9 @@ class ServerMetrics:
         lines += gauge("tinyserve_token_budget", "Default Quest decode budget in tokens (0 = dense)",
                        engine["token_budget"])
         lines += gauge("tinyserve_preemptions", "Sequences preempted for pages so far", engine["preemptions"])
+        lines += [f"# HELP tinyserve_engine_step_failures_total Engine steps that raised (their requests were "
+                  f"failed, the engine went on)", "# TYPE tinyserve_engine_step_failures_total counter",
+                  f"tinyserve_engine_step_failures_total {_num(engine.get('step_failures', 0))}"]
         return "\n".join(lines) + "\n"
 
 

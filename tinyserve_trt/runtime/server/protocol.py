@@ -6,14 +6,22 @@ accepted only at their neutral value: ``presence_penalty`` / ``frequency_penalty
 ``response_format`` text. Extensions (vLLM's names): ``top_k``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``token_budget``
 (the Quest decode budget of this request; 0 = dense).
+
+Numeric bounds that need no package (finite floats, int32-safe ints, ``n`` at
+most ``MAX_N``) are declared on the fields too, so the OpenAPI schema states them
+and a fuzzer generates mostly admissible bodies; ``SamplingParams`` checks them
+again for the other entry points. Sampling fields left out take the package's
+defaults (``generation_defaults.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tinyserve_trt.runtime.limits import INT32_MAX, MAX_N, SEED_MAX
 from tinyserve_trt.runtime.sampling import SamplingParams
 from tinyserve_trt.runtime.server.errors import bad_request, from_value_error
 
@@ -25,27 +33,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON's Infinity / 1e999: a 400
 
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = None
-    repetition_penalty: float | None = None
+    top_k: Int32 | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    token_budget: int | None = None
+    stop_token_ids: list[Int32] | None = None
+    token_budget: Int32 | None = None
 
     def _unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -59,17 +70,18 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one prompt; APIError(400) naming the bad field."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: SamplingParams) -> SamplingParams:
+        """SamplingParams for one prompt: the fields given here over ``defaults`` (the
+        package's); APIError(400) naming the bad field."""
         self._unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                     repetition_penalty=self.repetition_penalty)
         try:
-            return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens, n=self.n, logprobs=logprobs, token_budget=self.token_budget)
+            return replace(defaults, **{k: v for k, v in given.items() if v is not None},
+                           seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids or (),
+                           ignore_eos=self.ignore_eos, max_tokens=max_tokens, n=self.n, logprobs=logprobs,
+                           token_budget=self.token_budget)
         except ValueError as e:
             raise from_value_error(e) from None
 
@@ -77,12 +89,12 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or lists of them."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     def check(self) -> None:
         if self.echo:
@@ -131,10 +143,10 @@ class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``: rendered with the package's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

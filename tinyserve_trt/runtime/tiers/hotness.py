@@ -26,7 +26,7 @@ import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import HotnessConfig
 from tinyserve_trt.runtime.pages import OutOfPagesError
-from tinyserve_trt.runtime.tiers import TieredPagePool
+from tinyserve_trt.runtime.tiers.pool import TieredPagePool
 
 
 class HotnessPolicy:

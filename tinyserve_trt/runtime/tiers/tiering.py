@@ -1,10 +1,10 @@
 """Tiering: the engine's side of hot/cold mixed-precision KV pages (issue #6).
 
 A package exported with a cold tier (``tinyserve-export --calibration``) runs
-over a :class:`~tinyserve_trt.runtime.tiers.TieredPagePool`. Every step the
+over a :class:`~tinyserve_trt.runtime.tiers.pool.TieredPagePool`. Every step the
 engine hands this class the op's ``selected_pages`` (before ``postprocess``,
 while the batch's page handles are still held) and, after ``postprocess``,
-asks it to demote: the :class:`~tinyserve_trt.runtime.hotness.HotnessPolicy`
+asks it to demote: the :class:`~tinyserve_trt.runtime.tiers.hotness.HotnessPolicy`
 picks the least selected full pages beyond the hot target, the pool quantizes
 them. Nothing here runs the model or touches page ids.
 
@@ -25,10 +25,10 @@ from dataclasses import replace
 import numpy as np
 
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
-from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
+from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig, cold_page_bytes
 from tinyserve_trt.runtime.config import CacheConfig, EngineConfig
-from tinyserve_trt.runtime.hotness import HotnessPolicy
-from tinyserve_trt.runtime.tiers import TieredPagePool, cold_page_bytes
+from tinyserve_trt.runtime.tiers.hotness import HotnessPolicy
+from tinyserve_trt.runtime.tiers.pool import TieredPagePool
 
 
 class Tiering:

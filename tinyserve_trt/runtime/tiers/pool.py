@@ -8,14 +8,17 @@ physical slot, which the op addresses (``schema.INPUTS``):
   cold  physical ids ``[P, P + Pcold)``   int8 in ``k_pages_int8``/``v_pages_int8``,
                                           float32 scales ``[Pcold, Hkv, ps|1, D|1]``
 
+The data lives in the pool's ``KVStorage`` (``runtime/kv_storage.py``), which
+quantizes on :meth:`TieredPagePool.demote`; this class binds handles to slots.
+
 Why an indirection instead of renumbering on demotion: a handle is referenced
 by every sequence's page list, the prefix cache's hash index, an in-flight
 batch's page table and the hotness counters. Demotion only rebinds the handle,
 so none of them changes and demotion is safe at any time between steps; the
 price is one ``np.take`` of the page table per step (:meth:`physical_table`).
 
-Metadata (``key_min``/``key_max``/``num_valid``) is indexed by physical id, the
-same id as the K/V page, ``Ptot`` rows. A cold page's min/max are those of its
+Metadata (``key_min``/``key_max`` in the storage, ``num_valid`` here) is indexed
+by physical id, the same id as the K/V page, ``Ptot`` rows. A cold page's min/max are those of its
 dequantized keys (what the op attends; see ``docs/op.md``).
 
 New pages are always hot; writes go to hot pages only, and only full pages
@@ -32,19 +35,10 @@ from dataclasses import replace
 import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import TierConfig
-from tinyserve_trt.ops.quantization import (bytes_per_page, dequantize_page, layer_page_scales,
-                                            quantize_page, quantize_page_static, scale_shape)
+from tinyserve_trt.ops.quantization import layer_page_scales
 from tinyserve_trt.runtime.config import CacheConfig
+from tinyserve_trt.runtime.host_storage import HostKVStorage
 from tinyserve_trt.runtime.pages import OutOfPagesError, PagePool, PoolIntegrityError
-
-
-def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype: str = "float16") -> int:
-    """Bytes one cold page costs over all layers: int8 K/V, their float32 scales, and
-    key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
-    kv = sum(bytes_per_page(g, num_kv_heads, page_size, head_dim) for g in (tiers.k_granularity,
-                                                                            tiers.v_granularity))
-    return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
 
 
 class TieredPagePool(PagePool):
@@ -58,45 +52,37 @@ class TieredPagePool(PagePool):
     def __init__(self, config: CacheConfig, tiers: TierConfig, num_layers: int, num_kv_heads: int,
                  head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None):
         hot, cold = config.num_pages, tiers.num_cold_pages
-        # The base sets up handle bookkeeping and Ptot-row metadata; its float K/V
-        # arrays (np.zeros: never touched, so never resident) are replaced below.
-        super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim)
-        self.config, self.tiers = config, tiers
-        self.num_hot, self.num_cold = hot, cold
-        dtype = np.dtype(config.dtype)
-        L, h, p, d = num_layers, num_kv_heads, self.page_size, head_dim
-        self._k = np.zeros((L, hot, h, p, d), dtype)
-        self._v = np.zeros((L, hot, h, p, d), dtype)
-        self._kq = np.zeros((L, cold, h, p, d), np.int8)
-        self._vq = np.zeros((L, cold, h, p, d), np.int8)
-        self._ks = np.ones((L, cold) + scale_shape(tiers.k_granularity, h, p, d), np.float32)
-        self._vs = np.ones((L, cold) + scale_shape(tiers.v_granularity, h, p, d), np.float32)
-        self._phys = np.full(hot + cold, -1, np.int64)  # handle -> physical id, -1 unbound
-        self._free_hot: deque[int] = deque(range(hot))
-        self._free_cold: deque[int] = deque(range(hot, hot + cold))
         if (tiers.scales == "static") != (static_scales is not None):
             raise ValueError("TierConfig.scales='static' needs static_scales (a calibration's static_scales()), "
                              "and only it takes them")
-        # per layer, the page scales of the calibrated ranges (K, V): [L, Hkv, ps|1, D|1]
-        self.static_scales = None if static_scales is None else tuple(
-            layer_page_scales(arr, gran, num_layers, num_kv_heads, self.page_size, head_dim)
+        # the calibrated ranges as page scales (K, V): [L, Hkv, ps|1, D|1]
+        page_scales = None if static_scales is None else tuple(
+            layer_page_scales(arr, gran, num_layers, num_kv_heads, config.page_size, head_dim)
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
+        storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
+                                num_cold=cold, granularities=(tiers.k_granularity, tiers.v_granularity),
+                                static_scales=page_scales)
+        super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
+        self.config, self.tiers = config, tiers
+        self.num_hot, self.num_cold = hot, cold
+        self._phys = np.full(hot + cold, -1, np.int64)  # handle -> physical id, -1 unbound
+        self._free_hot: deque[int] = deque(range(hot))
+        self._free_cold: deque[int] = deque(range(hot, hot + cold))
 
-
-    # ---- views the op reads ------------------------------------------------
-    def k_pages_int8(self, layer: int) -> np.ndarray:
+    # ---- views the op reads (the storage's) ----------------------------------
+    def k_pages_int8(self, layer: int):
         """``[num_cold, Hkv, ps, D]`` int8 cold keys of ``layer``."""
-        return self._kq[layer]
+        return self.storage.cache_inputs(layer)["key_cache_int8"]
 
-    def v_pages_int8(self, layer: int) -> np.ndarray:
-        return self._vq[layer]
+    def v_pages_int8(self, layer: int):
+        return self.storage.cache_inputs(layer)["value_cache_int8"]
 
-    def k_scale(self, layer: int) -> np.ndarray:
+    def k_scale(self, layer: int):
         """``[num_cold, Hkv, ps|1, D|1]`` float32 dequantization scales of the cold keys."""
-        return self._ks[layer]
+        return self.storage.cache_inputs(layer)["key_scale"]
 
-    def v_scale(self, layer: int) -> np.ndarray:
-        return self._vs[layer]
+    def v_scale(self, layer: int):
+        return self.storage.cache_inputs(layer)["value_scale"]
 
     def physical(self, page: int) -> int:
         """Physical id of handle ``page`` (hot ``< num_hot``, else cold); -1 when free."""
@@ -115,12 +101,6 @@ class TieredPagePool(PagePool):
         (page-table padding) map to 0, a valid id the op never reads."""
         phys = self._phys[np.asarray(page_table, np.int64)]
         return np.where(phys < 0, 0, phys).astype(np.int32)
-
-    def cache_inputs(self, layer: int) -> dict[str, np.ndarray]:
-        """The op's cache inputs for ``layer`` by schema name (views, no copies)."""
-        return dict(key_cache=self._k[layer], value_cache=self._v[layer], key_min=self._key_min[layer],
-                    key_max=self._key_max[layer], key_cache_int8=self._kq[layer],
-                    value_cache_int8=self._vq[layer], key_scale=self._ks[layer], value_scale=self._vs[layer])
 
     @property
     def num_hot_free(self) -> int:
@@ -162,8 +142,8 @@ class TieredPagePool(PagePool):
             page, slot = self._free.popleft(), self._free_hot.popleft()
             self._phys[page] = slot
             self._refcount[page] = 1
-            self._reset_slot(slot)
             pages.append(page)
+        self._reset(self._phys[pages])
         return pages
 
     def decref(self, page: int) -> None:
@@ -189,44 +169,12 @@ class TieredPagePool(PagePool):
         self._phys[page] = -1
         (self._free_hot if slot < self.num_hot else self._free_cold).append(slot)
 
-    def _reset_slot(self, slot: int) -> None:
-        self._num_valid[:, slot] = 0
-        self._key_min[:, slot] = 0
-        self._key_max[:, slot] = 0
-
     # ---- data ---------------------------------------------------------------
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy ``src`` into the hot page ``dst`` (copy-on-write target), all layers.
-        A cold ``src`` is dequantized; its metadata already describes the dequantized keys."""
-        if self._refcount[src] <= 0:
-            raise ValueError(f"copy source page {src} is not in use")
+    def _check_copy_target(self, dst: int) -> None:
+        """Copies land in a hot page (a cold ``src`` is dequantized by the storage; its
+        metadata already describes the dequantized keys)."""
         if not self.is_writable(dst) or not self.is_hot(dst):
             raise ValueError(f"copy target page {dst} is shared, cached or cold")
-        s, t = int(self._phys[src]), int(self._phys[dst])
-        if self._device is not None:
-            self._device.copy_page(s, t)
-        elif s < self.num_hot:
-            self._k[:, t], self._v[:, t] = self._k[:, s], self._v[:, s]
-        else:
-            c = s - self.num_hot
-            for layer in range(self.num_layers):
-                self._k[layer, t] = dequantize_page(self._kq[layer, c], self._ks[layer, c], self._k.dtype)
-                self._v[layer, t] = dequantize_page(self._vq[layer, c], self._vs[layer, c], self._v.dtype)
-        for arr in (self._key_min, self._key_max, self._num_valid):
-            arr[:, t] = arr[:, s]
-
-    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """As :meth:`PagePool.write_tokens`; ``slots`` are ``handle * page_size + offset``
-        and every touched page must be writable and hot."""
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
-            raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
-        handles = slots // self.page_size
-        self._check_writable(handles)
-        if self._device is not None:
-            raise ValueError("page data lives on the backend's device (attach_device); use note_device_writes")
-        phys_slots = self._phys[handles] * self.page_size + slots % self.page_size
-        self._write_physical(layer, phys_slots, k, v)
 
     def _check_writable(self, pages: np.ndarray) -> None:
         cold = [int(p) for p in np.unique(pages) if not self.is_hot(p) and self._refcount[p] > 0]
@@ -236,12 +184,6 @@ class TieredPagePool(PagePool):
 
     def _physical_ids(self, pages: np.ndarray) -> np.ndarray:
         return self._phys[pages]
-
-    def _update_minmax(self, layer, phys_ids, keys, valid):
-        mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
-        big = np.array(np.inf, keys.dtype)
-        self._key_min[layer, phys_ids] = np.where(mask, keys, big).min(axis=2)
-        self._key_max[layer, phys_ids] = np.where(mask, keys, -big).max(axis=2)
 
     # ---- tiers --------------------------------------------------------------
     def demote(self, page: int) -> tuple[int, int]:
@@ -266,47 +208,24 @@ class TieredPagePool(PagePool):
                 raise OutOfPagesError(f"cold tier full ({self.num_cold} pages, none evictable)")
             self._evict(victim)
         new = self._free_cold.popleft()
-        if self._device is not None:
-            self._device.demote_page(old, new)
-        else:
-            self._quantize_slot(old, new)
+        self.storage.demote_page(old, new)
         self._num_valid[:, new] = self._num_valid[:, old]
         self._phys[page] = new
         self._free_hot.append(old)
         return old, new
-
-    def _quantize_slot(self, old: int, new: int) -> None:
-        """Hot slot ``old`` into cold slot ``new`` (host arrays), every layer."""
-        c = new - self.num_hot
-        kg, vg = self.tiers.k_granularity, self.tiers.v_granularity
-        for layer in range(self.num_layers):
-            if self.static_scales is not None:
-                ks, vs = (s[layer] for s in self.static_scales)
-                self._kq[layer, c], self._ks[layer, c] = quantize_page_static(self._k[layer, old], ks)
-                self._vq[layer, c], self._vs[layer, c] = quantize_page_static(self._v[layer, old], vs)
-            else:
-                self._kq[layer, c], self._ks[layer, c] = quantize_page(self._k[layer, old], kg)
-                self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, old], vg)
-            deq = dequantize_page(self._kq[layer, c], self._ks[layer, c], self._k.dtype)
-            self._update_minmax(layer, [new], deq[None], [self.page_size])
 
     def dequantized_keys(self, layer: int, page: int) -> np.ndarray:
         """``[Hkv, ps, D]`` keys of ``page`` as the op reads them (tests, calibration)."""
         p = int(self._phys[page])
         if p < 0:
             raise ValueError(f"page {page} is free")
-        if p < self.num_hot:
-            return self._k[layer, p]
-        c = p - self.num_hot
-        return dequantize_page(self._kq[layer, c], self._ks[layer, c], self._k.dtype)
+        return self.storage.read_page(layer, p)[0]
 
     # ---- invariant ------------------------------------------------------------
     def check_integrity(self, holders: Iterable[Sequence[int]] | None = None, check_data: bool = False) -> None:
         """PagePool's handle invariants, plus: a handle is bound iff in use or evictable,
         bindings are one-to-one, every slot is bound or free exactly once, cold pages
         are full. ``check_data`` also recomputes every bound page's min/max."""
-        if check_data and self._device is not None:
-            raise ValueError("check_data reads page data, which lives on the backend's device")
         super().check_integrity(holders)
 
         def fail(msg: str):
@@ -334,13 +253,4 @@ class TieredPagePool(PagePool):
         if np.any(self._num_valid[:, cold_slots] != self.page_size):
             fail("a cold page is not full")
         if check_data:
-            for page in np.flatnonzero(bound):
-                p = int(self._phys[page])
-                for layer in range(self.num_layers):
-                    n = int(self._num_valid[layer, p])
-                    if n == 0:
-                        continue
-                    keys = self.dequantized_keys(layer, int(page))[:, :n]
-                    if not (np.array_equal(keys.min(axis=1), self._key_min[layer, p])
-                            and np.array_equal(keys.max(axis=1), self._key_max[layer, p])):
-                        fail(f"page {page} (physical {p}) layer {layer} min/max are stale")
+            self._check_minmax()

@@ -1,0 +1,116 @@
+"""HostKVStorage: a page pool's data as numpy arrays (what the ORT backend reads).
+
+Per layer, by physical id (see ``kv_storage``): hot K/V ``[num_hot, Hkv, ps, D]``
+in the pool dtype, key min/max ``[num_hot + num_cold, Hkv, D]``, and with a cold
+tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales. Quantization is
+``ops.quantization``'s, so the op's reference reads exactly what was stored.
+Arrays are ``np.zeros``: pages never written are never resident.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tinyserve_trt.ops.quantization import (dequantize_page, quantize_page, quantize_page_static,
+                                            scale_shape)
+from tinyserve_trt.runtime.kv_storage import KVStorage
+
+
+class HostKVStorage(KVStorage):
+    """Numpy page storage; ``granularities``/``static_scales`` as in :class:`KVStorage`."""
+
+    def __init__(self, num_layers: int, num_hot: int, num_kv_heads: int, page_size: int, head_dim: int,
+                 dtype, num_cold: int = 0, granularities: tuple[str, str] | None = None,
+                 static_scales: tuple[np.ndarray, np.ndarray] | None = None):
+        if (num_cold > 0) != (granularities is not None):
+            raise ValueError("a cold tier needs both num_cold > 0 and its scale granularities")
+        self.num_layers, self.num_hot, self.num_cold = num_layers, num_hot, num_cold
+        self.num_kv_heads, self.page_size, self.head_dim = num_kv_heads, page_size, head_dim
+        self.granularities, self.static_scales = granularities, static_scales
+        dtype = np.dtype(dtype)
+        L, h, p, d = num_layers, num_kv_heads, page_size, head_dim
+        self._k = np.zeros((L, num_hot, h, p, d), dtype)
+        self._v = np.zeros((L, num_hot, h, p, d), dtype)
+        self._key_min = np.zeros((L, num_hot + num_cold, h, d), dtype)
+        self._key_max = np.zeros((L, num_hot + num_cold, h, d), dtype)
+        if granularities:
+            self._kq = np.zeros((L, num_cold, h, p, d), np.int8)
+            self._vq = np.zeros((L, num_cold, h, p, d), np.int8)
+            self._ks = np.ones((L, num_cold) + scale_shape(granularities[0], h, p, d), np.float32)
+            self._vs = np.ones((L, num_cold) + scale_shape(granularities[1], h, p, d), np.float32)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._k.dtype
+
+    # ---- reads ------------------------------------------------------------------
+    def cache_inputs(self, layer: int) -> dict[str, np.ndarray]:
+        out = dict(key_cache=self._k[layer], value_cache=self._v[layer], key_min=self._key_min[layer],
+                   key_max=self._key_max[layer])
+        if self.granularities:
+            out.update(key_cache_int8=self._kq[layer], value_cache_int8=self._vq[layer],
+                       key_scale=self._ks[layer], value_scale=self._vs[layer])
+        return out
+
+    def read_page(self, layer: int, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self.check_range("read", page, 0, self.num_hot + self.num_cold)
+        return self._keys(layer, page), self._key_min[layer, page], self._key_max[layer, page]
+
+    def _keys(self, layer: int, page: int) -> np.ndarray:
+        """``[Hkv, ps, D]`` keys of physical ``page`` as the op reads them."""
+        if page < self.num_hot:
+            return self._k[layer, page]
+        c = page - self.num_hot
+        return dequantize_page(self._kq[layer, c], self._ks[layer, c], self.dtype)
+
+    # ---- data moves -------------------------------------------------------------
+    def reset_pages(self, pages: np.ndarray) -> None:
+        self._key_min[:, pages] = 0
+        self._key_max[:, pages] = 0
+
+    def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray, pages: np.ndarray,
+                     valid: np.ndarray) -> None:
+        self.check_range("write", slots // self.page_size, 0, self.num_hot)
+        page, off = slots // self.page_size, slots % self.page_size
+        self._k[layer, page, :, off, :] = k
+        self._v[layer, page, :, off, :] = v
+        self._refresh_minmax(layer, pages, self._k[layer, pages], valid)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.check_range("copy target", dst, 0, self.num_hot)
+        self.check_range("copy source", src, 0, self.num_hot + self.num_cold)
+        if src < self.num_hot:
+            self._k[:, dst], self._v[:, dst] = self._k[:, src], self._v[:, src]
+        else:
+            c = src - self.num_hot
+            for layer in range(self.num_layers):
+                self._k[layer, dst] = dequantize_page(self._kq[layer, c], self._ks[layer, c], self.dtype)
+                self._v[layer, dst] = dequantize_page(self._vq[layer, c], self._vs[layer, c], self.dtype)
+        for arr in (self._key_min, self._key_max):
+            arr[:, dst] = arr[:, src]
+
+    def demote_page(self, hot: int, cold: int) -> None:
+        if not self.granularities:
+            raise ValueError("these pages have no cold tier")
+        self.check_range("demoted", hot, 0, self.num_hot)
+        self.check_range("cold", cold, self.num_hot, self.num_hot + self.num_cold)
+        c = cold - self.num_hot
+        kg, vg = self.granularities
+        for layer in range(self.num_layers):
+            if self.static_scales is not None:
+                ks, vs = (s[layer] for s in self.static_scales)
+                self._kq[layer, c], self._ks[layer, c] = quantize_page_static(self._k[layer, hot], ks)
+                self._vq[layer, c], self._vs[layer, c] = quantize_page_static(self._v[layer, hot], vs)
+            else:
+                self._kq[layer, c], self._ks[layer, c] = quantize_page(self._k[layer, hot], kg)
+                self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, hot], vg)
+            keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
+            self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
+
+    def _refresh_minmax(self, layer: int, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
+        """key_min/key_max of physical ``pages`` from their ``keys [U, Hkv, ps, D]``, over
+        tokens ``[0, valid)``: exact in the storage dtype, whatever the write order."""
+        mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
+        big = np.array(np.inf, keys.dtype)
+        self._key_min[layer, pages] = np.where(mask, keys, big).min(axis=2)
+        self._key_max[layer, pages] = np.where(mask, keys, -big).max(axis=2)

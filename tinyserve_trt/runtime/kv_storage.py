@@ -1,0 +1,99 @@
+"""KVStorage: where a page pool's K/V data and per-page key min/max live.
+
+A :class:`~tinyserve_trt.runtime.pages.PagePool` owns page ids, handles,
+refcounts, valid-token counts and tiers; it moves no data itself. Every data
+operation goes through its storage, addressed by *physical* page id (the id the
+op's ``page_table`` holds), with the op's tensors by schema name::
+
+  key_cache, value_cache            [num_hot, Hkv, ps, D]         hot pages, pool dtype
+  key_min, key_max                  [num_hot + num_cold, Hkv, D]  every physical page
+  key_cache_int8, value_cache_int8  [num_cold, Hkv, ps, D]        int8      (cold tier only)
+  key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (cold tier only)
+
+Physical ids ``[0, num_hot)`` are hot, ``[num_hot, num_hot + num_cold)`` cold.
+Key min/max are kept by the storage, indexed by the same physical id as the
+page: the storage updates them whenever it writes, copies or demotes a page.
+
+Implementations: ``host_storage.HostKVStorage`` (numpy, what the ORT backend
+reads) and ``backends.device_pages.DevicePages`` (torch tensors on the TensorRT
+backend's GPU, attached with ``PagePool.attach_storage``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+HOT_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
+COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
+
+
+class KVStorage(ABC):
+    """Page data of every layer, by physical id.
+
+    Geometry: ``num_layers``, ``num_hot``, ``num_cold``, ``num_kv_heads``,
+    ``page_size``, ``head_dim``; ``granularities`` (K, V scale granularities of
+    the cold tier, ``ops.quantization.GRANULARITIES``) is None without one.
+    ``static_scales``: ``(K, V)`` page scales ``[num_layers, Hkv, ps|1, D|1]`` (numpy)
+    of a calibration (cold pages quantize with them), or None (each page's absmax).
+    """
+
+    num_layers: int
+    num_hot: int
+    num_cold: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    granularities: tuple[str, str] | None
+    static_scales: tuple[np.ndarray, np.ndarray] | None
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Schema names of the tensors :meth:`cache_inputs` returns."""
+        return HOT_ROLES + (COLD_ROLES if self.granularities else ())
+
+    def check_range(self, name: str, phys, lo: int, hi: int) -> None:
+        """ValueError unless every physical id in ``phys`` is in ``[lo, hi)``."""
+        ids = np.asarray(phys).reshape(-1)
+        if ids.size and (ids.min() < lo or ids.max() >= hi):
+            raise ValueError(f"{name} physical page {int(ids[(ids < lo) | (ids >= hi)][0])} "
+                             f"is outside [{lo}, {hi})")
+
+    # ---- what the backend reads ------------------------------------------------
+    @abstractmethod
+    def cache_inputs(self, layer: int) -> dict:
+        """The op's cache tensors of ``layer`` by schema name (:attr:`roles`); views, no copies."""
+
+    @abstractmethod
+    def read_page(self, layer: int, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(keys [Hkv, ps, D], key_min [Hkv, D], key_max [Hkv, D])`` of physical ``page``
+        as host arrays, keys as the op reads them (a cold page dequantized). For checks
+        and tests; does not modify the storage."""
+
+    # ---- data moves the pool asks for ----------------------------------------
+    @abstractmethod
+    def reset_pages(self, pages: np.ndarray) -> None:
+        """Physical ``pages`` were just allocated: key_min = key_max = 0 in every layer
+        (a storage whose writer rewrites min/max from a page's first token may skip it)."""
+
+    @abstractmethod
+    def write_tokens(self, layer: int, slots: np.ndarray, k, v, pages: np.ndarray, valid: np.ndarray) -> None:
+        """Write token K/V into hot physical ``slots`` (``page * page_size + offset``,
+        ``[tokens]``, no duplicates; ``k, v [tokens, Hkv, D]``), then recompute key
+        min/max of the touched ``pages`` over their tokens ``[0, valid)``. The pool
+        has checked the slots and computed ``valid`` (``[len(pages)]``)."""
+
+    @abstractmethod
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy-on-write: physical ``src`` (hot, or cold: dequantized) into hot ``dst``,
+        key min/max included, every layer."""
+
+    @abstractmethod
+    def demote_page(self, hot: int, cold: int) -> None:
+        """Quantize the full hot page ``hot`` into cold slot ``cold`` (physical ids),
+        every layer; the cold page's min/max become those of its dequantized keys.
+        May be deferred until :meth:`flush`."""
+
+    def flush(self) -> None:
+        """Finish deferred data moves (nothing is deferred unless an implementation says so)."""
