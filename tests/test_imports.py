@@ -6,7 +6,9 @@ level and inside functions, methods, ``try`` and ``if TYPE_CHECKING`` blocks, si
 a function-level import is still an arrow. An arrow from one subpackage (``ops``,
 ``contracts``, ``export``, ``runtime``, ``calibration``, ``cuda``; a top-level module
 counts as its own unit) to another forms the graph that must be acyclic; the
-layering it allows is written down in ``tinyserve_trt/contracts/__init__.py``.
+layering it allows is written down in ``tinyserve_trt/contracts/__init__.py``
+(``LAYERS``). ``test_walker_sees_function_level_and_relative_imports`` checks the
+checker on a throwaway package.
 """
 
 from __future__ import annotations
