@@ -2,53 +2,24 @@
 
 TensorRT imports the op node as the ``tinyserve::QueryAwareSparseAttention``
 plugin (the node carries ``plugin_namespace``), so the plugin library must be
-loaded before parsing. Every missing piece is a one-line UnsupportedError
-(exit 3): no tensorrt module, no plugin library, no GPU.
+loaded before parsing (``cuda.plugin``). Every missing piece is a one-line
+UnsupportedError (exit 3): no tensorrt module, no plugin library, no GPU.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from pathlib import Path
 
+from ..cuda import plugin
 from .errors import UnsupportedError
-
-PLUGIN_ENV = "TINYSERVE_TRT_PLUGIN"
-PLUGIN_DEFAULT = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libtinyserve_trt_plugin.so"
-
-
-def plugin_library() -> Path:
-    path = Path(os.environ.get(PLUGIN_ENV, PLUGIN_DEFAULT))
-    if not path.is_file():
-        raise UnsupportedError(f"TensorRT plugin library not found at {path} (build plugins/ with "
-                               f"-DTINYSERVE_BUILD_TRT_PLUGIN=ON, or set {PLUGIN_ENV})")
-    return path
 
 
 def require_tensorrt():
-    """The tensorrt module, with the plugin library loaded and a GPU present."""
+    """``cuda.plugin.require_tensorrt``, its one-line refusal as an UnsupportedError (exit 3)."""
     try:
-        import tensorrt as trt
-    except Exception:  # ImportError, or a placeholder wheel that fails on import
-        raise UnsupportedError("TensorRT is not installed (pip install 'tinyserve-trt[trt]' on a machine with "
-                               "TensorRT >= 10 libraries)") from None
-    lib = plugin_library()
-    try:
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise UnsupportedError(f"cannot load the TensorRT plugin library {lib}: {e}") from None
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            raise UnsupportedError("cuda-python is not installed (pip install 'tinyserve-trt[gpu]')") from None
-    err, count = cudart.cudaGetDeviceCount()
-    if int(err) != 0 or count < 1:
-        raise UnsupportedError("no CUDA GPU is visible; TensorRT engines are built on the GPU they run on")
-    return trt
+        return plugin.require_tensorrt()
+    except plugin.TensorRTUnavailable as e:
+        raise UnsupportedError(str(e)) from None
 
 
 BATCH = (1, 8, 64)  # rows per step: (min, opt, max) of the engine's profile
