@@ -170,3 +170,92 @@ def test_kernel_writer_writes_the_same_pages(make, monkeypatch):
     assert np.array_equal(ref_pool._num_valid, kern_pool._num_valid)
     ref_pool.check_integrity()
     kern_pool.check_integrity()
+
+
+# ---- which provider, which model, which options -------------------------------------------
+def _model_with_function(path):
+    """A model whose one node is a model-local function (as the exporter's op is)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    fn = helper.make_function("tinyserve", "Twice", ["x"], ["y"], [helper.make_node("Add", ["x", "x"], ["y"])],
+                              [helper.make_opsetid("", 17)])
+    graph = helper.make_graph([helper.make_node("Twice", ["a"], ["b"], domain="tinyserve")], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
+                                                                    helper.make_opsetid("tinyserve", 1)])
+    onnx.save(model, str(path))
+
+
+def test_cuda_ep_gets_the_inlined_model_cached_beside_the_package(make, tmp_path):
+    import onnx
+
+    _model_with_function(tmp_path / "model.onnx")
+    backend, _, ort = make("cuda", inline=True)
+    model, providers = ort.attempts[0]
+    assert model == str(tmp_path / "model.inlined.onnx") and len(ort.attempts) == 1
+    assert [p[0] if isinstance(p, tuple) else p for p in providers] == ["CUDAExecutionProvider",
+                                                                         "CPUExecutionProvider"]
+    inlined = onnx.load(model)
+    assert not inlined.functions and [n.op_type for n in inlined.graph.node] == ["Add"]
+    stamp = (tmp_path / "model.inlined.onnx").stat().st_mtime_ns
+    make("cuda", inline=True)  # cached: not rewritten
+    assert (tmp_path / "model.inlined.onnx").stat().st_mtime_ns == stamp
+
+
+def test_tensorrt_ep_gets_the_plugin_and_the_model_as_exported(make, tmp_path, monkeypatch):
+    plugin = tmp_path / "libtinyserve_trt_plugin.so"
+    plugin.write_bytes(b"")
+    monkeypatch.setenv("TINYSERVE_TRT_PLUGIN", str(plugin))
+    backend, _, ort = make("tensorrt", inline=True)
+    model, providers = ort.attempts[0]
+    assert model == str(tmp_path / "model.onnx")  # not inlined: TensorRT must see the op node
+    name, options = providers[0]
+    assert name == "TensorrtExecutionProvider" and options["trt_extra_plugin_lib_paths"] == str(plugin)
+    assert [p[0] if isinstance(p, tuple) else p for p in providers[1:]] == ["CUDAExecutionProvider",
+                                                                             "CPUExecutionProvider"]
+    assert backend.transfer.device == "cuda" and backend._device is not None
+
+
+def test_missing_pieces_and_refused_sessions_are_one_line_errors(make, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSERVE_TRT_PLUGIN", str(tmp_path / "absent.so"))
+    with pytest.raises(RuntimeError, match="plugin library not found"):
+        make("tensorrt")
+    with pytest.raises(RuntimeError, match="install onnxruntime-gpu"):
+        make("cuda", ort=fake_ort())
+    ort = fake_ort(GPU, "GPU", fail_on=("CUDAExecutionProvider",))
+    with pytest.raises(RuntimeError) as err:
+        make("cuda", ort=ort, inline=False)
+    message = str(err.value)
+    assert "\n" not in message and "#27873" in message and "inline_local_functions" in message
+    assert len(ort.attempts) == 1 and not ort.sessions  # no silent CPU fallback
+    backend, _, _ = make("auto", ort=fake_ort())  # no GPU: auto is the CPU EP, pages stay on the host
+    assert backend.provider == "cpu" and backend._device is None
+    with pytest.raises(ValueError, match="ort provider must be one of"):
+        make("gpu")
+
+
+def test_engine_config_and_cli_take_the_provider():
+    from tinyserve_trt.runtime.cli import build_parser
+    from tinyserve_trt.runtime.config import EngineConfig
+
+    assert EngineConfig(ort_provider="cuda").ort_provider == "cuda"
+    with pytest.raises(ValueError, match="ort_provider must be one of"):
+        EngineConfig(ort_provider="gpu")
+    args = build_parser().parse_args(["generate", "pkg", "--prompt-ids", "1", "--ort-provider", "tensorrt"])
+    assert args.ort_provider == "tensorrt"
+    assert build_parser().parse_args(["serve", "pkg"]).ort_provider == "auto"
+
+
+def test_engine_stats_report_transfers_on_the_cpu_ep(llama):
+    """The real CPU EP: honest zeros for device transfers, and the bytes fed to ORT."""
+    from tinyserve_trt.runtime.llm import LLM
+
+    _, pkg, _ = llama
+    llm = LLM(pkg, ort_provider="cpu", max_batch=2, threads=1)
+    llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5]], params=SamplingParams(temperature=0, max_tokens=4))
+    stats = llm.stats()
+    llm.close()
+    assert stats["transfer_device"] == "cpu" and stats["transfer_h2d_bytes"] == stats["transfer_d2h_bytes"] == 0
+    assert stats["transfer_fed_bytes"] > 0 and stats["transfer_h2d_bytes_last_step"] == 0

@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")
+from tinyserve_trt.runtime.config import ORT_PROVIDERS as PROVIDERS  # defined once, with EngineConfig
+
 EP_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
             "tensorrt": "TensorrtExecutionProvider"}
 INLINED_FILE = "model.inlined.onnx"
