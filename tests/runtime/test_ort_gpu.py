@@ -232,6 +232,8 @@ def test_missing_pieces_and_refused_sessions_are_one_line_errors(make, tmp_path,
     assert len(ort.attempts) == 1 and not ort.sessions  # no silent CPU fallback
     backend, _, _ = make("auto", ort=fake_ort())  # no GPU: auto is the CPU EP, pages stay on the host
     assert backend.provider == "cpu" and backend._device is None
+    backend, _, _ = make("auto")  # onnxruntime-gpu sees a GPU and torch has CUDA: pages on the GPU
+    assert backend.provider == "cuda" and backend._device is not None
     with pytest.raises(ValueError, match="ort provider must be one of"):
         make("gpu")
 

@@ -32,17 +32,6 @@ _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float
              "tensor(float16)": np.float16}
 
 
-def default_providers() -> list[str]:
-    """The ``providers`` list ``provider='auto'`` resolves to here (CUDA EP first when
-    onnxruntime-gpu sees a GPU and torch has CUDA, CPU EP always)."""
-    import onnxruntime as ort
-
-    from tinyserve_trt.runtime.backends.ort_providers import EP_NAMES, resolve_provider
-
-    kind = resolve_provider(ort, "auto")
-    return [EP_NAMES[kind]] + (["CPUExecutionProvider"] if kind != "cpu" else [])
-
-
 class OrtBackend(Backend):
     """One InferenceSession over ``package.model_path``.
 
