@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from tinyserve_trt.runtime.config import EngineConfig
+from tinyserve_trt.runtime.config import ORT_PROVIDERS, EngineConfig
 from tinyserve_trt.runtime.limits import MAX_N
 from tinyserve_trt.runtime.sampling import SamplingParams
 
@@ -105,6 +105,9 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--no-kv-tiers", action="store_true", help="keep every KV page hot (ignore the cold tier)")
     p.add_argument("--kv-scales", choices=("dynamic", "static"), default=ec.kv_scales,
                    help="INT8 scales of cold pages: each page's own range, or the calibration's (static)")
+    p.add_argument("--ort-provider", choices=ORT_PROVIDERS, default=ec.ort_provider,
+                   help="ONNX Runtime EP (backend ort): cuda/tensorrt keep the KV pages on the GPU "
+                        "(docs/gpu_paths.md); auto = cuda when onnxruntime-gpu and torch see a GPU")
 
 
 def _memory(text: str) -> int | float:
@@ -129,7 +132,8 @@ def _generate(args) -> int:
                             ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
-              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
+              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
+              ort_provider=args.ort_provider)
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -162,7 +166,7 @@ def _serve(args) -> int:
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
-                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
+                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider)
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     try:
         from tinyserve_trt.runtime.server.app import serve
