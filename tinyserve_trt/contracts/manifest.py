@@ -116,7 +116,7 @@ class OrtOptimized:
 class Manifest:
     """What a package holds and how to drive it. Dims are per model; ``token_budget`` is
     the runtime's default decode budget (0 = dense); ``engine`` holds the TensorRT engine's
-    file and the limits of its profile (``export.trt_build.engine_profiles``)."""
+    file and the limits of its profile (``contracts.engine_profiles``)."""
 
     num_layers: int
     num_heads: int

@@ -196,8 +196,9 @@ def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
 
 def _build_trt_engine(config: ExportConfig):
     """A hook that builds ``model.plan`` inside the package's temporary directory,
-    with one optimization profile over every dynamic input (``trt_build.engine_profiles``)."""
-    from .trt_build import build_engine, engine_profiles
+    with one optimization profile over every dynamic input (``contracts.engine_profiles``)."""
+    from ..contracts.engine_profiles import engine_profiles
+    from .trt_build import build_engine
 
     def finalize(tmp: Path, manifest: Manifest) -> Manifest:
         profiles, limits = engine_profiles(manifest.to_dict(), config.max_context)

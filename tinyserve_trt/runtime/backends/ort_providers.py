@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tinyserve_trt.contracts.engine_profiles import engine_profiles
 from tinyserve_trt.runtime.config import ORT_PROVIDERS as PROVIDERS  # defined once, with EngineConfig
 
 EP_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -66,12 +67,11 @@ def resolve_provider(ort, kind: str) -> str:
 
 def plugin_path() -> Path:
     """Our TensorRT plugin library (``TINYSERVE_TRT_PLUGIN`` or build/plugins/...)."""
-    from tinyserve_trt.export.errors import UnsupportedError
-    from tinyserve_trt.export.trt_build import plugin_library
+    from tinyserve_trt.cuda.plugin import TensorRTUnavailable, plugin_library
 
     try:
         return plugin_library()
-    except UnsupportedError as e:
+    except TensorRTUnavailable as e:
         raise RuntimeError(str(e)) from None
 
 
@@ -83,8 +83,6 @@ def tensorrt_options(package, device_id: int, plugin: Path) -> dict:
             "trt_fp16_enable": package.dtype == "float16", "trt_engine_cache_enable": True,
             "trt_engine_cache_path": str(package.path / "trt_ep_cache")}
     try:
-        from tinyserve_trt.export.trt_build import engine_profiles
-
         profiles, _ = engine_profiles(package.manifest, package.max_context)
     except (KeyError, TypeError, AttributeError):  # a manifest without io names: TensorRT picks shapes
         return opts
