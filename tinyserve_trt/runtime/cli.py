@@ -3,7 +3,7 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
-                    [--served-model-name NAME] [engine options]
+                    [--served-model-name NAME] [--api-key KEY] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, default=ec.max_seq_len)
     s.add_argument("--memory", type=_memory, default=ec.memory,
                    help="KV pool: bytes (int) or a fraction of RAM (0 < f <= 1)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "TINYSERVE_API_KEY environment variable; unset = no authentication)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
     return parser
@@ -154,10 +157,14 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
+    import os
+
     from tinyserve_trt.runtime.server.config import ServerConfig
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYSERVE_API_KEY") or None
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
-                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n)
+                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
+                          api_key=api_key)
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,

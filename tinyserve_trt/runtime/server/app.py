@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyserve_trt.runtime.async_llm import AsyncLLM
 from tinyserve_trt.runtime.server.admission import Admission
+from tinyserve_trt.runtime.server.auth import ApiKeyMiddleware, bind_warning
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, error_body
 from tinyserve_trt.runtime.server.handler import CompletionHandler
@@ -89,6 +91,8 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
     app.state.llm, app.state.metrics, app.state.admission = llm, metrics, admission
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -145,6 +149,10 @@ def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = 
     fields. Returns the process exit status: 0, or EXIT_ENGINE_DEAD when the engine failed."""
     import uvicorn
 
+    warning = bind_warning(config.host, config.api_key)
+    if warning:
+        log.warning(warning)
+        print(warning, file=sys.stderr, flush=True)
     llm = AsyncLLM(model_dir, **engine_config)
     server: uvicorn.Server | None = None
 
