@@ -3,7 +3,7 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
-                    [--served-model-name NAME] [--api-key KEY] [engine options]
+                    [--served-model-name NAME] [--api-key KEY] [--warmup FILE] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "TINYSERVE_API_KEY environment variable; unset = no authentication)")
+    s.add_argument("--warmup", metavar="FILE", default=None,
+                   help="prefill these prompts into the prefix cache at start: one per line, or JSON Lines "
+                        "of {\"prompt\": ...} / {\"messages\": [...]}")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
     return parser
@@ -171,11 +174,14 @@ def _serve(args) -> int:
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
                   kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
+    from tinyserve_trt.runtime.server.warmup import load_warmup
+
+    warmup = load_warmup(args.warmup) if args.warmup is not None else ()
     try:
         from tinyserve_trt.runtime.server.app import serve
     except ImportError as e:
         raise RuntimeError(f"serve needs the serve extra: pip install 'tinyserve-trt[serve]' ({e})") from None
-    return serve(args.model_dir, config, log_level=args.log_level, **engine)
+    return serve(args.model_dir, config, log_level=args.log_level, warmup=warmup, **engine)
 
 
 def main(argv: list[str] | None = None) -> int:
