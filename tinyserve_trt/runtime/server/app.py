@@ -97,6 +97,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
     app.state.llm, app.state.metrics, app.state.admission = llm, metrics, admission
+    app.state.context = handler.context  # longest prompt + completion, in tokens
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
