@@ -3,11 +3,14 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
-                    [--served-model-name NAME] [--api-key KEY] [--warmup FILE] [engine options]
+                    [--served-model-name NAME] [--api-key KEY] [--warmup FILE]
+                    [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
-``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted.
+``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted;
+with ``--replicas N`` (N > 1) or ``--ray-address``, N engine replicas on Ray Serve behind
+the same API (needs the ``scale`` extra; see docs/scale_out.md).
 Bad input: one line on stderr, exit status 2. ``serve`` exits 3 when its engine
 failed beyond recovery (so a supervisor restarts it).
 Defaults come from SamplingParams, EngineConfig and ServerConfig; sampling flags
@@ -92,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", metavar="FILE", default=None,
                    help="prefill these prompts into the prefix cache at start: one per line, or JSON Lines "
                         "of {\"prompt\": ...} / {\"messages\": [...]}")
+    from tinyserve_trt.runtime.server.ray_app import ScaleConfig  # no ray import: config only
+
+    rc = ScaleConfig()
+    s.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas on Ray Serve (N > 1; needs the scale extra), one process each")
+    s.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting a local one")
+    s.add_argument("--routing", choices=("prefix", "default"), default=rc.routing,
+                   help="replicas: prefix-aware (the owner of the prompt's first pages) or Ray Serve's default")
+    s.add_argument("--route-pages", type=int, default=rc.route_pages,
+                   help="replicas: leading full pages whose hash picks the replica")
+    s.add_argument("--replica-cpus", type=float, default=rc.replica_cpus, help="replicas: CPUs reserved per replica")
+    s.add_argument("--replica-gpus", type=float, default=rc.replica_gpus, help="replicas: GPUs reserved per replica")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
     return parser
@@ -177,6 +193,18 @@ def _serve(args) -> int:
     from tinyserve_trt.runtime.server.warmup import load_warmup
 
     warmup = load_warmup(args.warmup) if args.warmup is not None else ()
+    if args.replicas != 1 or args.ray_address is not None:
+        from tinyserve_trt.runtime.server.ray_app import ScaleConfig
+
+        scale = ScaleConfig(replicas=args.replicas, ray_address=args.ray_address, routing=args.routing,
+                            route_pages=args.route_pages, replica_cpus=args.replica_cpus,
+                            replica_gpus=args.replica_gpus)
+        try:
+            from tinyserve_trt.runtime.server.ray_app import run
+            import ray.serve  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"--replicas needs the scale extra: pip install 'tinyserve-trt[scale]' ({e})") from None
+        return run(args.model_dir, config, scale, engine, warmup)
     try:
         from tinyserve_trt.runtime.server.app import serve
     except ImportError as e:
