@@ -156,3 +156,101 @@ def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
             break
         assert time.monotonic() < deadline, f"no replacement replica: {list(stats)}"
         time.sleep(2)
+
+
+# ---- routing and metrics units (no cluster) ------------------------------------------------
+
+def test_route_key_is_the_chained_page_hash_of_the_leading_pages():
+    from tinyserve_trt.runtime.prefix_cache import compute_hash
+    from tinyserve_trt.runtime.server.router import route_key
+
+    ids = list(range(40))
+    assert route_key(ids[:3], 4, 2) is None  # under one page: no key
+    assert route_key(ids, 4, 2) == compute_hash(ids[4:8], compute_hash(ids[:4], None)).hex()
+    assert route_key(ids, 4, 2) == route_key(ids[:8] + [99] * 30, 4, 2)  # only the first pages count
+    assert route_key(ids, 4, 2) != route_key([1] + ids[1:], 4, 2)
+    assert route_key(ids[:6], 4, 2) == compute_hash(ids[:4], None).hex()  # fewer full pages: all of them
+
+
+def test_rendezvous_owner_is_stable_and_moves_only_the_leavers_keys():
+    from tinyserve_trt.runtime.server.router import rendezvous_order
+
+    keys = [f"{i:032x}" for i in range(200)]
+    three = {k: rendezvous_order(k, ["a", "b", "c"])[0] for k in keys}
+    assert set(three.values()) == {"a", "b", "c"}
+    two = {k: rendezvous_order(k, ["c", "a"])[0] for k in keys}  # b left; order of ids is irrelevant
+    assert all(two[k] == three[k] for k in keys if three[k] != "b")
+
+
+class _StubRouter:
+    """What PrefixAwareRouter.choose_replicas reads of itself: queue lengths and the bound."""
+
+    def __init__(self, queues, imbalance=4):
+        from tinyserve_trt.runtime.server.router import PrefixAwareRouter
+
+        self.queues, self.imbalance = queues, imbalance
+        self._target = lambda c, p: PrefixAwareRouter._target(self, c, p)
+
+    def _queue(self, replica):
+        return self.queues.get(replica.replica_id.unique_id)
+
+
+def _replica(uid):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid))
+
+
+def test_prefix_router_prefers_the_owner_until_it_is_busy():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tinyserve_trt.runtime.server.router import PrefixAwareRouter, rendezvous_order
+
+    reps = [_replica(u) for u in ("r1", "r2", "r3")]
+    key = "ab" * 16
+    owner = rendezvous_order(key, ["r1", "r2", "r3"])[0]
+    pending = SimpleNamespace(kwargs={"route_key": key})
+
+    def choose(queues, request=pending):
+        return asyncio.run(PrefixAwareRouter.choose_replicas(_StubRouter(queues), reps, request))
+
+    ranks = choose({})  # nothing known: the owner alone first, the others as fallbacks
+    assert [r.replica_id.unique_id for r in ranks[0]] == [owner] and len(ranks[1]) == 2
+    assert choose({"r1": 3, "r2": 3, "r3": 3})[0][0].replica_id.unique_id == owner
+    busy = {u: (9 if u == owner else 1) for u in ("r1", "r2", "r3")}
+    first = choose(busy)[0]  # owner 8 requests ahead: power of two, the owner and one other
+    assert len(first) == 2 and first[0].replica_id.unique_id == owner and first[1].replica_id.unique_id != owner
+    assert len(choose({}, SimpleNamespace(kwargs={}))[0]) == 2  # no key: power of two
+    targeted = choose({}, SimpleNamespace(kwargs={"replica": "r2"}))
+    assert [[r.replica_id.unique_id for r in rank] for rank in targeted] == [["r2"]]
+
+
+def test_merged_metrics_sum_counts_and_weight_rates():
+    from tinyserve_trt.runtime.server.metrics import parse_metrics
+    from tinyserve_trt.runtime.server.ray_metrics import merge
+
+    def text(prompt, rate, free):
+        return "\n".join(["# HELP tinyserve_prompt_tokens_total p", "# TYPE tinyserve_prompt_tokens_total counter",
+                          f"tinyserve_prompt_tokens_total {prompt}",
+                          "# HELP tinyserve_prefix_cache_hit_rate r", "# TYPE tinyserve_prefix_cache_hit_rate gauge",
+                          f"tinyserve_prefix_cache_hit_rate {rate}",
+                          "# HELP tinyserve_kv_pages k", "# TYPE tinyserve_kv_pages gauge",
+                          f'tinyserve_kv_pages{{state="free"}} {free}',
+                          "# HELP tinyserve_selected_page_rate s", "# TYPE tinyserve_selected_page_rate gauge",
+                          "tinyserve_selected_page_rate NaN"]) + "\n"
+
+    m = parse_metrics(merge({"a": text(300, 0.5, 10), "b": text(100, 0.1, 5)}))
+    assert m["tinyserve_replicas"] == 2 and m["tinyserve_prompt_tokens_total"] == 400
+    assert m["tinyserve_prefix_cache_hit_rate"] == pytest.approx((0.5 * 300 + 0.1 * 100) / 400)
+    assert m['tinyserve_kv_pages{state="free"}'] == 15 and m['tinyserve_kv_pages{replica="b",state="free"}'] == 5
+    assert m['tinyserve_prefix_cache_hit_rate{replica="a"}'] == 0.5
+
+
+def test_scale_config_is_validated():
+    from tinyserve_trt.runtime.server.ray_app import ScaleConfig
+
+    for bad in (dict(replicas=0), dict(routing="random"), dict(route_pages=0), dict(imbalance=0),
+                dict(replica_cpus=-1), dict(replica_gpus=float("nan")), dict(ray_address="")):
+        with pytest.raises(ValueError):
+            ScaleConfig(**bad)
