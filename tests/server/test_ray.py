@@ -110,6 +110,24 @@ def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
     assert all(len(replicas) == 1 for replicas in seen.values()), seen
 
 
+def test_client_leaving_mid_stream_frees_the_replicas_pages(fleet):
+    handle, url = fleet
+    before = sum(s["decode_tokens"] for s in _stats(handle).values())
+    stream = _client(url).completions.create(prompt="a long answer please", stream=True, **LONG)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _stats(handle)
+        if all(s["pages_in_use"] == 0 for s in stats.values()):
+            break
+        assert time.monotonic() < deadline, {r: s["pages_in_use"] for r, s in stats.items()}
+        time.sleep(0.2)
+    time.sleep(1)
+    decoded = sum(s["decode_tokens"] for s in _stats(handle).values()) - before
+    assert decoded < LONG["max_tokens"]  # aborted, not decoded to the end
+
+
 def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
     handle, url = fleet
     client = _client(url)
@@ -254,3 +272,40 @@ def test_scale_config_is_validated():
                 dict(replica_cpus=-1), dict(replica_gpus=float("nan")), dict(ray_address="")):
         with pytest.raises(ValueError):
             ScaleConfig(**bad)
+
+
+def test_cli_replicas_joins_the_cluster_serves_and_stops_on_sigint(fleet, llama, tmp_path):
+    """``tinyserve serve --ray-address ... --replicas 2`` (last: it replaces the fleet's app)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    handle, url = fleet
+    root = Path(__file__).resolve().parents[2]
+    warm = tmp_path / "warm.txt"
+    warm.write_text("A warm prompt about the garden centre and its opening hours.\n")
+    port = url.rsplit(":", 1)[1]  # Ray Serve's proxy keeps the port it started with
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "tinyserve_trt.runtime.cli", "serve", str(llama[1]), "--replicas", "2",
+           "--ray-address", ray.get_runtime_context().gcs_address, "--port", port, "--served-model-name", MODEL,
+           "--api-key", KEY, "--replica-cpus", "0", "--threads", "1", "--max-batch", "4", "--warmup", str(warm)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:  # until the fleet is up
+            lines.append(line)
+            if line.startswith("tinyserve: serving 2 replicas"):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines[-30:])
+        out = _client(url).completions.create(model=MODEL, prompt="A warm prompt about the garden centre",
+                                              max_tokens=2)
+        assert out.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -113,13 +113,18 @@ def deploy(model_dir: str, config: ServerConfig, scale: ScaleConfig, engine: dic
     return handle
 
 
-def shutdown() -> None:
-    """Delete the fleet and stop Ray Serve (and the local cluster if this process started it)."""
+def shutdown(*, keep_cluster: bool = False) -> None:
+    """Free the fleet. ``keep_cluster``: on a cluster this process joined, delete only this
+    application (other applications and Serve keep running); otherwise stop Ray Serve and
+    disconnect (a local cluster this process started stops with it)."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if keep_cluster:
+            serve.delete(APP)
+        else:
+            serve.shutdown()
     finally:
         ray.shutdown()
 
@@ -139,5 +144,5 @@ def run(model_dir: str, config: ServerConfig, scale: ScaleConfig, engine: dict, 
         print(f"tinyserve: serving {scale.replicas} replicas on http://{config.host}:{config.port}", flush=True)
         stop.wait()
     finally:
-        shutdown()
+        shutdown(keep_cluster=scale.ray_address is not None)
     return 0

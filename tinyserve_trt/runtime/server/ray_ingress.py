@@ -68,24 +68,35 @@ class Ingress:
         body = await self._body(request)
         key = body_route_key(self.package, path, body, self.route_pages) if request.method == "POST" else None
         headers = [(k, v) for k, v in request.scope.get("headers", []) if k.lower() != b"authorization"]
-        stream = self.engine.options(stream=True).http.remote(
-            request.method, path, request.scope.get("query_string", b""), headers, body, route_key=key)
-        try:
-            start = await stream.__anext__()
-        except Exception as e:
-            log.warning("no replica answered %s: %r", path, e)
-            return JSONResponse(error_body(503, f"no replica could serve the request ({type(e).__name__})",
+        for attempt in range(2):  # a replica that died before answering: once more, on a live one
+            stream = self.engine.options(stream=True).http.remote(
+                request.method, path, request.scope.get("query_string", b""), headers, body, route_key=key)
+            try:
+                start = await stream.__anext__()
+                break
+            except Exception as e:
+                stream.cancel()
+                log.warning("no answer from a replica for %s (attempt %d): %r", path, attempt + 1, e)
+                error = e
+        else:
+            return JSONResponse(error_body(503, f"no replica could serve the request ({type(error).__name__})",
                                            code="replica_failed"), status_code=503)
         is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start["headers"])
 
         async def chunks():
+            done = False
             try:
                 async for chunk in stream:
                     yield chunk
+                done = True
             except Exception as e:  # the replica died or was cut off mid-answer
+                done = True
                 log.warning("replica failed mid-answer on %s: %r", path, e)
                 if is_sse:
                     yield _sse_error(f"the replica serving this stream failed ({type(e).__name__}); retry")
+            finally:
+                if not done:  # the client left: cancel the replica's call (it aborts the request)
+                    stream.cancel()
 
         response = StreamingResponse(chunks(), status_code=start["status"])
         response.raw_headers = [(k, v) for k, v in start["headers"] if k.lower() not in _HOP_HEADERS]
