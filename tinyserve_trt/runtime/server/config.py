@@ -60,6 +60,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
-                                         or self.api_key != self.api_key.strip() or not (self.api_key.isascii() and self.api_key.isprintable())):
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                                or not (key.isascii() and key.isprintable())):
             raise ValueError("api_key must be a non-empty printable ASCII string without surrounding spaces, or None")
