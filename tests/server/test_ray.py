@@ -34,7 +34,7 @@ def fleet(llama):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ServerConfig(port=port, model_name=MODEL, timeout=120, api_key=KEY, max_queue=16)
+    config = ServerConfig(port=port, model_name=MODEL, timeout=120, api_key=KEY, max_queue=16, max_body_bytes=4096)
     scale = ScaleConfig(replicas=2, replica_cpus=1.0, route_pages=4)
     handle = deploy(str(llama[1]), config, scale, dict(max_batch=8, threads=1), warmup=[WARM], num_cpus=2)
     url = f"http://127.0.0.1:{port}"
@@ -69,6 +69,12 @@ def test_api_through_the_fleet(fleet):
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.AuthenticationError):
         _client(url, "sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/completions", headers=auth, timeout=30,  # the replica's body limit
+                   content=b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}')
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url + "/v1/nothing", headers=auth, timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # no key needed
     assert httpx.get(url + "/metrics", timeout=30).status_code == 401
     from tinyserve_trt.runtime.server.metrics import parse_metrics
