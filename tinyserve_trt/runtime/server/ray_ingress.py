@@ -46,11 +46,15 @@ class Ingress:
             token = bearer_token(request.scope.get("headers", []))
             if not key_matches(token, self.config.api_key):
                 return JSONResponse(unauthorized_body(token), status_code=401, headers={"www-authenticate": "Bearer"})
-        if request.method == "GET" and path == "/metrics":
-            return await self._metrics()
-        if request.method == "GET" and path == "/health":
-            return await self._health()
-        return await self._forward(request, path)
+        try:
+            if request.method == "GET" and path == "/metrics":
+                return await self._metrics()
+            if request.method == "GET" and path == "/health":
+                return await self._health()
+            return await self._forward(request, path)
+        except Exception as e:  # still OpenAI's error shape, never Serve's plain-text 500
+            log.exception("ingress error on %s", path)
+            return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
     # ---- forwarding --------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
