@@ -273,12 +273,15 @@ __global__ void __launch_bounds__(kWarps * 32) prefill_kernel(QsaForwardParams p
     const T* vn = static_cast<const T*>(p.value) + (size_t(b) * Hkv + h) * S * D;
     const int past = max(p.past_lens[b], 0);
     const int cached = min(past, NP * ps);
+    if (threadIdx.x == 0 && past > cached) raise_flag(p.error_flags, QSA_FLAG_TOO_MANY_PAGES);
     const int total = cached + s + 1;
     for (int t = warp; t < total; t += kWarps) {
         if (t < cached) {
             float kr[EPT], vr[EPT];
             if (load_cached_row<T, EPT, COLD>(p, p.page_table[size_t(b) * NP + t / ps], h, t % ps, lane, kr, vr))
                 st.update(kr, vr, ng);
+            else if (lane == 0)
+                raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
         } else {
             const size_t base = size_t(t - cached) * D;
             st.attend(kn + base, vn + base, D, ng, lane);
@@ -297,14 +300,12 @@ cudaError_t launch_decode_t(const QsaForwardParams& p, const Workspace& ws, int3
     const QsaDims& d = p.dims;
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
     const dim3 grid(splits, d.num_kv_heads * gchunks, d.batch);
-    if (p.key_cache_int8 != nullptr)
-        decode_split_kernel<T, EPT, true><<<grid, kWarps * 32, 0, stream>>>(p, ws, splits, gchunks);
-    else
-        decode_split_kernel<T, EPT, false><<<grid, kWarps * 32, 0, stream>>>(p, ws, splits, gchunks);
-    cudaError_t e = cudaGetLastError();
+    const cudaError_t e =
+        p.key_cache_int8 != nullptr
+            ? launch_kernel(decode_split_kernel<T, EPT, true>, grid, kWarps * 32, 0, stream, p, ws, splits, gchunks)
+            : launch_kernel(decode_split_kernel<T, EPT, false>, grid, kWarps * 32, 0, stream, p, ws, splits, gchunks);
     if (e != cudaSuccess) return e;
-    combine_kernel<T><<<dim3(d.num_heads, d.batch), 128, 0, stream>>>(p, ws, splits);
-    return cudaGetLastError();
+    return launch_kernel(combine_kernel<T>, dim3(d.num_heads, d.batch), 128, 0, stream, p, ws, splits);
 }
 
 template <typename T, int EPT>
@@ -313,10 +314,8 @@ cudaError_t launch_prefill_t(const QsaForwardParams& p, cudaStream_t stream) {
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
     const dim3 grid(d.new_tokens, d.num_kv_heads * gchunks, d.batch);
     if (p.key_cache_int8 != nullptr)
-        prefill_kernel<T, EPT, true><<<grid, kWarps * 32, 0, stream>>>(p, gchunks);
-    else
-        prefill_kernel<T, EPT, false><<<grid, kWarps * 32, 0, stream>>>(p, gchunks);
-    return cudaGetLastError();
+        return launch_kernel(prefill_kernel<T, EPT, true>, grid, kWarps * 32, 0, stream, p, gchunks);
+    return launch_kernel(prefill_kernel<T, EPT, false>, grid, kWarps * 32, 0, stream, p, gchunks);
 }
 
 // Elements per lane: the smallest of 1, 2, 4, 8 that covers D (D <= 256).
