@@ -43,6 +43,9 @@ struct dim3 {
 struct uint3 {
     unsigned x, y, z;
 };
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
 
 typedef enum cudaError {
     cudaSuccess = 0,

@@ -2,7 +2,7 @@
 // key_min/key_max: the write side of the cache that QueryAwareSparseAttention
 // itself never modifies.
 //
-// CPU reference: tinyserve_trt/kernels/references.py::append_kv_ref (slot =
+// CPU reference: tinyserve_dev/kernels/references.py::append_kv_ref (slot =
 // past_len + i in logical page slot // ps; metadata = ops.reference.page_min_max
 // over the page's valid keys).
 //

@@ -66,6 +66,16 @@ __host__ __device__ inline ScaleView scale_view(const void* scale, int32_t token
                      channels > 1 ? 1 : 0};
 }
 
+// One 16-byte load (both pointers 16-byte aligned). memcpy under the emulation,
+// where a uint4 view of float/__half data would break C++ aliasing rules.
+__device__ __forceinline__ void load16(void* dst, const void* src) {
+#ifdef QSA_EMULATION
+    memcpy(dst, src, 16);
+#else
+    *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#endif
+}
+
 // Report a bad page id / full page table to the host (qsa_launch.h error_flags).
 __device__ __forceinline__ void raise_flag(int32_t* flags, int32_t bit) {
     if (flags) atomicOr(flags, bit);

@@ -2,7 +2,7 @@
  *
  * Plain C (no CUDA, no TensorRT types) so that three consumers share it:
  * the TensorRT plugin (plugins/tensorrt/), the Python harness via ctypes
- * (tinyserve_trt/kernels/library.py mirrors these structs; a CPU test compiles
+ * (tinyserve_trt/cuda/library.py mirrors these structs; a CPU test compiles
  * this header with the host C compiler and checks every offset), and tests.
  *
  * Layouts (row-major, named dims as in tinyserve_trt/ops/schema.py):

@@ -193,3 +193,11 @@ def test_unsupported_reports_status(cuda_lib, rng):
     case = make_case(CaseSpec((40,), 2, 1, 16, 16, 1, "float32", budget=16), rng)
     with pytest.raises(KernelError, match="unsupported"):
         sparse_attention_gpu(**case, attrs=schema.OpAttributes(policy="oracle"))
+
+
+@pytest.mark.parametrize("dtype,past", [("float32", 300), ("float16", 37)])
+def test_long_prefill_matches_reference(cuda_lib, rng, dtype, past):
+    """1K+ new tokens: ~65 query tiles, each walking the cached pages then the causal new
+    block in key tiles. Small heads keep it to seconds in the CPU emulation."""
+    case = make_case(CaseSpec((past,), 2, 1, 32, 16, 1030, dtype, budget=64), rng)
+    _run_and_check(case, schema.OpAttributes(), dtype)
