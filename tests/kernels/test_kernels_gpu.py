@@ -64,6 +64,12 @@ def test_decode_head_dims(cuda_lib, rng, head_dim):
     _run_and_check(case, schema.OpAttributes(sink_pages=2, recent_pages=2), "float32")
 
 
+@pytest.mark.parametrize("head_dim", [20, 36])  # fp16 rows that are not whole 16-byte vectors: element loads
+def test_decode_head_dims_partial_vectors(cuda_lib, rng, head_dim):
+    case = make_case(CaseSpec((37, 200), 4, 2, head_dim, 16, 1, "float16", budget=80), rng)
+    _run_and_check(case, schema.OpAttributes(sink_pages=2, recent_pages=2), "float16")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_decode_split_counts(cuda_lib, rng, num_splits):
     case = make_case(CaseSpec((300, 17), 8, 2, 64, 8, 1, "float16", budget=120), rng)
