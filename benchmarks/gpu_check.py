@@ -233,7 +233,8 @@ def main(argv=None):
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     log(f"device {dev}, torch {torch.__version__}")
     attrs = schema.OpAttributes()  # query_aware, 1 sink page, 1 recent page, max over the group
-    mixed = check_mixed(seed=1234, lens=(300, 517, 33), kv_heads=2) if args.emulated else check_mixed(seed=1234)
+    mixed_lens, mixed_hkv = ((300, 517, 33), 2) if args.emulated else (MIXED_LENS, HKV)
+    mixed = check_mixed(seed=1234, lens=mixed_lens, kv_heads=mixed_hkv)
     sync = (lambda: None) if args.emulated else torch.cuda.synchronize
     rows, timing = [], []
     seed = 0
@@ -268,7 +269,7 @@ def main(argv=None):
     else:
         bw = copy_bandwidth(torch)
         log(f"device copy bandwidth {bw:.0f} GB/s")
-    write_report(out, dev, torch.__version__, rows, timing, bw, mixed)
+    write_report(out, dev, torch.__version__, rows, timing, bw, mixed, mixed_lens, mixed_hkv)
     log(f"wrote {out}")
 
 
@@ -300,7 +301,7 @@ def time_case(torch, F, case, attrs, B, G, ctx, budget, reps, call):
             base_bytes / base / 1e6, how, H)
 
 
-def write_report(path, dev, torch_version, rows, timing, bw, mixed):
+def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=MIXED_LENS, mixed_hkv=HKV):
     L = [f"# QueryAwareSparseAttention CUDA kernels on {dev}", "",
          f"Written by `benchmarks/gpu_check.sh` (torch {torch_version}). fp16, D={D}, {HKV} KV heads, page size "
          f"{PS}, policy query_aware (1 sink + 1 recent page, group max).", "",
@@ -312,7 +313,8 @@ def write_report(path, dev, torch_version, rows, timing, bw, mixed):
          "|---|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     L += ["", "### Hot + INT8 cold pages", "",
-          f"4 sequences (1000, 517, 2048, 33 tokens), {HKV * 4} query heads, half the pool pages cold (K scale per "
+          f"{len(mixed_lens)} sequences ({', '.join(map(str, mixed_lens))} tokens), {mixed_hkv * 4} query heads, "
+          "half the pool pages cold (K scale per "
           "channel, V per token); every sequence vs the numpy reference on the dequantized cache, fp16 tolerance.", "",
           "| new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
           "|---|---|---|---|---|---|---|"]

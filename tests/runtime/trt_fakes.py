@@ -204,6 +204,12 @@ def _fake_append(lib, shapes, pointers, dtype, stream=0):
         buf = (ctypes.c_char * (int(np.prod(shape)) * dt.itemsize)).from_address(pointers[n])
         views[n] = np.frombuffer(buf, dtype=dt).reshape(shape)
     _appended.append(shapes["key"][0])
+    P, ps = shapes["key_cache"][0], shapes["key_cache"][2]
+    for b, past in enumerate(views["past_lens"]):  # what the kernel flags instead of writing
+        touched = views["page_table"][b, past // ps: -(-(int(past) + shapes["key"][2]) // ps)]
+        if ((touched < 0) | (touched >= P)).any():
+            views["error_flags"][0] |= 1  # QSA_FLAG_BAD_PAGE_ID
+            return
     got = append_kv_ref(*(views[n].copy() for n in names))
     for n, src in zip(("key_cache", "value_cache", "key_min", "key_max"), got):
         views[n][...] = src
