@@ -110,6 +110,14 @@ def test_prefill_matches_reference(cuda_lib, rng, dtype, new_tokens):
     _run_and_check(case, schema.OpAttributes(), dtype)  # S > 1: every valid page, causal over new tokens
 
 
+@pytest.mark.parametrize("head_dim,heads", [(256, (2, 1)), (64, (12, 1))])
+def test_prefill_head_dims_and_groups(cuda_lib, rng, head_dim, heads):
+    """D = 256 fp32 needs 66 KB of shared memory (the opt-in path); a group of 12 is two
+    chunks (8 + 4 heads) whose query tiles share one grid."""
+    case = make_case(CaseSpec((37, 130), heads[0], heads[1], head_dim, 16, 5, "float32", budget=32), rng)
+    _run_and_check(case, schema.OpAttributes(), "float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_append_kv_matches_reference(cuda_lib, rng, dtype):
     from tinyserve_dev.kernels.harness import append_kv_gpu
