@@ -58,7 +58,9 @@ def _to_dev(dev: _Device, a, dtype=None):
     torch = dev.torch
     if a is None:
         return None
-    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+    # numpy inputs are copied (np.array): on the emulated (host) library a shared buffer
+    # would let the kernels write into the caller's arrays
+    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a, order="C", copy=True))
     t = t.to(dev.name)
     if dtype is not None:
         t = t.to(dtype)
