@@ -202,9 +202,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int p0 = split * chunk, p1 = min(cnt, p0 + chunk);
     const int ntok = max(p1 - p0, 0) * ps;
     constexpr int kRows = kWarps * L::TPW;  // rows the block holds at once
-    for (int t0 = 0; t0 < ntok; t0 += kRows) {  // trip count uniform over the block: shuffles stay converged
+    // Row t0 + (this lane group's index) into kr/vr; false (zeros) when it does not exist.
+    auto fetch = [&](int t0, float (&kr)[E], float (&vr)[E]) {
         const int t = t0 + warp * L::TPW + slot;
-        float kr[E], vr[E];
         bool valid = false;
         if (t < ntok) {
             const int off = t % ps;
@@ -215,7 +215,22 @@ __global__ void __launch_bounds__(kWarps * 32)
         if (!valid)
 #pragma unroll
             for (int e = 0; e < E; ++e) kr[e] = vr[e] = 0.f;
+        return valid;
+    };
+    // Software pipelining: the next rows' loads are issued before this rows' math, so
+    // two row batches per lane are in flight (the shuffles would otherwise serialise them).
+    float kr[E], vr[E];
+    bool valid = fetch(0, kr, vr);
+    for (int t0 = 0; t0 < ntok; t0 += kRows) {  // trip count uniform over the block: shuffles stay converged
+        float kn[E], vn[E];
+        const bool next = fetch(t0 + kRows, kn, vn);
         st.template update<LPT>(kr, vr, ng, valid);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            kr[e] = kn[e];
+            vr[e] = vn[e];
+        }
+        valid = next;
     }
     if (split == 0 && warp == kWarps - 1) {  // the new token, not yet in the cache: lane group 0 of one warp
         const size_t base = size_t(bh) * D;  // [B, Hkv, S == 1, D]
