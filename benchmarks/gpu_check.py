@@ -19,12 +19,18 @@ Timing: decode at 32K, budget 2048 (and dense) vs torch
 ``scaled_dot_product_attention`` on contiguous [B, H, 32K, D] K/V, CUDA-event
 medians; GB/s on the bytes our kernels actually load (kept K/V rows + page
 metadata) vs a measured device-to-device copy bandwidth.
-Writes a markdown table to --out. Fails loudly (non-zero exit) on any mismatch.
+Writes a markdown table to --out (default benchmarks/results/gpu_<gpu>.md). Fails
+loudly (non-zero exit) on any mismatch.
+
+``--emulated`` (what gpu_check.sh passes without a GPU): the CPU-emulated kernel
+library on host tensors, a small grid (the emulator plays every CUDA thread on a
+host thread), and no timing at all - the report says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,6 +47,7 @@ from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
 from tinyserve_dev.cases import CaseSpec, make_mixed_case  # noqa: E402
 
 HKV, D, PS = 8, 128, 16
+DEV = "cuda"  # "cpu" with --emulated: the harness then keeps every buffer in host memory
 
 
 def log(msg):
@@ -49,17 +56,17 @@ def log(msg):
 
 def make_gpu_case(torch, B, G, ctx, budget, seed):
     """Inputs by schema name, on the GPU, fp16. Pages shuffled in the pool; exact min/max."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
     H = HKV * G
     past = [max(1, ctx - 1 - (b * 37) % max(1, ctx // 4)) for b in range(B)]
     n = [-(-p // PS) for p in past]
     NP = max(n)
     P = sum(n)
-    kc = torch.randn(P, HKV, PS, D, device="cuda", generator=g, dtype=torch.float16)
-    kc *= (1 + 4 * (torch.rand(D, device="cuda", generator=g) < 0.1)).half()  # outlier channels
-    vc = torch.randn(P, HKV, PS, D, device="cuda", generator=g, dtype=torch.float16)
-    perm = torch.randperm(P, device="cuda", generator=g).int()
-    table = torch.zeros(B, NP, dtype=torch.int32, device="cuda")
+    kc = torch.randn(P, HKV, PS, D, device=DEV, generator=g, dtype=torch.float16)
+    kc *= (1 + 4 * (torch.rand(D, device=DEV, generator=g) < 0.1)).half()  # outlier channels
+    vc = torch.randn(P, HKV, PS, D, device=DEV, generator=g, dtype=torch.float16)
+    perm = torch.randperm(P, device=DEV, generator=g).int()
+    table = torch.zeros(B, NP, dtype=torch.int32, device=DEV)
     kmin, kmax = kc.amin(dim=2), kc.amax(dim=2)
     off = 0
     for b in range(B):
@@ -69,12 +76,12 @@ def make_gpu_case(torch, B, G, ctx, budget, seed):
         last = int(perm[off + n[b] - 1])
         kmin[last], kmax[last] = kc[last, :, :valid].amin(dim=1), kc[last, :, :valid].amax(dim=1)
         off += n[b]
-    return dict(query=torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=torch.float16),
-                key=torch.randn(B, HKV, 1, D, device="cuda", generator=g, dtype=torch.float16),
-                value=torch.randn(B, HKV, 1, D, device="cuda", generator=g, dtype=torch.float16),
+    return dict(query=torch.randn(B, H, 1, D, device=DEV, generator=g, dtype=torch.float16),
+                key=torch.randn(B, HKV, 1, D, device=DEV, generator=g, dtype=torch.float16),
+                value=torch.randn(B, HKV, 1, D, device=DEV, generator=g, dtype=torch.float16),
                 key_cache=kc, value_cache=vc, key_min=kmin, key_max=kmax, page_table=table,
-                past_lens=torch.tensor(past, dtype=torch.int32, device="cuda"),
-                token_budget=torch.full((B,), budget, dtype=torch.int32, device="cuda"))
+                past_lens=torch.tensor(past, dtype=torch.int32, device=DEV),
+                token_budget=torch.full((B,), budget, dtype=torch.int32, device=DEV))
 
 
 def numpy_subcase(case, b):
@@ -128,13 +135,16 @@ def check_torch_dense(torch, case, out):
     return worst
 
 
-def check_mixed(seed):
+MIXED_LENS = (1000, 517, 2048, 33)
+
+
+def check_mixed(seed, lens=MIXED_LENS, kv_heads=HKV):
     """Hot + INT8 cold pages on every sequence vs numpy; returns report rows. Raises on a mismatch."""
     rng = np.random.default_rng(seed)
     attrs, tol = schema.OpAttributes(), schema.TOLERANCES["float16"]
     rows = []
     for S, budget in ((1, 256), (1, 0), (4, 0)):
-        spec = CaseSpec((1000, 517, 2048, 33), HKV * 4, HKV, D, PS, S, "float16", budget)
+        spec = CaseSpec(lens, kv_heads * 4, kv_heads, D, PS, S, "float16", budget)
         case = make_mixed_case(spec, rng, 0.5, "channel", "token")
         P = case["key_cache"].shape[0]
         what = f"mixed S={S} budget={budget or 'dense'}"
@@ -179,25 +189,53 @@ def copy_bandwidth(torch):
     return 2 * src.numel() / ms / 1e6  # read + write, GB/s
 
 
+def report_name(device: str) -> str:
+    """gpu_<gpu>.md: 'NVIDIA H200' -> gpu_h200.md, 'NVIDIA H100 80GB HBM3' -> gpu_h100_80gb_hbm3.md."""
+    slug = "".join(c if c.isalnum() else "_" for c in device.lower().removeprefix("nvidia").strip()).strip("_")
+    return f"gpu_{slug or 'unknown'}.md"
+
+
 def main(argv=None):
+    global DEV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_h200.md"))
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--out", help="report path (default benchmarks/results/gpu_<gpu>.md)")
+    ap.add_argument("--emulated", action="store_true",
+                    help="CPU-emulated kernel library ($TINYSERVE_QSA_LIB or the default emulated build): "
+                         "small grid, correctness only, no timing")
+    ap.add_argument("--batches", help="default 1,8,32 (emulated: 1,2)")
     ap.add_argument("--groups", default="1,4")
-    ap.add_argument("--contexts", default="1024,8192,32768")
-    ap.add_argument("--budgets", default="512,2048,0", help="0 = dense")
+    ap.add_argument("--contexts", help="default 1024,8192,32768 (emulated: 160,400)")
+    ap.add_argument("--budgets", help="0 = dense; default 512,2048,0 (emulated: 64,0)")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
     import torch
     import torch.nn.functional as F
 
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device")
+    from tinyserve_trt.cuda import library
+
+    if args.emulated:
+        DEV = "cpu"
+        lib = library.use(library.library_path() if library.LIB_ENV in os.environ
+                          else library.EMULATED_LIB)
+        if not library.is_emulated(lib):
+            raise SystemExit(f"gpu_check: --emulated, but {library.library_path()} is not the emulated build")
+        dev = "cpu-emulation"
+        defaults = dict(batches="1,2", contexts="160,400", budgets="64,0")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device (run with --emulated for the CPU emulation)")
+        dev = torch.cuda.get_device_name(0)
+        defaults = dict(batches="1,8,32", contexts="1024,8192,32768", budgets="512,2048,0")
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / report_name(dev)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    dev = torch.cuda.get_device_name(0)
     log(f"device {dev}, torch {torch.__version__}")
     attrs = schema.OpAttributes()  # query_aware, 1 sink page, 1 recent page, max over the group
-    mixed = check_mixed(seed=1234)
+    mixed_lens, mixed_hkv = ((300, 517, 33), 2) if args.emulated else (MIXED_LENS, HKV)
+    mixed = check_mixed(seed=1234, lens=mixed_lens, kv_heads=mixed_hkv)
+    sync = (lambda: None) if args.emulated else torch.cuda.synchronize
     rows, timing = [], []
     seed = 0
     for B in ints(args.batches):
@@ -209,7 +247,7 @@ def main(argv=None):
                     case["token_budget"].fill_(budget)
                     call = ForwardCall(**case, attrs=attrs)
                     call.launch()
-                    torch.cuda.synchronize()
+                    sync()
                     sel = call.selected
                     if bool(((sel != 0) & (sel != 1)).any()) or bool(torch.isnan(call.output).any()):
                         raise AssertionError(f"B={B} G={G} ctx={ctx} budget={budget}: unwritten output")
@@ -219,15 +257,20 @@ def main(argv=None):
                     rows.append((B, G, ctx, budget or "dense", f"{kept:.0f}", f"{max(gaps):.1e}",
                                  "-" if dense_err is None else f"{dense_err:.1e}", "ok"))
                     log(f"ok B={B} G={G} ctx={ctx} budget={budget or 'dense'} pages kept/head={kept:.0f}")
-                    if ctx == max(ints(args.contexts)) and budget in (2048, 0):
+                    if not args.emulated and ctx == max(ints(args.contexts)) and budget in (2048, 0):
                         timing.append(time_case(torch, F, case, attrs, B, G, ctx, budget, args.reps, call))
                     del call
                 del case
-                torch.cuda.empty_cache()
-    bw = copy_bandwidth(torch)
-    log(f"device copy bandwidth {bw:.0f} GB/s")
-    write_report(Path(args.out), dev, torch.__version__, rows, timing, bw, mixed)
-    log(f"wrote {args.out}")
+                if not args.emulated:
+                    torch.cuda.empty_cache()
+    bw = None
+    if args.emulated:
+        log("CPU emulation: correctness only, NO TIMING WAS TAKEN")
+    else:
+        bw = copy_bandwidth(torch)
+        log(f"device copy bandwidth {bw:.0f} GB/s")
+    write_report(out, dev, torch.__version__, rows, timing, bw, mixed, mixed_lens, mixed_hkv)
+    log(f"wrote {out}")
 
 
 def time_case(torch, F, case, attrs, B, G, ctx, budget, reps, call):
@@ -258,7 +301,7 @@ def time_case(torch, F, case, attrs, B, G, ctx, budget, reps, call):
             base_bytes / base / 1e6, how, H)
 
 
-def write_report(path, dev, torch_version, rows, timing, bw, mixed):
+def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=MIXED_LENS, mixed_hkv=HKV):
     L = [f"# QueryAwareSparseAttention CUDA kernels on {dev}", "",
          f"Written by `benchmarks/gpu_check.sh` (torch {torch_version}). fp16, D={D}, {HKV} KV heads, page size "
          f"{PS}, policy query_aware (1 sink + 1 recent page, group max).", "",
@@ -270,18 +313,26 @@ def write_report(path, dev, torch_version, rows, timing, bw, mixed):
          "|---|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
     L += ["", "### Hot + INT8 cold pages", "",
-          f"4 sequences (1000, 517, 2048, 33 tokens), {HKV * 4} query heads, half the pool pages cold (K scale per "
+          f"{len(mixed_lens)} sequences ({', '.join(map(str, mixed_lens))} tokens), {mixed_hkv * 4} query heads, "
+          "half the pool pages cold (K scale per "
           "channel, V per token); every sequence vs the numpy reference on the dequantized cache, fp16 tolerance.", "",
           "| new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
           "|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in mixed]
+    if bw is None:
+        L += ["", "## Decode timing", "", "**No timing was taken**: this run used the CPU-emulated kernel library "
+              "(plugins/emulation), which checks correctness only.", ""]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(L) + "\n")
+        return
     L += ["", "## Decode timing (median of CUDA-event runs)", "",
           f"Device copy bandwidth (1 GiB D2D, read+write): **{bw:.0f} GB/s**. Ours = select + split-K attention + "
-          "combine; GB/s counts the bytes actually loaded (kept K/V rows + min/max of every page). SDPA = "
+          "combine; GB/s counts the bytes the kernels must read (kept K/V rows + min/max of every page + queries) "
+          "over the measured time, and the roofline column divides it by the copy bandwidth. SDPA = "
           "`torch.nn.functional.scaled_dot_product_attention` dense decode over contiguous K/V of the longest "
           "sequence.", "",
           "| batch | group | context | budget | splits | ours ms | SDPA ms | SDPA/ours | ours GB/s | SDPA GB/s | "
-          "% of copy BW (ours) | SDPA GQA |",
+          "roofline: ours GB/s / copy BW | SDPA GQA |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (B, G, ctx, budget, splits, ours, base, ratio, gbs, base_gbs, how, _H) in timing:
         L.append(f"| {B} | {G} | {ctx} | {budget} | {splits} | {ours:.3f} | {base:.3f} | {ratio:.2f}x | "

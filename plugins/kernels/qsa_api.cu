@@ -20,6 +20,18 @@ bool attrs_ok(const QsaAttrs& a) {
            a.group_reduce < QSA_NUM_GROUP_REDUCTIONS;
 }
 
+// Selection policies a decode step implements, by schema id (plugins/generated/qsa_schema.h).
+// Any other id, including one the schema gains later, is refused instead of run as another policy.
+static_assert(QSA_NUM_POLICIES == 4, "schema.POLICIES changed: implement the new policy in qsa_select.cu and here");
+bool decode_policy_implemented(int32_t policy) {
+    switch (policy) {
+        case QSA_POLICY_QUERY_AWARE:
+        case QSA_POLICY_WINDOW:
+        case QSA_POLICY_DENSE: return true;
+        default: return false;  // QSA_POLICY_ORACLE needs the dense scores: reference-only
+    }
+}
+
 bool dtype_ok(int32_t t) { return t == QSA_DTYPE_FLOAT32 || t == QSA_DTYPE_FLOAT16; }
 
 // The four cold pointers come together; with them, Pcold >= 1, every scale axis
@@ -69,7 +81,7 @@ int32_t qsa_check(const QsaForwardParams* p) {
         return QSA_ERR_INVALID_ARGUMENT;
     if (!cold_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
     const bool decode = p->dims.new_tokens == 1;
-    if (decode && p->attrs.policy == QSA_POLICY_ORACLE) return QSA_ERR_UNSUPPORTED;  // reference-only
+    if (decode && !decode_policy_implemented(p->attrs.policy)) return QSA_ERR_UNSUPPORTED;
     if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
     return QSA_OK;
 }
@@ -123,8 +135,16 @@ const char* qsa_status_string(int32_t status) {
         case QSA_ERR_UNSUPPORTED: return "unsupported here (oracle policy on decode, or group*head_dim too large)";
         case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
         case QSA_ERR_CUDA: return "CUDA launch failed";
+        case QSA_ERR_BAD_PAGE_ID: return "a page id outside the pools (from error_flags)";
+        case QSA_ERR_TOO_MANY_PAGES: return "a sequence needs more pages than the page table holds (from error_flags)";
         default: return "unknown status";
     }
+}
+
+int32_t qsa_flags_status(int32_t flags) {
+    if (flags & QSA_FLAG_BAD_PAGE_ID) return QSA_ERR_BAD_PAGE_ID;
+    if (flags & QSA_FLAG_TOO_MANY_PAGES) return QSA_ERR_TOO_MANY_PAGES;
+    return QSA_OK;
 }
 
 }  // extern "C"

@@ -2,7 +2,7 @@
 // key_min/key_max: the write side of the cache that QueryAwareSparseAttention
 // itself never modifies.
 //
-// CPU reference: tinyserve_trt/kernels/references.py::append_kv_ref (slot =
+// CPU reference: tinyserve_dev/kernels/references.py::append_kv_ref (slot =
 // past_len + i in logical page slot // ps; metadata = ops.reference.page_min_max
 // over the page's valid keys).
 //
@@ -29,11 +29,15 @@ __global__ void append_kernel(QsaAppendParams p) {
     const T* vn = static_cast<const T*>(p.value) + (size_t(b) * Hkv + h) * S * D;
     T* kc = static_cast<T*>(p.key_cache);
     T* vc = static_cast<T*>(p.value_cache);
+    if (threadIdx.x == 0 && past + S > NP * ps) raise_flag(p.error_flags, QSA_FLAG_TOO_MANY_PAGES);
     for (int i = 0; i < S; ++i) {
         const int slot = past + i, lp = slot / ps;
         if (lp >= NP) break;
         const int page = p.page_table[size_t(b) * NP + lp];
-        if (page < 0 || page >= d.num_pages) continue;
+        if (page < 0 || page >= d.num_pages) {
+            if (threadIdx.x == 0) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
+            continue;
+        }
         const size_t row = ((size_t(page) * Hkv + h) * ps + slot % ps) * D;
         for (int dd = threadIdx.x; dd < D; dd += blockDim.x) {
             kc[row + dd] = kn[size_t(i) * D + dd];
@@ -65,11 +69,8 @@ __global__ void append_kernel(QsaAppendParams p) {
 cudaError_t launch_append(const QsaAppendParams& p, cudaStream_t stream) {
     const dim3 grid(p.dims.num_kv_heads, p.dims.batch);
     const int threads = p.dims.head_dim < 128 ? 64 : 128;
-    if (p.dtype == QSA_DTYPE_FLOAT16)
-        append_kernel<__half><<<grid, threads, 0, stream>>>(p);
-    else
-        append_kernel<float><<<grid, threads, 0, stream>>>(p);
-    return cudaGetLastError();
+    if (p.dtype == QSA_DTYPE_FLOAT16) return launch_kernel(append_kernel<__half>, grid, threads, 0, stream, p);
+    return launch_kernel(append_kernel<float>, grid, threads, 0, stream, p);
 }
 
 }  // namespace qsa

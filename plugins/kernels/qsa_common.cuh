@@ -9,9 +9,34 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <utility>
+
 #include "qsa_launch.h"
 
+// A block's dynamic shared memory. Under g++ (plugins/emulation) `extern` and
+// `static` cannot combine, so the emulator hands out the block's buffer instead.
+#ifdef QSA_EMULATION
+#define QSA_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::qsa_emu::dynamic_shared())
+#else
+#define QSA_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 namespace qsa {
+
+// Every kernel launch goes through here: `<<<>>>` under nvcc, the CPU
+// emulator's launcher under g++ (plugins/emulation/cuda_emu.h), so both run
+// the same kernel source. Returns the launch's error (cudaGetLastError).
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, Args&&... args) {
+#ifdef QSA_EMULATION
+    (void)stream;
+    return ::qsa_emu::launch(kernel, grid, block, smem, std::forward<Args>(args)...);
+#else
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return cudaGetLastError();
+#endif
+}
 
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
@@ -39,6 +64,21 @@ struct ScaleView {
 __host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t channels) {
     return ScaleView{static_cast<const float*>(scale), tokens * channels, tokens > 1 ? channels : 0,
                      channels > 1 ? 1 : 0};
+}
+
+// One 16-byte load (both pointers 16-byte aligned). memcpy under the emulation,
+// where a uint4 view of float/__half data would break C++ aliasing rules.
+__device__ __forceinline__ void load16(void* dst, const void* src) {
+#ifdef QSA_EMULATION
+    memcpy(dst, src, 16);
+#else
+    *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#endif
+}
+
+// Report a bad page id / full page table to the host (qsa_launch.h error_flags).
+__device__ __forceinline__ void raise_flag(int32_t* flags, int32_t bit) {
+    if (flags) atomicOr(flags, bit);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -2,7 +2,7 @@
  *
  * Plain C (no CUDA, no TensorRT types) so that three consumers share it:
  * the TensorRT plugin (plugins/tensorrt/), the Python harness via ctypes
- * (tinyserve_trt/kernels/library.py mirrors these structs; a CPU test compiles
+ * (tinyserve_trt/cuda/library.py mirrors these structs; a CPU test compiles
  * this header with the host C compiler and checks every offset), and tests.
  *
  * Layouts (row-major, named dims as in tinyserve_trt/ops/schema.py):
@@ -24,11 +24,14 @@
  * (Ptot >= P + Pcold).
  *
  * Every entry point returns a QsaStatus and never aborts, allocates, or
- * synchronizes the stream. The kernels read page ids from device memory and
- * cannot report a bad id to the host: ids outside [0, P + Pcold) are skipped (their
- * tokens contribute nothing) instead of read out of bounds, and a sequence
- * needing more than NP pages is truncated to NP pages. The numpy reference
- * raises on both; callers (the runtime's PagePool) must not produce them.
+ * synchronizes the stream. The kernels read page ids from device memory, so
+ * they report bad ones through device memory: a page id outside [0, P + Pcold)
+ * (append: [0, P)) sets QSA_FLAG_BAD_PAGE_ID and a sequence needing more than
+ * NP pages sets QSA_FLAG_TOO_MANY_PAGES in *error_flags (an int32 the caller
+ * zeroes; NULL = not reported); once the stream has run, qsa_flags_status()
+ * turns the word into QSA_ERR_BAD_PAGE_ID / QSA_ERR_TOO_MANY_PAGES, as the numpy
+ * reference raises on both. The offending reads are skipped, never made out of
+ * bounds, and the outputs of a flagged call are unspecified.
  */
 #ifndef TINYSERVE_QSA_LAUNCH_H
 #define TINYSERVE_QSA_LAUNCH_H
@@ -47,8 +50,14 @@ typedef enum QsaStatus {
     QSA_ERR_INVALID_ARGUMENT = 1, /* a dim, pointer or attribute is out of range */
     QSA_ERR_UNSUPPORTED = 2,      /* valid per the schema, not implemented here (oracle decode) */
     QSA_ERR_WORKSPACE = 3,        /* workspace smaller than qsa_workspace_size() */
-    QSA_ERR_CUDA = 4              /* a launch failed (cudaGetLastError) */
+    QSA_ERR_CUDA = 4,             /* a launch failed (cudaGetLastError) */
+    QSA_ERR_BAD_PAGE_ID = 5,      /* from error_flags: a page id outside the pools */
+    QSA_ERR_TOO_MANY_PAGES = 6    /* from error_flags: a sequence needs more than NP pages */
 } QsaStatus;
+
+/* Bits of the error_flags word the kernels set (atomicOr). */
+#define QSA_FLAG_BAD_PAGE_ID 1
+#define QSA_FLAG_TOO_MANY_PAGES 2
 
 typedef enum QsaDtype { QSA_DTYPE_FLOAT32 = 0, QSA_DTYPE_FLOAT16 = 1 } QsaDtype;
 
@@ -113,6 +122,7 @@ typedef struct QsaForwardParams {
     const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] */
     void* output;
     void* selected_pages; /* may be NULL */
+    int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */
 } QsaForwardParams;
 
 /* Writes S new tokens' K/V into their page slots (slot = past_lens[b] + i,
@@ -129,6 +139,7 @@ typedef struct QsaAppendParams {
     void* key_max;
     const int32_t* page_table;
     const int32_t* past_lens;
+    int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */
 } QsaAppendParams;
 
 /* Bytes of scratch qsa_forward needs for these dims; sized for the largest
@@ -146,6 +157,9 @@ int32_t qsa_forward(const QsaForwardParams* params, void* workspace, size_t work
 int32_t qsa_append_kv(const QsaAppendParams* params, void* stream);
 
 const char* qsa_status_string(int32_t status);
+
+/* The status an error_flags word stands for (QSA_OK for 0). */
+int32_t qsa_flags_status(int32_t flags);
 
 /* Number of split-K partitions qsa_forward uses for these dims (0 = auto). */
 int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms);

@@ -29,10 +29,17 @@ constexpr int kThreads = 256;
 constexpr int kMaxEptMeta = QSA_MAX_HEAD_DIM / 32;
 
 // Larger float -> larger unsigned key; -0.0 was folded into +0.0 by the caller.
+// NaN gets the smallest key, below -inf: numpy's argsort(-score) puts NaN last,
+// so a NaN-scored page is kept only after every other one (lowest index first).
 __device__ __forceinline__ uint32_t order_key(float f) {
+    if (f != f) return 0u;
     uint32_t u = __float_as_uint(f);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+
+// max that propagates NaN, as numpy's maximum/max do (fmaxf drops it), so a NaN in a
+// page's metadata or the query gives that page a NaN score like the reference.
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 
 // The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
 struct SelOut {
@@ -56,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ uint32_t hist[256];
     __shared__ uint32_t s_prefix;
     __shared__ int s_krem;
-    extern __shared__ float smem[];
+    QSA_DYNAMIC_SHARED(float, smem);
 
     const QsaDims& d = p.dims;
     const int h = blockIdx.x, b = blockIdx.y;
@@ -67,6 +74,14 @@ __global__ void __launch_bounds__(kThreads)
     const int n = min((past + ps - 1) / ps, NP);
     int32_t* kept = ws.kept_idx + size_t(bh) * NP;
     const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
+    if (h == 0) {  // one block per sequence checks its page ids (the numpy reference raises on these)
+        if (threadIdx.x == 0 && (past + ps - 1) / ps > NP) raise_flag(p.error_flags, QSA_FLAG_TOO_MANY_PAGES);
+        const int64_t id_end = int64_t(d.num_pages) + (p.key_cache_int8 ? p.cold.num_pages : 0);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int page = p.page_table[size_t(b) * NP + i];
+            if (page < 0 || page >= id_end) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
+        }
+    }
 
     const int n_sink = min(p.attrs.sink_pages, n);
     const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
@@ -92,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (p.attrs.policy == QSA_POLICY_WINDOW) {
         for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) scores[i] = float(i);
-    } else {  // query_aware: sum_d max(q*min, q*max), combined over the group
+    } else if (p.attrs.policy == QSA_POLICY_QUERY_AWARE) {  // sum_d max(q*min, q*max), combined over the group
         const T* kmin = static_cast<const T*>(p.key_min);
         const T* kmax = static_cast<const T*>(p.key_max);
         for (int i = n_sink + warp; i < recent_start; i += nwarps) {
@@ -114,11 +129,11 @@ __global__ void __launch_bounds__(kThreads)
                     const int dd = lane + 32 * e;
                     if (dd < D) {
                         const float qq = q_s[g * D + dd];
-                        t += fmaxf(qq * lo[e], qq * hi[e]);
+                        t += max_nan(qq * lo[e], qq * hi[e]);
                     }
                 }
                 t = warp_sum(t);
-                r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? fmaxf(r, t) : r + t;
+                r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? max_nan(r, t) : r + t;
             }
             if (lane == 0) scores[i] = ok ? r + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
         }
@@ -196,10 +211,8 @@ cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool a
         all_pages ? 0 : select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
     const dim3 grid(d.num_kv_heads, d.batch);
     if (p.dtype == QSA_DTYPE_FLOAT16)
-        select_kernel<__half><<<grid, kThreads, smem, stream>>>(p, ws, int(all_pages), int(in_smem));
-    else
-        select_kernel<float><<<grid, kThreads, smem, stream>>>(p, ws, int(all_pages), int(in_smem));
-    return cudaGetLastError();
+        return launch_kernel(select_kernel<__half>, grid, kThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
+    return launch_kernel(select_kernel<float>, grid, kThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
 }
 
 }  // namespace qsa

@@ -19,20 +19,35 @@ def nvcc_or_skip() -> str:
     return nvcc
 
 
+def _emulated_lib():
+    """The kernels built by g++ against plugins/emulation (rebuilt when a source is newer)."""
+    from tinyserve_trt.cuda import library
+
+    if not (os.environ.get("CXX") or shutil.which("g++")):
+        pytest.skip("no CUDA device and no g++ (or $CXX) to build the CPU-emulated kernel library")
+    subprocess.run([sys.executable, str(ROOT / "plugins" / "build.py"), "--emulate", "--if-stale",
+                    "--out", str(library.EMULATED_LIB.parent)], check=True)
+    return library.use(library.EMULATED_LIB)
+
+
 @pytest.fixture(scope="session")
 def cuda_lib():
-    """The kernel library, built for this GPU if missing; skips without a CUDA device."""
+    """The kernel library the GPU tests drive: the nvcc build on a CUDA device (built for
+    it if missing), else the same sources built for the CPU emulation (host memory).
+    $TINYSERVE_QSA_LIB, when set, is used as is."""
+    from tinyserve_trt.cuda import library
+
+    if os.environ.get(library.LIB_ENV):
+        return library.use(library.library_path())
     try:
         import torch
     except ImportError:
-        pytest.skip("torch is not installed: the GPU harness runs kernels on torch CUDA tensors")
+        pytest.skip("torch is not installed: the harness holds the kernels' buffers in torch tensors")
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
-    from tinyserve_trt.cuda import library
-
+        return _emulated_lib()
     if not library.library_path().is_file():
         nvcc_or_skip()
         major, minor = torch.cuda.get_device_capability()
         subprocess.run([sys.executable, str(ROOT / "plugins" / "build.py"), "--arch", f"{major}{minor}"],
                        check=True)
-    return library.load()
+    return library.use(library.library_path())

@@ -131,3 +131,19 @@ def test_num_splits_bounds(host_lib):
     assert host_lib.qsa_num_splits(ctypes.byref(d), 5, 132) == 5
     d.table_width = 3
     assert host_lib.qsa_num_splits(ctypes.byref(d), 0, 132) == 3  # never more splits than pages
+
+
+def test_policy_ids_outside_the_implemented_set_are_refused(host_lib):
+    """An id past the schema's list is invalid; the attribute is never run as another policy."""
+    p = _params()
+    p.attrs.policy = len(schema.POLICIES)
+    assert _check(host_lib, p) == 1
+    p.attrs.policy = -1
+    assert _check(host_lib, p) == 1
+
+
+@pytest.mark.parametrize("flags,status", [(0, 0), (1, 5), (2, 6), (3, 5)])
+def test_flags_status_matches_python(host_lib, flags, status):
+    host_lib.qsa_flags_status.argtypes = [ctypes.c_int32]
+    host_lib.qsa_flags_status.restype = ctypes.c_int32
+    assert host_lib.qsa_flags_status(flags) == status == library.flags_status(flags)

@@ -64,6 +64,12 @@ def test_decode_head_dims(cuda_lib, rng, head_dim):
     _run_and_check(case, schema.OpAttributes(sink_pages=2, recent_pages=2), "float32")
 
 
+@pytest.mark.parametrize("head_dim", [20, 36])  # fp16 rows that are not whole 16-byte vectors: element loads
+def test_decode_head_dims_partial_vectors(cuda_lib, rng, head_dim):
+    case = make_case(CaseSpec((37, 200), 4, 2, head_dim, 16, 1, "float16", budget=80), rng)
+    _run_and_check(case, schema.OpAttributes(sink_pages=2, recent_pages=2), "float16")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_decode_split_counts(cuda_lib, rng, num_splits):
     case = make_case(CaseSpec((300, 17), 8, 2, 64, 8, 1, "float16", budget=120), rng)
@@ -102,6 +108,14 @@ def test_decode_ties_keep_lowest_index(cuda_lib, rng):
 def test_prefill_matches_reference(cuda_lib, rng, dtype, new_tokens):
     case = make_case(CaseSpec(LENS, 8, 2, 64, 16, new_tokens, dtype, budget=32), rng)
     _run_and_check(case, schema.OpAttributes(), dtype)  # S > 1: every valid page, causal over new tokens
+
+
+@pytest.mark.parametrize("head_dim,heads", [(256, (2, 1)), (64, (12, 1))])
+def test_prefill_head_dims_and_groups(cuda_lib, rng, head_dim, heads):
+    """D = 256 fp32 needs 66 KB of shared memory (the opt-in path); a group of 12 is two
+    chunks (8 + 4 heads) whose query tiles share one grid."""
+    case = make_case(CaseSpec((37, 130), heads[0], heads[1], head_dim, 16, 5, "float32", budget=32), rng)
+    _run_and_check(case, schema.OpAttributes(), "float32")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -193,3 +207,11 @@ def test_unsupported_reports_status(cuda_lib, rng):
     case = make_case(CaseSpec((40,), 2, 1, 16, 16, 1, "float32", budget=16), rng)
     with pytest.raises(KernelError, match="unsupported"):
         sparse_attention_gpu(**case, attrs=schema.OpAttributes(policy="oracle"))
+
+
+@pytest.mark.parametrize("dtype,past", [("float32", 300), ("float16", 37)])
+def test_long_prefill_matches_reference(cuda_lib, rng, dtype, past):
+    """1K+ new tokens: ~65 query tiles, each walking the cached pages then the causal new
+    block in key tiles. Small heads keep it to seconds in the CPU emulation."""
+    case = make_case(CaseSpec((past,), 2, 1, 32, 16, 1030, dtype, budget=64), rng)
+    _run_and_check(case, schema.OpAttributes(), dtype)

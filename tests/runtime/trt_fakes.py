@@ -189,14 +189,30 @@ def _fake_torch() -> types.ModuleType:
 _appended: list[int] = []  # rows of each append call
 
 
-def _fake_append(key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens):
+def _fake_append(lib, shapes, pointers, dtype, stream=0):
+    """``library.append_kv`` on host memory: views the buffers behind the addresses the backend
+    passes (the fake devices are the CPU) and applies ``append_kv_ref`` in place."""
     from tinyserve_dev.kernels.references import append_kv_ref
 
-    _appended.append(key.shape[0])
-    got = append_kv_ref(*(t.numpy() for t in (key, value, key_cache, value_cache, key_min, key_max,
-                                              page_table, past_lens)))
-    for dst, src in zip((key_cache, value_cache, key_min, key_max), got):
-        dst.copy_(torch.from_numpy(src))
+    assert lib == "fake-lib" and stream == FakeStream.cuda_stream  # stream-ordered on the backend's stream
+    names = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens")
+    types_ = dict(page_table=np.int32, past_lens=np.int32)
+    views = {}
+    for n in (*names, "error_flags"):
+        shape = tuple(shapes[n])
+        dt = np.dtype(types_.get(n, np.int32 if n == "error_flags" else dtype))
+        buf = (ctypes.c_char * (int(np.prod(shape)) * dt.itemsize)).from_address(pointers[n])
+        views[n] = np.frombuffer(buf, dtype=dt).reshape(shape)
+    _appended.append(shapes["key"][0])
+    P, ps = shapes["key_cache"][0], shapes["key_cache"][2]
+    for b, past in enumerate(views["past_lens"]):  # what the kernel flags instead of writing
+        touched = views["page_table"][b, past // ps: -(-(int(past) + shapes["key"][2]) // ps)]
+        if ((touched < 0) | (touched >= P)).any():
+            views["error_flags"][0] |= 1  # QSA_FLAG_BAD_PAGE_ID
+            return
+    got = append_kv_ref(*(views[n].copy() for n in names))
+    for n, src in zip(("key_cache", "value_cache", "key_min", "key_max"), got):
+        views[n][...] = src
 
 
 @pytest.fixture
@@ -211,7 +227,8 @@ def fake_backend(monkeypatch, tmp_path):
         inputs={r: r for r in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget",
                                "logits_index")})
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
-    monkeypatch.setattr("tinyserve_dev.kernels.harness.append_kv_gpu", _fake_append)
+    monkeypatch.setattr("tinyserve_trt.cuda.library.append_kv", _fake_append)
+    monkeypatch.setattr("tinyserve_trt.cuda.library.load", lambda path=None: "fake-lib")
     _appended.clear()
 
     def make(cuda_graphs=True, capturable=True, tiered=False, **limits):

@@ -1,4 +1,8 @@
-"""Run the CUDA kernels on torch CUDA tensors, with ``sparse_attention_ref``'s signature.
+"""Run the CUDA kernels on torch tensors, with ``sparse_attention_ref``'s signature.
+
+The tensors are CUDA tensors for the nvcc build of the library and host (CPU)
+tensors for the emulated build (plugins/emulation), which runs the same kernel
+sources on the CPU; ``library.load()`` decides which one is in use.
 
 Why torch and not cupy: the GPU check also times torch's
 ``scaled_dot_product_attention`` as the baseline, so one array library covers
@@ -20,19 +24,44 @@ from tinyserve_trt.ops import schema
 from tinyserve_trt.cuda import library
 
 
-def _torch():
-    import torch  # lazy: heavy, and absent on CPU-only installs
+class _Device:
+    """Where the loaded library's buffers live: CUDA memory for the nvcc build, host
+    memory for the emulated one (``library.is_emulated``), whose launches finish
+    before they return. Torch holds the buffers either way."""
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("torch has no CUDA device")
-    return torch
+    def __init__(self):
+        import torch  # lazy: heavy
+
+        self.torch = torch
+        self.lib = library.load()
+        self.emulated = library.is_emulated(self.lib)
+        if not self.emulated and not torch.cuda.is_available():
+            raise RuntimeError("torch has no CUDA device (and the loaded kernel library is not the emulated one)")
+        self.name = "cpu" if self.emulated else "cuda"
+
+    def stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(None if self.emulated else self.torch.cuda.current_stream().cuda_stream)
+
+    def synchronize(self) -> None:
+        if not self.emulated:
+            self.torch.cuda.synchronize()
+
+    def num_sms(self) -> int:
+        return 0 if self.emulated else self.torch.cuda.get_device_properties(0).multi_processor_count
+
+    def check_flags(self, flags, what: str) -> None:
+        """After a synchronize: raise the KernelError the kernels' error flags stand for."""
+        library.check_flags(int(flags[0]), what)
 
 
-def _to_dev(torch, a, dtype=None):
+def _to_dev(dev: _Device, a, dtype=None):
+    torch = dev.torch
     if a is None:
         return None
-    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-    t = t.to("cuda")
+    # numpy inputs are copied (np.array): on the emulated (host) library a shared buffer
+    # would let the kernels write into the caller's arrays
+    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a, order="C", copy=True))
+    t = t.to(dev.name)
     if dtype is not None:
         t = t.to(dtype)
     return t.contiguous()
@@ -49,20 +78,21 @@ class ForwardCall:
     def __init__(self, query, key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens,
                  token_budget, key_cache_int8=None, value_cache_int8=None, key_scale=None, value_scale=None,
                  *, attrs: schema.OpAttributes | None = None, num_splits: int = 0, poison: bool = True):
-        torch = self.torch = _torch()
+        dev = self.dev = _Device()
+        torch = self.torch = dev.torch
         attrs = attrs or schema.OpAttributes()
-        q = _to_dev(torch, query)
+        q = _to_dev(dev, query)
         if q.dtype not in (torch.float32, torch.float16):
             raise ValueError(f"query dtype {q.dtype} is not float32/float16")
         dt = q.dtype
-        t = {n: _to_dev(torch, a, dt) for n, a in dict(key=key, value=value, key_cache=key_cache,
+        t = {n: _to_dev(dev, a, dt) for n, a in dict(key=key, value=value, key_cache=key_cache,
                                                        value_cache=value_cache, key_min=key_min,
                                                        key_max=key_max).items()}
-        ints = {n: _to_dev(torch, a, torch.int32) for n, a in dict(page_table=page_table, past_lens=past_lens,
+        ints = {n: _to_dev(dev, a, torch.int32) for n, a in dict(page_table=page_table, past_lens=past_lens,
                                                                    token_budget=token_budget).items()}
         # The cold tier keeps its own dtypes (int8 pools, float32 scales): never cast, a
         # float pool passed here would be reinterpreted bytes, so refuse it instead.
-        cold = {n: _to_dev(torch, a) for n, a in dict(key_cache_int8=key_cache_int8,
+        cold = {n: _to_dev(dev, a) for n, a in dict(key_cache_int8=key_cache_int8,
                                                       value_cache_int8=value_cache_int8, key_scale=key_scale,
                                                       value_scale=value_scale).items()}
         for n, want in zip(library.COLD_POINTERS, (torch.int8, torch.int8, torch.float32, torch.float32)):
@@ -70,24 +100,26 @@ class ForwardCall:
                 raise ValueError(f"{n} must be {want}, got {cold[n].dtype}")
         self.output = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
         self.selected = torch.full((q.shape[0], t["key"].shape[1], ints["page_table"].shape[1]), 0xAA,
-                                   dtype=torch.uint8, device="cuda")
-        self._keep = {"query": q, **t, **ints, **cold, "output": self.output, "selected_pages": self.selected}
+                                   dtype=torch.uint8, device=dev.name)
+        self.flags = torch.zeros(1, dtype=torch.int32, device=dev.name)
+        self._keep = {"query": q, **t, **ints, **cold, "output": self.output, "selected_pages": self.selected,
+                      "error_flags": self.flags}
         p = self.params = library.forward_params(
             {n: None if x is None else tuple(x.shape) for n, x in self._keep.items()},
             {n: None if x is None else x.data_ptr() for n, x in self._keep.items()},
             "float16" if dt == torch.float16 else "float32", attrs, num_splits=num_splits)
         dims = p.dims
-        self.lib = library.load()
+        self.lib = dev.lib
         ws_bytes = self.lib.qsa_workspace_size(ctypes.byref(dims))
-        self.workspace = torch.full((max(ws_bytes, 1),), 0xFF if poison else 0, dtype=torch.uint8, device="cuda")
-        self.num_splits = self.lib.qsa_num_splits(ctypes.byref(dims), num_splits,
-                                                  torch.cuda.get_device_properties(0).multi_processor_count)
+        self.workspace = torch.full((max(ws_bytes, 1),), 0xFF if poison else 0, dtype=torch.uint8,
+                                    device=dev.name)
+        self.num_splits = self.lib.qsa_num_splits(ctypes.byref(dims), num_splits, dev.num_sms())
 
     def launch(self) -> None:
-        """Enqueue on torch's current stream; raises KernelError on a bad status. Does not sync."""
-        stream = self.torch.cuda.current_stream().cuda_stream
+        """Enqueue on torch's current stream; raises KernelError on a bad status. Does not sync
+        (the kernels' error flags are read by ``sparse_attention_gpu`` after its sync)."""
         status = self.lib.qsa_forward(ctypes.byref(self.params), _ptr(self.workspace), self.workspace.numel(),
-                                      ctypes.c_void_p(stream))
+                                      self.dev.stream())
         if status != library.QSA_OK:
             raise library.KernelError(status, "qsa_forward")
 
@@ -104,7 +136,8 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
     first = inputs[0] if inputs else named["query"]
     call = ForwardCall(*inputs, attrs=attrs, num_splits=num_splits, poison=poison, **named)
     call.launch()
-    call.torch.cuda.synchronize()
+    call.dev.synchronize()
+    call.dev.check_flags(call.flags, "qsa_forward")
     sel = call.selected
     bad = int(((sel != 0) & (sel != 1)).sum())
     if bad:
@@ -115,29 +148,28 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
 
 
 def append_kv_gpu(key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens):
-    """Write new tokens into the pages and refresh touched pages' metadata.
+    """Write new tokens into the pages and refresh touched pages' metadata (``library.append_kv``).
 
-    CUDA tensors are updated in place and returned; numpy inputs are copied,
-    and the updated ``(key_cache, value_cache, key_min, key_max)`` come back as numpy.
+    Tensors on the library's device are updated in place and returned; numpy inputs are
+    copied, and the updated ``(key_cache, value_cache, key_min, key_max)`` come back as
+    numpy. Synchronises, then raises KernelError for a bad page id or a full page table.
     """
-    torch = _torch()
+    dev = _Device()
+    torch = dev.torch
     as_numpy = isinstance(key, np.ndarray)
-    k = _to_dev(torch, key)
+    k = _to_dev(dev, key)
     dt = k.dtype
-    v = _to_dev(torch, value, dt)
-    kc, vc, kmin, kmax = (_to_dev(torch, a, dt) for a in (key_cache, value_cache, key_min, key_max))
-    table, past = _to_dev(torch, page_table, torch.int32), _to_dev(torch, past_lens, torch.int32)
-    B, Hkv, S, D = k.shape
-    p = library.QsaAppendParams()
-    p.dims = library.QsaDims(B, Hkv, Hkv, S, D, kc.shape[0], kc.shape[2], table.shape[1], kmin.shape[0])
-    p.dtype = library.DTYPES["float16" if dt == torch.float16 else "float32"]
-    for name, tensor in dict(key=k, value=v, key_cache=kc, value_cache=vc, key_min=kmin, key_max=kmax,
-                             page_table=table, past_lens=past).items():
-        setattr(p, name, _ptr(tensor))
-    status = library.load().qsa_append_kv(ctypes.byref(p), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    if status != library.QSA_OK:
-        raise library.KernelError(status, "qsa_append_kv")
-    torch.cuda.synchronize()
+    v = _to_dev(dev, value, dt)
+    kc, vc, kmin, kmax = (_to_dev(dev, a, dt) for a in (key_cache, value_cache, key_min, key_max))
+    table, past = _to_dev(dev, page_table, torch.int32), _to_dev(dev, past_lens, torch.int32)
+    flags = torch.zeros(1, dtype=torch.int32, device=dev.name)
+    tensors = dict(key=k, value=v, key_cache=kc, value_cache=vc, key_min=kmin, key_max=kmax, page_table=table,
+                   past_lens=past, error_flags=flags)
+    library.append_kv(dev.lib, {n: tuple(t.shape) for n, t in tensors.items()},
+                      {n: t.data_ptr() for n, t in tensors.items()},
+                      "float16" if dt == torch.float16 else "float32", dev.stream().value or 0)
+    dev.synchronize()
+    dev.check_flags(flags, "qsa_append_kv")
     if as_numpy:
         return tuple(a.cpu().numpy() for a in (kc, vc, kmin, kmax))
     return kc, vc, kmin, kmax

@@ -16,10 +16,15 @@ from pathlib import Path
 from ..ops import schema
 
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"
+# The same kernel sources built by g++ against plugins/emulation (host memory, no GPU).
+EMULATED_LIB = DEFAULT_LIB.parent / "emulated" / "libqsa_kernels.so"
 LIB_ENV = "TINYSERVE_QSA_LIB"
 
 QSA_OK = 0
-STATUS_NAMES = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "workspace too small", 4: "CUDA launch failed"}
+STATUS_NAMES = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "workspace too small", 4: "CUDA launch failed",
+                5: "page id outside the pools", 6: "sequence needs more pages than the page table holds"}
+# Bits the kernels set in ``error_flags`` (qsa_launch.h QSA_FLAG_*) and the status each stands for.
+FLAG_STATUS = {1: 5, 2: 6}
 DTYPES = {"float32": 0, "float16": 1}
 POLICY_IDS = {name: i for i, name in enumerate(schema.POLICIES)}
 GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
@@ -45,7 +50,7 @@ class QsaColdDims(ctypes.Structure):
 
 FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
                     "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale",
-                    "output", "selected_pages")
+                    "output", "selected_pages", "error_flags")
 COLD_POINTERS = schema.COLD_INPUTS  # key_cache_int8, value_cache_int8, key_scale, value_scale
 
 
@@ -54,7 +59,8 @@ class QsaForwardParams(ctypes.Structure):
                 ("selected_pages_elem_size", _i32), ("cold", QsaColdDims)] + [(n, _vp) for n in FORWARD_POINTERS]
 
 
-APPEND_POINTERS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens")
+APPEND_POINTERS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens",
+                   "error_flags")
 
 
 class QsaAppendParams(ctypes.Structure):
@@ -69,11 +75,38 @@ class KernelError(RuntimeError):
         self.status = status
 
 
+def flags_status(flags: int) -> int:
+    """The QsaStatus that a call's ``error_flags`` word stands for (QSA_OK when 0)."""
+    for bit, status in FLAG_STATUS.items():
+        if flags & bit:
+            return status
+    return QSA_OK
+
+
+def check_flags(flags: int, what: str) -> None:
+    """Raise KernelError when the kernels flagged a bad page id or a full page table."""
+    status = flags_status(flags)
+    if status != QSA_OK:
+        raise KernelError(status, what)
+
+
 _LIB = None
 
 
 def library_path() -> Path:
     return Path(os.environ.get(LIB_ENV, DEFAULT_LIB))
+
+
+def is_emulated(lib: ctypes.CDLL) -> bool:
+    """True for the CPU-emulated build: its pointers are host memory, its launches synchronous."""
+    return hasattr(lib, "qsa_emulated")
+
+
+def use(path: str | os.PathLike) -> ctypes.CDLL:
+    """Load the library at ``path`` and make it the one ``load()`` returns from now on."""
+    global _LIB
+    _LIB = load(path)
+    return _LIB
 
 
 def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
@@ -155,3 +188,32 @@ def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping
 def make_attrs(attrs: schema.OpAttributes) -> QsaAttrs:
     return QsaAttrs(float(attrs.scale), POLICY_IDS[attrs.policy], attrs.sink_pages, attrs.recent_pages,
                     GROUP_REDUCE_IDS[attrs.group_reduce])
+
+
+def append_params(shapes: Mapping[str, Sequence[int]], pointers: Mapping[str, int | None],
+                  dtype: str) -> QsaAppendParams:
+    """Pack one ``qsa_append_kv`` call from shapes and addresses by name (``APPEND_POINTERS``;
+    key ``[B, Hkv, S, D]``, key_cache ``[P, Hkv, ps, D]``, page_table ``[B, NP]``). Touches no memory."""
+    B, Hkv, S, D = shapes["key"]
+    P, _, ps, _ = shapes["key_cache"]
+    p = QsaAppendParams()
+    p.dims = QsaDims(B, Hkv, Hkv, S, D, P, ps, shapes["page_table"][1], shapes["key_min"][0])
+    p.dtype = DTYPES[dtype]
+    for name in APPEND_POINTERS:
+        setattr(p, name, pointers.get(name))
+    return p
+
+
+def append_kv(lib: ctypes.CDLL, shapes: Mapping[str, Sequence[int]], pointers: Mapping[str, int | None],
+              dtype: str, stream: int = 0) -> None:
+    """Enqueue ``qsa_append_kv`` on ``stream`` (a cudaStream_t as int; 0 = legacy default).
+
+    Stream-ordered and allocation-free: no synchronisation, no copy. Buffers must be
+    contiguous and on the library's device. Raises KernelError when the call is
+    refused; a bad page id or a full page table is reported later, through the
+    int32 ``error_flags`` word (if given) once the stream has run (``check_flags``).
+    """
+    p = append_params(shapes, pointers, dtype)
+    status = lib.qsa_append_kv(ctypes.byref(p), ctypes.c_void_p(stream or None))
+    if status != QSA_OK:
+        raise KernelError(status, "qsa_append_kv")

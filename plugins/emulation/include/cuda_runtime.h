@@ -1,0 +1,3 @@
+// g++ emulation stand-in for <cuda_runtime.h> (see ../cuda_emu.h).
+#pragma once
+#include "../cuda_emu.h"
