@@ -158,7 +158,8 @@ def test_cold_tier_on_the_device_reads_the_same_as_on_the_host(make):
 def test_kernel_writer_writes_the_same_pages(make, monkeypatch):
     from tests.runtime.trt_fakes import _appended, _fake_append
 
-    monkeypatch.setattr("tinyserve_dev.kernels.harness.append_kv_gpu", _fake_append)
+    monkeypatch.setattr("tinyserve_trt.cuda.library.append_kv", _fake_append)
+    monkeypatch.setattr("tinyserve_trt.cuda.library.load", lambda path=None: "fake-lib")
     _appended.clear()
     ref, ref_pool, _ = make("cuda")
     kern, kern_pool, _ = make("cuda", pages=48)

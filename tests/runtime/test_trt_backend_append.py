@@ -29,7 +29,7 @@ def test_backend_imports_nothing_from_the_dev_harness():
 def test_appends_go_through_the_library_binding(fake_backend):
     backend, pool = fake_backend(cuda_graphs=False)
     greedy(backend, pool, REQUESTS)
-    assert _appended and int(backend._append_flags[0]) == 0
+    assert _appended and int(backend._appender.flags[0]) == 0
 
 
 def test_bad_page_id_flagged_by_the_append_fails_the_step(fake_backend, monkeypatch):

@@ -134,7 +134,9 @@ class DeviceBinding:
         else:
             rows = self.counter.upload(torch, "logits_rows", last, self.device)
             logits = logits[torch.arange(len(batch), device=self.device), rows]
-        host_logits = self.counter.download("logits", logits.float())
+        host_logits = self.counter.download("logits", logits.float())  # synchronizes the stream
+        if getattr(self, "_appender", None) is not None:
+            self._appender.check("ORT backend: qsa_append_kv")
         selected = None
         if self.want_selected:
             selected = [self.counter.download(f"selected_pages.{i}", outputs[n["selected_pages"]].bool())
@@ -150,22 +152,13 @@ class DeviceBinding:
             self._append_torch(batch, outputs)
 
     def _append_kernel(self, batch: ScheduledBatch, outputs: dict, uploaded: dict) -> None:
-        """``qsa_append_kv`` per layer (rows with fewer new tokens than the batch's width
-        one by one, so no padding token lands in a page), as the TensorRT backend."""
-        from tinyserve_dev.kernels.harness import append_kv_gpu
+        """``qsa_append_kv`` per layer on the current stream, as the TensorRT backend does."""
+        from tinyserve_trt.runtime.backends.device_append import DeviceAppender
 
-        table, past = uploaded["page_table"].int(), uploaded["past_lens"].int()
-        full = bool(np.all(batch.num_new_tokens == batch.input_ids.shape[1]))
-        for names, t in zip(self.package.layers, self.pages.layers):
-            k, v = outputs[names["new_key"]], outputs[names["new_value"]]
-            tensors = (t["key_cache"], t["value_cache"], t["key_min"], t["key_max"])
-            if full:
-                append_kv_gpu(k, v, *tensors, table, past)
-                continue
-            for row, count in enumerate(batch.num_new_tokens):
-                if count > 0:
-                    append_kv_gpu(k[row:row + 1, :, :count], v[row:row + 1, :, :count], *tensors,
-                                  table[row:row + 1], past[row:row + 1])
+        if getattr(self, "_appender", None) is None:
+            self._appender = DeviceAppender(self._torch, self.device, self.pages, self.package.layers)
+        stream = int(self._torch.cuda.current_stream(self.device).cuda_stream or 0)
+        self._appender.enqueue(batch, outputs, uploaded["page_table"].int(), uploaded["past_lens"].int(), stream)
 
     def _append_torch(self, batch: ScheduledBatch, outputs: dict) -> None:
         """The same writes with torch indexing: the token slots and the touched pages'

@@ -200,47 +200,20 @@ class TrtBackend(Backend):
 
     def _append(self, batch: ScheduledBatch, outputs: dict) -> None:
         """New K/V into their pages (+ metadata), enqueued on the backend's stream: no sync, no
-        host copy. Only the batch's rows are written (a graph's padding rows are not); rows
-        with fewer new tokens than the batch's width (right-padded prefill chunks) are written
-        row by row, so no padding token lands in a page. Bad page ids / a full page table set
-        the kernels' error flags, checked after the step's synchronisation (``_check_append``)."""
-        from ...cuda import library
+        host copy; bad page ids / a full page table are raised after the step's sync."""
+        from tinyserve_trt.runtime.backends.device_append import DeviceAppender
 
         torch = self._torch
-        if getattr(self, "_append_flags", None) is None:
-            self._append_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._append_flags.zero_()
+        if getattr(self, "_appender", None) is None:
+            self._appender = DeviceAppender(torch, self.device, self.pages, self.package.layers)
         table = torch.from_numpy(np.ascontiguousarray(batch.page_table, np.int32)).to(self.device)
         past = torch.from_numpy(np.ascontiguousarray(batch.past_lens, np.int32)).to(self.device)
-        n, width = len(batch), batch.input_ids.shape[1]
-        full = bool(np.all(batch.num_new_tokens == width))
-        dtype = "float16" if self.pages.layers[0]["key_cache"].dtype == torch.float16 else "float32"
-        lib, stream = library.load(), int(self.stream.cuda_stream or 0)
-
-        def append(**tensors):
-            tensors["error_flags"] = self._append_flags
-            library.append_kv(lib, {k: tuple(t.shape) for k, t in tensors.items()},
-                              {k: t.data_ptr() for k, t in tensors.items()}, dtype, stream)
-
-        for layer, names in enumerate(self.package.layers):
-            k, v = outputs[names["new_key"]][:n], outputs[names["new_value"]][:n]
-            pools = {role: self.pages.layers[layer][role] for role in ("key_cache", "value_cache", "key_min",
-                                                                        "key_max")}
-            if full:
-                append(key=k.contiguous(), value=v.contiguous(), page_table=table, past_lens=past, **pools)
-                continue
-            for row, count in enumerate(batch.num_new_tokens):
-                if count > 0:
-                    append(key=k[row:row + 1, :, :count].contiguous(), value=v[row:row + 1, :, :count].contiguous(),
-                           page_table=table[row:row + 1], past_lens=past[row:row + 1], **pools)
+        self._appender.enqueue(batch, outputs, table, past, int(self.stream.cuda_stream or 0))
 
     def _check_append(self) -> None:
         """After the stream has run: raise what the append kernels flagged."""
-        from ...cuda import library
-
-        flags = getattr(self, "_append_flags", None)
-        if flags is not None:
-            library.check_flags(int(flags[0]), "TensorRT backend: qsa_append_kv")
+        if getattr(self, "_appender", None) is not None:
+            self._appender.check("TensorRT backend: qsa_append_kv")
 
     def close(self) -> None:
         self._graphs = None  # graphs before the contexts they were captured from
