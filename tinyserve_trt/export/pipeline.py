@@ -115,6 +115,10 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     )
     if cold_tier:
         manifest["cold_tier"] = cold_tier
+    # two-level selection (issue #15): the runtime pools keep key_sub_bounds of this sub-page size
+    two_level = [p.attrs for p in plans if p.attrs.two_level]
+    if two_level:
+        manifest.update(sub_page_size=two_level[0].sub_page_size, candidate_share=config.candidate_share)
 
     figure = None
     if config.validate:

@@ -20,6 +20,7 @@ INPUT_ROLES = ("input_ids", "page_table", "past_lens", "token_budget")
 LAYER_ROLES = ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new_value")
 COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")  # ops.schema.COLD_INPUTS
 COLD_TIER_FIELDS = ("k_granularity", "v_granularity", "hot_fraction", "sink_pages", "recent_pages", "decay")
+SUB_ROLE = "key_sub_bounds"  # ops.schema.TWO_LEVEL_INPUTS: per sparse layer of a two-level package
 INT_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "page_size", "token_budget")
 
 
@@ -86,6 +87,7 @@ class ModelPackage:
                 lacking = [r for r in COLD_ROLES if r not in layer]
                 if lacking:
                     raise PackageError(f"{mpath}: io.layers[{i}] lacks the cold-tier inputs {lacking}")
+        _check_two_level(mpath, manifest, io["layers"])
         if "logits" not in io.get("outputs", {}):
             raise PackageError(f"{mpath}: io.outputs lacks 'logits'")
         if manifest.get("dtype", "float32") not in ("float32", "float16"):
@@ -115,6 +117,11 @@ class ModelPackage:
     token_budget = property(lambda self: self.manifest["token_budget"], doc="default decode budget (0 = dense)")
     dtype = property(lambda self: self.manifest.get("dtype", "float32"))
     max_context = property(lambda self: self.manifest.get("max_context", 8192))
+
+    @property
+    def sub_page_size(self) -> int:
+        """Two-level selection's sub-page tokens (``key_sub_bounds`` inputs of the sparse layers); 0: single level."""
+        return self.manifest.get("sub_page_size", 0)
 
     @property
     def cold_tier(self) -> dict | None:
@@ -205,3 +212,16 @@ class ModelPackage:
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _check_two_level(mpath: Path, manifest: dict, layers: list) -> None:
+    """``sub_page_size`` (absent: 0) divides the page size, and exactly the layers that select
+    (policy not dense) take ``key_sub_bounds`` when it is set; none does when it is 0."""
+    sp, ps = manifest.get("sub_page_size", 0), manifest["page_size"]
+    if not isinstance(sp, int) or isinstance(sp, bool) or sp < 0 or (sp and (ps % sp or sp == ps)):
+        raise PackageError(f"{mpath}: sub_page_size must be 0 or a proper divisor of page_size {ps}, got {sp!r}")
+    for i, layer in enumerate(layers):
+        if (SUB_ROLE in layer) != bool(sp and layer.get("policy") != "dense"):
+            raise PackageError(f"{mpath}: io.layers[{i}] ({layer.get('policy')}) "
+                               + (f"lacks {SUB_ROLE!r} for sub_page_size {sp}" if sp else
+                                  f"has {SUB_ROLE!r} but sub_page_size is 0"))
