@@ -114,3 +114,38 @@ def test_device_pages_keep_the_same_codes_as_the_host():
         t[layer]["key_min"][phys], t[layer]["key_max"][phys] = k.amin(1), k.amax(1)
     dev.note_device_writes(np.array([[d * PS, d * PS + 1, d * PS + 2]]))
     _assert_codes_fresh(dev, [d])
+
+
+@pytest.fixture(scope="module")
+def two_level_package(tiny_root):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.tiny_models import build_package
+
+    root = tiny_root / "llama-two-level"
+    root.mkdir(exist_ok=True)
+    _, pkg = build_package("llama", root, page_size=8, sub_page_size=2, token_budget=16)
+    return pkg
+
+
+def test_two_level_package_served_end_to_end(two_level_package):
+    """ORT binds each sparse layer's key_sub_bounds from the pool: at a budget covering the
+    context the greedy ids equal the dense run's; at a small budget sparse decode runs, selects
+    (some pages left out), and the pool's codes stay exact."""
+    from tinyserve_trt import LLM, SamplingParams
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    package = ModelPackage.load(two_level_package)
+    assert package.sub_page_size == 2
+    assert all(("key_sub_bounds" in layer) == (layer["policy"] != "dense") for layer in package.layers)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [(i * 37 + 11) % 256 for i in range(41)]
+    dense = LLM(two_level_package, dense=True).generate(prompt_token_ids=[prompt], params=greedy)
+    wide = LLM(two_level_package, token_budget=4096).generate(prompt_token_ids=[prompt], params=greedy)
+    assert wide[0].outputs[0].token_ids == dense[0].outputs[0].token_ids
+    llm = LLM(two_level_package, token_budget=8)
+    assert "key_sub_bounds" in llm.engine.pool.cache_inputs(1)
+    out = llm.generate(prompt_token_ids=[prompt, prompt[:30]], params=greedy)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    assert llm.stats()["page_selection_rate"] < 1.0
+    llm.engine.pool.check_integrity(check_data=True)
