@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--policy", default=defaults.policy)
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     p.add_argument("--dense-layers", type=int, default=defaults.dense_layers)
-    p.add_argument("--sub-page-size", type=int, default=defaults.sub_page_size,
+    p.add_argument("--sub-page-size", type=int, default=defaults.resolved_sub_page_size(),
                    help="> 0: the op's two-level selection (pages, then the candidates' sub-pages); "
                         "default: the exporter's, %(default)s")
     p.add_argument("--candidate-share", type=float, default=defaults.candidate_share,

@@ -73,7 +73,7 @@ def parse_variants(text: str, defaults: dict) -> list[tuple[str, dict]]:
 def main(argv=None) -> int:
     d = ExportConfig()
     defaults = dict(page_size=d.resolved_page_size(), group_reduce="max", sink_pages=d.sink_pages,
-                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=d.sub_page_size,
+                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=d.resolved_sub_page_size(),
                     candidate_share=d.candidate_share)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", type=Path, default=None, help="plain-text file (default: Hamlet)")
