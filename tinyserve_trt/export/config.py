@@ -12,7 +12,7 @@ BACKENDS = ("ort", "trt")
 # texts (benchmarks/results/analysis.md, "Two-level default"): the cheapest setting within 2% of
 # dense perplexity on both. Two-level is the default of ONNX Runtime packages with a two-level
 # policy; TensorRT packages stay single level until the plugin's select kernel has its second stage.
-DEFAULT_PAGE_SIZE = 16
+DEFAULT_PAGE_SIZE = 32
 DEFAULT_SUB_PAGE_SIZE = 4
 
 
