@@ -149,3 +149,28 @@ def test_two_level_package_served_end_to_end(two_level_package):
     assert all(len(o.outputs[0].token_ids) == 24 for o in out)
     assert llm.stats()["page_selection_rate"] < 1.0
     llm.engine.pool.check_integrity(check_data=True)
+
+
+def test_package_two_level_fields_are_checked(two_level_package, tmp_path):
+    """The manifest's sub_page_size and the sparse layers' key_sub_bounds role must agree; a bad
+    value is one PackageError line."""
+    import json
+    import shutil
+
+    from tinyserve_trt.runtime.model_package import ModelPackage, PackageError
+
+    def load_with(edit):
+        pkg = tmp_path / "pkg"
+        shutil.rmtree(pkg, ignore_errors=True)
+        shutil.copytree(two_level_package, pkg)
+        manifest = json.loads((pkg / "tinyserve.json").read_text())
+        edit(manifest)
+        (pkg / "tinyserve.json").write_text(json.dumps(manifest))
+        return ModelPackage.load(pkg)
+
+    with pytest.raises(PackageError, match="sub_page_size must be 0 or a proper divisor"):
+        load_with(lambda m: m.update(sub_page_size=3))
+    with pytest.raises(PackageError, match="has 'key_sub_bounds' but sub_page_size is 0"):
+        load_with(lambda m: m.pop("sub_page_size"))
+    with pytest.raises(PackageError, match="lacks 'key_sub_bounds'"):
+        load_with(lambda m: m["io"]["layers"][-1].pop("key_sub_bounds"))
