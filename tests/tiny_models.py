@@ -92,7 +92,7 @@ def write_calibration(path: Path, manifest: dict, hot_fraction: float = 0.5, **f
     the runtime uses dynamic scales), as ``tinyserve-calibrate`` would write it."""
     import numpy as np
 
-    from tinyserve_trt.calibration.artifact import CalibrationArtifact
+    from tinyserve_trt.contracts.calibration import CalibrationArtifact
 
     rng = np.random.default_rng(0)
     L, hkv, d = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]

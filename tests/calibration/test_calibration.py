@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tinyserve_trt.calibration.artifact import ArtifactError, CalibrationArtifact
+from tinyserve_trt.contracts.calibration import ArtifactError, CalibrationArtifact
 from tinyserve_trt.calibration.cli import DataError, main, read_prompts
 from tinyserve_trt.calibration.observe import CalibrationConfig, calibrate, cold_pages_for, fake_quantize
 from tinyserve_trt.calibration.selection import replay_selection

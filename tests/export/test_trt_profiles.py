@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from tinyserve_trt.export.config import ExportConfig
-from tinyserve_trt.export.trt_build import engine_profiles
+from tinyserve_trt.contracts.engine_profiles import engine_profiles
 
 
 def _inputs(pkg):

@@ -18,7 +18,7 @@ from tinyserve_trt.export import cli
 from tinyserve_trt.export.config import ExportConfig
 from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.node import node_attributes
-from tinyserve_trt.runtime.model_package import MANIFEST
+from tinyserve_trt.contracts.manifest import MANIFEST_FILE as MANIFEST
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,7 @@ def test_tiered_engine_refuses_a_backend_without_cold_pages(llama_cold, monkeypa
 
 
 def test_static_scales_come_from_the_package_calibration(llama_cold, tmp_path):
-    from tinyserve_trt.calibration.artifact import CalibrationArtifact
+    from tinyserve_trt.contracts.calibration import CalibrationArtifact
 
     _, pkg, manifest = llama_cold
     with pytest.raises(ValueError, match="kv_scales"):

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyserve_trt.calibration.artifact import CalibrationArtifact
 from tinyserve_trt.calibration.source import ObservationSource
+from tinyserve_trt.contracts.calibration import CalibrationArtifact
+from tinyserve_trt.contracts.cold_tier import TierConfig, cold_page_bytes
 from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page, quantize_page
 from tinyserve_trt.runtime.config import CacheConfig
-from tinyserve_trt.runtime.tiers.config import TierConfig, cold_page_bytes
 
 Progress = Callable[[Iterable, str], Iterable]
 

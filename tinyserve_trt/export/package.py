@@ -1,7 +1,11 @@
 """Write a tinyserve model package: model, manifest, tokenizer files - atomically.
 
 Everything goes into a temporary sibling directory that is renamed into place
-at the end, so a failed export never leaves a partial OUTDIR.
+at the end, so a failed export never leaves a partial OUTDIR. The weights go
+to ``model.onnx.data`` (every initializer over 1 KiB, whatever the model's
+size), the one copy that ``model.onnx``, ORT's optimized graph
+(``ort_graph.py``) and the TensorRT parser all read. File names and the
+manifest's format are ``contracts.manifest``'s.
 """
 
 from __future__ import annotations
@@ -9,13 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
-MANIFEST = "tinyserve.json"
-MODEL_FILE = "model.onnx"
-EXTERNAL_DATA_OVER = 256 << 20  # bytes of weights above which they go to model.onnx.data
+from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, Manifest
+
+EXTERNAL_OVER = 1024  # bytes; smaller initializers stay inline in the graph (as ORT does)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "config.json", "vocab.json", "merges.txt")
 
@@ -39,28 +44,43 @@ def special_tokens(files: list[Path]) -> dict:
     return out
 
 
-def write_package(outdir: Path, model: onnx.ModelProto, manifest: dict, extra_files: list[Path],
-                  overwrite: bool = False, finalize=None) -> int:
-    """Write and return the package's size in bytes."""
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers (what ``model.onnx.data`` holds, plus the small inline ones)."""
+    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def package_bytes(path: Path) -> int:
+    """Bytes of every file in a package directory."""
+    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+
+
+def write_package(outdir: Path, model: onnx.ModelProto, manifest: Manifest, extra_files: list[Path],
+                  overwrite: bool = False,
+                  finalize: Callable[[Path, Manifest], Manifest] | None = None) -> tuple[int, Manifest]:
+    """Write the package; returns its size in bytes and the manifest as written.
+
+    ``finalize(tmp, manifest)`` runs after the model is written (e.g. builds a TensorRT
+    engine or ORT's optimized graph next to it) and returns the manifest to save.
+    Moves ``model``'s initializers out to the data file (the proto is left without them).
+    """
     outdir = Path(outdir)
     if outdir.exists() and not overwrite:
         raise FileExistsError(f"{outdir} exists (use --force to replace it)")
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", dir=outdir.parent))
     try:
-        big = model.ByteSize() > EXTERNAL_DATA_OVER
-        onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=big, all_tensors_to_one_file=True,
-                        location=MODEL_FILE + ".data", size_threshold=1024)
+        onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=MODEL_DATA_FILE, size_threshold=EXTERNAL_OVER)
         for f in extra_files:
             shutil.copy2(f, tmp / f.name)
-        if finalize is not None:  # e.g. build a TensorRT engine next to the model
-            finalize(tmp)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        size = sum(p.stat().st_size for p in tmp.iterdir())
+        if finalize is not None:
+            manifest = finalize(tmp, manifest)
+        manifest.save(tmp)
+        size = package_bytes(tmp)
         if outdir.exists():
             shutil.rmtree(outdir)
         tmp.rename(outdir)
-        return size
+        return size, manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

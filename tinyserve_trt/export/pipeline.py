@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +16,22 @@ import onnx
 import onnx_ir as ir
 
 from .. import __version__
+from ..contracts.calibration import ArtifactError, CalibrationArtifact
+from ..contracts.cold_tier import HotnessConfig, TierConfig
+from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
 from .config import ExportConfig
 from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
-from .package import MANIFEST, special_tokens, tokenizer_files, write_package
+from .package import special_tokens, tokenizer_files, weight_bytes, write_package
 from .probe import run_with_outputs, source_feeds
 from .loader import file_sha256, find_attention, load_source
 from .graph_io import find_source_io
 
 # Contexts at which masks are checked for sliding windows (past Mistral's 4096 first).
 LONG_PROBE_PASTS = (4100, 1000, 250, 60)
-
-
-ORT_OPTIMIZED = "model.ort.onnx"
 
 
 @dataclass
@@ -42,6 +42,7 @@ class ExportReport:
     validation: float | None
     size_bytes: int
     seconds: dict = field(default_factory=dict)
+    weight_bytes: int = 0  # the model's initializers: the package holds them once
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -87,7 +88,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
     cold_tier = _cold_tier(config, artifact, len(plans), dims) if config.has_cold_tier else None
-    cold = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
+    cold = (cold_tier.k_granularity, cold_tier.v_granularity) if cold_tier else None
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -102,52 +103,46 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     times["rewrite"] = time.perf_counter() - t0
 
     files = tokenizer_files(source)
-    manifest = dict(
-        format="tinyserve-package", format_version=1, tool_version=__version__,
-        op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
+    manifest = Manifest(
+        tool_version=__version__, op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
         num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
         vocab_size=dims["vocab"], page_size=page_size, token_budget=config.token_budget,
         dense_layers=min(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
         recent_pages=config.recent_pages, dtype="float16" if config.fp16 else "float32",
-        max_context=config.max_context, io=dict(inputs=paged.inputs, outputs=paged.outputs, layers=paged.layers),
+        max_context=config.max_context, io=PackageIO(paged.inputs, paged.outputs, paged.layers),
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
-        source_io=source_io, backend=config.backend, **special_tokens(files), **(extra_manifest or {}),
+        source_io=source_io, backend=config.backend, cold_tier=cold_tier, **special_tokens(files),
+        **_two_level_fields(plans, config), extra=dict(extra_manifest or {}),
     )
-    if cold_tier:
-        manifest["cold_tier"] = cold_tier
-    # two-level selection (issue #15): the runtime pools keep key_sub_bounds of this sub-page size
-    two_level = [p.attrs for p in plans if p.attrs.two_level]
-    if two_level:
-        manifest.update(sub_page_size=two_level[0].sub_page_size, candidate_share=config.candidate_share)
 
     figure = None
     if config.validate:
         t0 = time.perf_counter()
         _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
-        figure = _validate(original_bytes, proto, manifest)
-        manifest["validation"] = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
+        figure = _validate(original_bytes, proto, manifest.to_dict())
+        validation = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
-            manifest["validation"]["pages"] = "all hot (the cold-tier inputs hold one unused INT8 page)"
+            validation["pages"] = "all hot (the cold-tier inputs hold one unused INT8 page)"
+        manifest = replace(manifest, validation=validation)
         times["validate"] = time.perf_counter() - t0
         if not figure <= config.tolerance():
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
                                   f"{config.tolerance():g}")
     t0 = time.perf_counter()
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
-    finalize = _build_trt_engine(manifest, config) if config.backend == "trt" else _save_ort_optimized(manifest)
+    finalize = _build_trt_engine(config) if config.backend == "trt" else _save_ort_graph
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
-    size = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
+    weights = weight_bytes(proto)
+    size, _ = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
-    return ExportReport(outdir, counts, len(plans), figure, size, times)
+    return ExportReport(outdir, counts, len(plans), figure, size, times, weights)
 
 
 def _load_calibration(config: ExportConfig):
     """The calibration artifact of ``config``, None without one; InputError naming the problem."""
     if config.calibration is None:
         return None
-    from ..calibration.artifact import ArtifactError, CalibrationArtifact
-
     try:
         artifact = CalibrationArtifact.load(config.calibration)
     except ArtifactError as e:
@@ -158,14 +153,11 @@ def _load_calibration(config: ExportConfig):
     return artifact
 
 
-def _cold_tier(config: ExportConfig, artifact, num_layers: int, dims: dict) -> dict:
+def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_layers: int,
+               dims: dict) -> ColdTier:
     """The manifest's ``cold_tier``: granularities, hot/cold policy parameters (the calibration's,
     else the runtime defaults) and where they came from."""
-    from ..runtime.tiers.hotness import HotnessConfig
-
     if artifact is None:
-        from ..runtime.tiers.config import TierConfig
-
         tiers, hot = TierConfig(), HotnessConfig()
         grans, source = (tiers.k_granularity, tiers.v_granularity), None
     else:
@@ -179,52 +171,39 @@ def _cold_tier(config: ExportConfig, artifact, num_layers: int, dims: dict) -> d
                       token_budget=artifact.token_budget, num_prompts=artifact.num_prompts,
                       evaluation=artifact.evaluation)
     # the op reads its own sinks / recent pages every step: never demote fewer than it keeps
-    return dict(inputs=list(schema.COLD_INPUTS), k_granularity=grans[0], v_granularity=grans[1],
-                hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
-                recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
+    return ColdTier(inputs=list(schema.COLD_INPUTS), k_granularity=grans[0], v_granularity=grans[1],
+                    hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
+                    recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
 
 
-CALIBRATION_FILE = "calibration.json"
-
-
-def _with_calibration(finalize, artifact):
+def _with_calibration(finalize, artifact: CalibrationArtifact):
     """``finalize``, then a copy of the calibration artifact (JSON + npz) in the package."""
-    def both(tmp: Path) -> None:
-        finalize(tmp)
+    def both(tmp: Path, manifest: Manifest) -> Manifest:
+        manifest = finalize(tmp, manifest)
         artifact.save(tmp / CALIBRATION_FILE)
+        return manifest
 
     return both
 
 
-def _save_ort_optimized(manifest: dict):
-    """A hook that saves ONNX Runtime's optimized graph (functions inlined, fusions
-    applied) next to the portable model: the runtime loads it ~3x faster (SmolLM2:
-    4 s instead of 13 s). Tied to this ORT version and the CPU EP; the runtime
-    falls back to model.onnx otherwise."""
-    def finalize(tmp: Path) -> None:
-        import onnxruntime as ort
+def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
+    """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
+    file (``ort_graph.py``): the runtime starts ~3x faster from it."""
+    from .ort_graph import save_optimized_graph
 
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # not ALL: no CPU-specific layouts
-        so.optimized_model_filepath = str(tmp / ORT_OPTIMIZED)
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", ORT_OPTIMIZED + ".data")
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        so.log_severity_level = 3
-        ort.InferenceSession(str(tmp / "model.onnx"), so, providers=["CPUExecutionProvider"])
-        manifest["ort_optimized"] = dict(file=ORT_OPTIMIZED, onnxruntime=ort.__version__, level="extended")
-
-    return finalize
+    return replace(manifest, ort_optimized=save_optimized_graph(tmp))
 
 
-def _build_trt_engine(manifest: dict, config: ExportConfig):
+def _build_trt_engine(config: ExportConfig):
     """A hook that builds ``model.plan`` inside the package's temporary directory,
-    with one optimization profile over every dynamic input (``trt_build.engine_profiles``)."""
-    from .trt_build import build_engine, engine_profiles
+    with one optimization profile over every dynamic input (``contracts.engine_profiles``)."""
+    from ..contracts.engine_profiles import engine_profiles
+    from .trt_build import build_engine
 
-    def finalize(tmp: Path) -> None:
-        profiles, limits = engine_profiles(manifest, config.max_context)
-        build_engine(tmp / "model.onnx", tmp / "model.plan", profiles, fp16=config.fp16)
-        manifest["engine"] = dict(file="model.plan", **limits)
+    def finalize(tmp: Path, manifest: Manifest) -> Manifest:
+        profiles, limits = engine_profiles(manifest.to_dict(), config.max_context)
+        build_engine(tmp / MODEL_FILE, tmp / ENGINE_FILE, profiles, fp16=config.fp16)
+        return replace(manifest, engine=dict(file=ENGINE_FILE, **limits))
 
     return finalize
 
@@ -301,3 +280,10 @@ def _validate(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict) -> 
 
 
 __all__ = ["export_model", "ExportReport", "np"]
+
+
+def _two_level_fields(plans, config: ExportConfig) -> dict:
+    """Manifest fields of two-level selection (issue #15): the runtime pools keep ``key_sub_bounds``
+    of this sub-page size; nothing for a single-level package."""
+    two_level = [p.attrs for p in plans if p.attrs.two_level]
+    return dict(sub_page_size=two_level[0].sub_page_size, candidate_share=config.candidate_share) if two_level else {}

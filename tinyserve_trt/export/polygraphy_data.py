@@ -21,14 +21,14 @@ package's), TINYSERVE_SEED.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from tinyserve_trt.export.validate import PagedState  # absolute: Polygraphy loads this file by path
+from tinyserve_trt.contracts.manifest import MODEL_FILE, Manifest  # absolute: Polygraphy loads this file by path
+from tinyserve_trt.export.validate import PagedState
 
 _ONNX_TYPES = {1: np.float32, 10: np.float16, 6: np.int32, 7: np.int64, 9: np.bool_}
 
@@ -44,16 +44,16 @@ def decode_feeds(package_dir: str | Path, batch: int = 2, context: int = 200, bu
                  seed: int = 0) -> dict[str, np.ndarray]:
     """One decode step's feeds for ``batch`` sequences whose lengths spread up to ``context``."""
     package_dir = Path(package_dir)
-    manifest = json.loads((package_dir / "tinyserve.json").read_text())
+    manifest = Manifest.load(package_dir)
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got {batch} and {context}")
-    io, ps = manifest["io"], manifest["page_size"]
-    layers, hkv, d = manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"]
-    dtype = np.float16 if manifest.get("dtype") == "float16" else np.float32
+    io, ps = manifest.io, manifest.page_size
+    layers, hkv, d = manifest.num_layers, manifest.num_kv_heads, manifest.head_dim
+    dtype = np.float16 if manifest.dtype == "float16" else np.float32
     rng = np.random.default_rng(seed)
     lengths = [max(1, context - (context * b) // (2 * batch)) for b in range(batch)]
     pages = sum(-(-(n + 1) // ps) for n in lengths) + 1
-    state = PagedState(layers, hkv, d, ps, pages, dtype, rng, manifest.get("cold_tier"))
+    state = PagedState(layers, hkv, d, ps, pages, dtype, rng, manifest.to_dict().get("cold_tier"))
     for b, n in enumerate(lengths):
         state.add_sequence()
         k = [rng.standard_normal((hkv, n, d)).astype(dtype) for _ in range(layers)]
@@ -63,18 +63,18 @@ def decode_feeds(package_dir: str | Path, batch: int = 2, context: int = 200, bu
     for b, n in enumerate(lengths):
         if n // ps >= len(state.tables[b]):
             state.tables[b].append(int(state.free.pop()))
-    budget = manifest.get("token_budget", 0) if budget is None else budget
-    by_role = state.feeds(io["layers"], budget)
-    feeds = {io["inputs"]["page_table"]: by_role.pop("page_table"),
-             io["inputs"]["past_lens"]: by_role.pop("past_lens"),
-             io["inputs"]["token_budget"]: by_role.pop("token_budget"), **by_role}
-    vocab = manifest["vocab_size"]
-    feeds[io["inputs"]["input_ids"]] = rng.integers(0, vocab, (batch, 1))
-    if "position_ids" in io["inputs"]:
-        feeds[io["inputs"]["position_ids"]] = np.asarray(lengths)[:, None]
-    if "logits_index" in io["inputs"]:
-        feeds[io["inputs"]["logits_index"]] = np.zeros(batch)
-    types = _input_dtypes(package_dir / "model.onnx")
+    budget = manifest.token_budget if budget is None else budget
+    by_role = state.feeds(io.layers, budget)
+    feeds = {io.inputs["page_table"]: by_role.pop("page_table"),
+             io.inputs["past_lens"]: by_role.pop("past_lens"),
+             io.inputs["token_budget"]: by_role.pop("token_budget"), **by_role}
+    vocab = manifest.vocab_size
+    feeds[io.inputs["input_ids"]] = rng.integers(0, vocab, (batch, 1))
+    if "position_ids" in io.inputs:
+        feeds[io.inputs["position_ids"]] = np.asarray(lengths)[:, None]
+    if "logits_index" in io.inputs:
+        feeds[io.inputs["logits_index"]] = np.zeros(batch)
+    types = _input_dtypes(package_dir / MODEL_FILE)
     return {name: np.ascontiguousarray(value, types.get(name, value.dtype)) for name, value in feeds.items()}
 
 

@@ -15,7 +15,15 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("validation max |logit diff|",
               f"{report.validation:.2e} (<= {config.tolerance():g})" if report.validation is not None
               else "skipped"),
-             ("package size", f"{report.size_bytes / 2**20:.1f} MiB"),
+             ("package size", _size(report)),
              ("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+
+
+def _size(report: ExportReport) -> str:
+    """Package size, and how it compares with the model's weights (held once: ~1.0x)."""
+    text = f"{report.size_bytes / 2**20:.1f} MiB"
+    if report.weight_bytes:
+        text += f" ({report.size_bytes / report.weight_bytes:.2f}x the weights, {report.weight_bytes / 2**20:.1f} MiB)"
+    return text

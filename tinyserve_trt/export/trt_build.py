@@ -2,99 +2,24 @@
 
 TensorRT imports the op node as the ``tinyserve::QueryAwareSparseAttention``
 plugin (the node carries ``plugin_namespace``), so the plugin library must be
-loaded before parsing. Every missing piece is a one-line UnsupportedError
-(exit 3): no tensorrt module, no plugin library, no GPU.
+loaded before parsing (``cuda.plugin``). Every missing piece is a one-line
+UnsupportedError (exit 3): no tensorrt module, no plugin library, no GPU.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from pathlib import Path
 
+from ..cuda import plugin
 from .errors import UnsupportedError
-
-PLUGIN_ENV = "TINYSERVE_TRT_PLUGIN"
-PLUGIN_DEFAULT = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libtinyserve_trt_plugin.so"
-
-
-def plugin_library() -> Path:
-    path = Path(os.environ.get(PLUGIN_ENV, PLUGIN_DEFAULT))
-    if not path.is_file():
-        raise UnsupportedError(f"TensorRT plugin library not found at {path} (build plugins/ with "
-                               f"-DTINYSERVE_BUILD_TRT_PLUGIN=ON, or set {PLUGIN_ENV})")
-    return path
 
 
 def require_tensorrt():
-    """The tensorrt module, with the plugin library loaded and a GPU present."""
+    """``cuda.plugin.require_tensorrt``, its one-line refusal as an UnsupportedError (exit 3)."""
     try:
-        import tensorrt as trt
-    except Exception:  # ImportError, or a placeholder wheel that fails on import
-        raise UnsupportedError("TensorRT is not installed (pip install 'tinyserve-trt[trt]' on a machine with "
-                               "TensorRT >= 10 libraries)") from None
-    lib = plugin_library()
-    try:
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    except OSError as e:
-        raise UnsupportedError(f"cannot load the TensorRT plugin library {lib}: {e}") from None
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            raise UnsupportedError("cuda-python is not installed (pip install 'tinyserve-trt[gpu]')") from None
-    err, count = cudart.cudaGetDeviceCount()
-    if int(err) != 0 or count < 1:
-        raise UnsupportedError("no CUDA GPU is visible; TensorRT engines are built on the GPU they run on")
-    return trt
-
-
-BATCH = (1, 8, 64)  # rows per step: (min, opt, max) of the engine's profile
-NEW_TOKENS = (1, 1, 512)  # new tokens per row: decode-tuned, prefill chunks up to 512
-
-
-def engine_profiles(manifest: dict, max_context: int) -> tuple[dict[str, tuple], dict]:
-    """The (min, opt, max) shape of every dynamic input of the rewritten model, and the
-    limits ``manifest["engine"]`` records for the runtime.
-
-    TensorRT needs a range for every dynamic input, and inputs sharing an ONNX dim
-    name (``batch``, ``num_pages``, ...) must get overlapping ranges. Page tables
-    cover ``max_context``; the hot page pools (and key_min/key_max) hold up to twice
-    what ``BATCH[2]`` sequences of ``max_context`` need - room for prefix-cached
-    pages - and a cold tier as many INT8 pages again (its metadata rows are hot + cold).
-    """
-    from ..ops.quantization import scale_shape
-
-    io, ps = manifest["io"], manifest["page_size"]
-    hkv, d = manifest["num_kv_heads"], manifest["head_dim"]
-    max_pages = -(-max_context // ps)
-    batch, chunk = BATCH, NEW_TOKENS
-    pool = (1, batch[1] * max_pages, 2 * batch[2] * max_pages)
-    cold = manifest.get("cold_tier")
-    rows = tuple(2 * n for n in pool) if cold else pool  # key_min/key_max: P (+ Pcold) rows
-    inputs = io["inputs"]
-    profiles = {inputs["input_ids"]: tuple((b, t) for b, t in zip(batch, chunk)),
-                inputs["page_table"]: ((1, 1), (batch[1], max_pages // 2 or 1), (batch[2], max_pages))}
-    if "position_ids" in inputs:
-        profiles[inputs["position_ids"]] = profiles[inputs["input_ids"]]
-    for role in ("past_lens", "token_budget", "logits_index"):
-        if role in inputs:
-            profiles[inputs[role]] = tuple((b,) for b in batch)
-    for names in io["layers"]:
-        for role in ("key_cache", "value_cache"):
-            profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)
-        for role in ("key_min", "key_max"):
-            profiles[names[role]] = tuple((n, hkv, d) for n in rows)
-        if cold:
-            for role in ("key_cache_int8", "value_cache_int8"):
-                profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)
-            for role, gran in (("key_scale", cold["k_granularity"]), ("value_scale", cold["v_granularity"])):
-                profiles[names[role]] = tuple((n, *scale_shape(gran, hkv, ps, d)) for n in pool)
-    limits = dict(max_batch=batch[2], max_new_tokens=chunk[2], max_pages=max_pages, max_pool_pages=pool[2],
-                  max_cold_pages=pool[2] if cold else 0)
-    return profiles, limits
+        return plugin.require_tensorrt()
+    except plugin.TensorRTUnavailable as e:
+        raise UnsupportedError(str(e)) from None
 
 
 def build_engine(onnx_path: Path, plan_path: Path, profiles: dict[str, tuple], fp16: bool = True,

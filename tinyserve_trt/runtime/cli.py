@@ -3,11 +3,14 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
-                    [--served-model-name NAME] [engine options]
+                    [--served-model-name NAME] [--api-key KEY] [--warmup FILE]
+                    [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
 ``{"token_ids": [generated only], "text": "...", "stats": {"request": ..., "engine": ...}}``.
-``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted.
+``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted;
+with ``--replicas N`` (N > 1) or ``--ray-address``, N engine replicas on Ray Serve behind
+the same API (needs the ``scale`` extra; see docs/scale_out.md).
 Bad input: one line on stderr, exit status 2. ``serve`` exits 3 when its engine
 failed beyond recovery (so a supervisor restarts it).
 Defaults come from SamplingParams, EngineConfig and ServerConfig; sampling flags
@@ -20,7 +23,7 @@ import argparse
 import json
 import sys
 
-from tinyserve_trt.runtime.config import EngineConfig
+from tinyserve_trt.runtime.config import ORT_PROVIDERS, EngineConfig
 from tinyserve_trt.runtime.limits import MAX_N
 from tinyserve_trt.runtime.sampling import SamplingParams
 
@@ -86,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, default=ec.max_seq_len)
     s.add_argument("--memory", type=_memory, default=ec.memory,
                    help="KV pool: bytes (int) or a fraction of RAM (0 < f <= 1)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "TINYSERVE_API_KEY environment variable; unset = no authentication)")
+    s.add_argument("--warmup", metavar="FILE", default=None,
+                   help="prefill these prompts into the prefix cache at start: one per line, or JSON Lines "
+                        "of {\"prompt\": ...} / {\"messages\": [...]}")
+    from tinyserve_trt.runtime.server.ray_app import ScaleConfig  # no ray import: config only
+
+    rc = ScaleConfig()
+    s.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas on Ray Serve (N > 1; needs the scale extra), one process each")
+    s.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HEAD_IP:6379) instead of starting a local one")
+    s.add_argument("--routing", choices=("prefix", "default"), default=rc.routing,
+                   help="replicas: prefix-aware (the owner of the prompt's first pages) or Ray Serve's default")
+    s.add_argument("--route-pages", type=int, default=rc.route_pages,
+                   help="replicas: leading full pages whose hash picks the replica")
+    s.add_argument("--replica-cpus", type=float, default=rc.replica_cpus, help="replicas: CPUs reserved per replica")
+    s.add_argument("--replica-gpus", type=float, default=rc.replica_gpus, help="replicas: GPUs reserved per replica")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
     return parser
@@ -105,6 +127,9 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--no-kv-tiers", action="store_true", help="keep every KV page hot (ignore the cold tier)")
     p.add_argument("--kv-scales", choices=("dynamic", "static"), default=ec.kv_scales,
                    help="INT8 scales of cold pages: each page's own range, or the calibration's (static)")
+    p.add_argument("--ort-provider", choices=ORT_PROVIDERS, default=ec.ort_provider,
+                   help="ONNX Runtime EP (backend ort): cuda/tensorrt keep the KV pages on the GPU "
+                        "(docs/gpu_paths.md); auto = cuda when onnxruntime-gpu and torch see a GPU")
 
 
 def _memory(text: str) -> int | float:
@@ -129,7 +154,8 @@ def _generate(args) -> int:
                             ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
-              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
+              hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
+              ort_provider=args.ort_provider)
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -154,21 +180,40 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
+    import os
+
     from tinyserve_trt.runtime.server.config import ServerConfig
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYSERVE_API_KEY") or None
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
-                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n)
+                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
+                          api_key=api_key)
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
-                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales)
+                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider)
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
+    from tinyserve_trt.runtime.server.warmup import load_warmup
+
+    warmup = load_warmup(args.warmup) if args.warmup is not None else ()
+    if args.replicas != 1 or args.ray_address is not None:
+        from tinyserve_trt.runtime.server.ray_app import ScaleConfig
+
+        scale = ScaleConfig(replicas=args.replicas, ray_address=args.ray_address, routing=args.routing,
+                            route_pages=args.route_pages, replica_cpus=args.replica_cpus,
+                            replica_gpus=args.replica_gpus)
+        try:
+            from tinyserve_trt.runtime.server.ray_app import run
+            import ray.serve  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"--replicas needs the scale extra: pip install 'tinyserve-trt[scale]' ({e})") from None
+        return run(args.model_dir, config, scale, engine, warmup)
     try:
         from tinyserve_trt.runtime.server.app import serve
     except ImportError as e:
         raise RuntimeError(f"serve needs the serve extra: pip install 'tinyserve-trt[serve]' ({e})") from None
-    return serve(args.model_dir, config, log_level=args.log_level, **engine)
+    return serve(args.model_dir, config, log_level=args.log_level, warmup=warmup, **engine)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from tinyserve_trt.runtime.limits import INT32_MAX
 
 KV_DTYPES = ("float32", "float16")
+ORT_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # backends.ort_providers.PROVIDERS reads this
 
 
 def _positive_int(name: str, value) -> None:
@@ -154,6 +155,8 @@ class EngineConfig:
     hot_decay:           per-step decay of the page hit counts, in (0, 1]; None = the package's.
     kv_scales:           INT8 scales of cold pages: ``dynamic`` (each page's absmax) or ``static``
                          (the package's calibration ranges; values outside them clip).
+    ort_provider:        ONNX Runtime EP of the ``ort`` backend: ``auto``, ``cpu``, ``cuda`` (pages on
+                         the GPU) or ``tensorrt`` (our plugin through ORT's TensorRT EP); docs/gpu_paths.md.
     """
 
     backend: str = "ort"
@@ -171,8 +174,11 @@ class EngineConfig:
     hot_pages: int | None = None
     hot_decay: float | None = None
     kv_scales: str = "dynamic"
+    ort_provider: str = "auto"
 
     def __post_init__(self):
+        if self.ort_provider not in ORT_PROVIDERS:
+            raise ValueError(f"ort_provider must be one of {ORT_PROVIDERS}, got {self.ort_provider!r}")
         if self.kv_scales not in ("dynamic", "static"):
             raise ValueError(f"kv_scales must be 'dynamic' or 'static', got {self.kv_scales!r}")
         if self.hot_fraction is not None and (not isinstance(self.hot_fraction, (int, float))

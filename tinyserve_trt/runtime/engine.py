@@ -62,6 +62,8 @@ class Engine:
                                                            eos_token_id=eos[0] if eos else None), self.pool)
         if config.threads is not None:
             backend_options.setdefault("threads", config.threads)
+        if config.backend == "ort" and config.ort_provider != "auto":
+            backend_options.setdefault("provider", config.ort_provider)
         self.backend = make_backend(config.backend, package, self.pool, **backend_options)
         if self.tiering and not self.backend.reads_cold_pages:
             raise ValueError(f"backend {config.backend!r} cannot read INT8 cold pages; use kv_tiers=False")
@@ -172,6 +174,7 @@ class Engine:
             page_selection_rate=c["pages_selected"] / c["pages_available"] if c["pages_available"] else None,
             preemptions=self.scheduler.num_preemptions, step_failures=c["step_failures"],
             **(self.tiering.stats() if self.tiering else {}),
+            **(self.backend.transfer.stats() if getattr(self.backend, "transfer", None) else {}),
         )
 
     def close(self) -> None:

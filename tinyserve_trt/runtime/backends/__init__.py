@@ -2,7 +2,7 @@
 
 The registry maps a name to ``module:Class`` so a backend's heavy imports
 (onnxruntime, tensorrt, cuda) happen only when that backend is made.
-  ort  ONNX Runtime (CPU EP; CUDA EP when onnxruntime-gpu finds a GPU)
+  ort  ONNX Runtime; its ``provider`` option picks the EP (cpu, cuda, tensorrt: ort_providers.py)
   trt  TensorRT with the QueryAwareSparseAttention plugin (issue #5)
 """
 
@@ -28,7 +28,7 @@ def register_backend(name: str, target: str) -> None:
 def make_backend(name: str, package, pool, **options) -> Backend:
     """The backend ``name`` running ``package`` (a ModelPackage) over ``pool`` (a PagePool).
 
-    ``options`` go to the backend's constructor (ort: ``threads``, ``providers``).
+    ``options`` go to the backend's constructor (ort: ``threads``, ``provider``, ``providers``).
     ValueError for an unknown name; ImportError / RuntimeError with a one-line
     reason when the backend's dependencies are missing.
     """

@@ -1,12 +1,17 @@
 """OrtBackend: the rewritten model in ONNX Runtime, reading the page pool in place.
 
-The page pools and key_min/key_max of every layer are bound once, as OrtValues
-over the pool's numpy arrays (CPU memory shared, not copied), so a step feeds
-only the small per-step arrays (ids, positions, page table, lengths, budget,
-logits index). ``PagePool.write_batch`` updates the same arrays after the
-step, and the next run sees them. With the CUDA EP the pools stay in host
-memory and ORT copies them each step: correct but slow - the TensorRT backend
-is the GPU path.
+Two homes for the pages, chosen by the execution provider (``ort_providers``):
+
+CPU EP: the page pools and key_min/key_max of every layer are bound once, as
+OrtValues over the pool's numpy arrays (CPU memory shared, not copied), so a
+step feeds only the small per-step arrays (ids, positions, page table, lengths,
+budget, logits index). ``PagePool.write_batch`` updates the same arrays after the
+step, and the next run sees them. No device transfer (the counter says so).
+
+CUDA / TensorRT EP: the pools live on the GPU (``ort_binding.DeviceBinding``:
+``DevicePages`` bound by device pointer); only the per-step arrays go up and the
+logits (and selected pages when asked) come down - see that module. The bytes
+moved are counted in ``self.transfer`` (``Engine.stats()``'s ``transfer_*``).
 
 Cold tier (issue #6): the op's inputs come from ``pool.cache_inputs(layer)``
 by schema name (a ``TieredPagePool`` adds the INT8 pools and scales) and its
@@ -27,35 +32,30 @@ _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float
              "tensor(float16)": np.float16}
 
 
-def default_providers() -> list[str]:
-    """CUDA EP first when onnxruntime-gpu is installed and sees a GPU, CPU EP always."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    providers = ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" in available:
-        try:
-            if ort.get_device() == "GPU":
-                providers.insert(0, "CUDAExecutionProvider")
-        except Exception:  # no driver: stay on CPU
-            pass
-    return providers
-
-
 class OrtBackend(Backend):
     """One InferenceSession over ``package.model_path``.
 
     threads:   intra-op threads (None: ORT's default, all cores).
-    providers: execution providers, default :func:`default_providers`.
-    selected_pages: fetch each layer's ``selected_pages`` output (stats).
+    provider:  ``auto`` | ``cpu`` | ``cuda`` | ``tensorrt`` (``ort_providers``); the
+               pages live on the GPU for ``cuda`` and ``tensorrt``.
+    providers: an explicit ORT ``providers`` list instead (advanced; its first entry
+               decides where the pages live).
+    device_id: the GPU for ``cuda`` / ``tensorrt``.
+    selected_pages: fetch each layer's ``selected_pages`` output (tier policy, stats);
+               None: always on the CPU EP, on a GPU only when the pool has a cold tier.
+    inline:    inline model-local functions before the CUDA EP sees the model (ORT #27873).
     """
 
     name = "ort"
     reads_cold_pages = True
 
-    def __init__(self, package, pool, threads: int | None = None, providers: list[str] | None = None,
-                 selected_pages: bool = True):
+    def __init__(self, package, pool, threads: int | None = None, providers: list | None = None,
+                 selected_pages: bool | None = None, provider: str = "auto", device_id: int = 0,
+                 inline: bool = True):
         import onnxruntime as ort
+
+        from tinyserve_trt.runtime.backends.ort_providers import check_provider, resolve_provider
+        from tinyserve_trt.runtime.backends.transfer import TransferCounter
 
         if np.dtype(package.dtype) != pool.k_pages(0).dtype:
             raise ValueError(f"page pool dtype {pool.k_pages(0).dtype} does not match the model's {package.dtype}")
@@ -64,30 +64,52 @@ class OrtBackend(Backend):
             raise ValueError("page pool geometry (layers, kv heads, head dim, page size) does not match the package")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive int, got {threads!r}")
-        self.package, self.pool = package, pool
+        check_provider(provider)
+        self.package, self.pool, self._ort = package, pool, ort
+        self.provider = _kind_of(providers) if providers else resolve_provider(ort, provider)
+        self.session = self._open_session(ort, threads, providers, device_id, inline)
+        on_gpu = self.provider != "cpu"
+        if selected_pages is None:
+            selected_pages = not on_gpu or bool(pool.storage.num_cold)
+        want_selected = selected_pages and all("selected_pages" in n for n in package.layers)
+        self.transfer = TransferCounter("cuda" if on_gpu else "cpu")
+        self._device = None
+        if on_gpu:
+            from tinyserve_trt.runtime.backends.ort_binding import DeviceBinding
+
+            self._device = DeviceBinding(package, pool, self.session, self.transfer, device_id, want_selected)
+            return
+        self._init_host(package, pool, want_selected)
+
+    # ---- session (kept apart from the binding: loading may change on its own) ----
+    def _open_session(self, ort, threads: int | None, providers: list | None, device_id: int, inline: bool):
+        """The InferenceSession for ``self.provider``; a GPU EP that ORT refuses is one
+        RuntimeError naming the fix (never a silent CPU fallback)."""
+        from tinyserve_trt.runtime.backends.ort_providers import inlined_model, provider_list, session_error
+
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if threads is not None:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
-        providers = providers or default_providers()
-        # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
-        model = package.ort_model_path(ort.__version__) if providers == ["CPUExecutionProvider"] else \
-            package.model_path
+        kind = self.provider
+        providers = providers or provider_list(kind, self.package, device_id)
+        if kind == "cpu":
+            # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
+            return ort.InferenceSession(str(self.package.ort_model_path(ort.__version__)), so, providers=providers)
+        model = self.package.model_path
+        if kind == "cuda" and inline:
+            model = inlined_model(model)  # ORT #27873: the CUDA EP may fail on model-local functions
         try:
-            self.session = ort.InferenceSession(str(model), so, providers=providers)
+            return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
         except Exception as e:
-            if providers == ["CPUExecutionProvider"]:
-                raise
-            # CUDA EP can fail on model-local functions before inlining (ORT #27873): fall back.
-            import warnings
+            raise session_error(kind, model, e, inlined=inline) from None
 
-            warnings.warn(f"ORT providers {providers} failed ({str(e).splitlines()[0][:120]}); using CPU")
-            self.session = ort.InferenceSession(str(package.model_path), so, providers=["CPUExecutionProvider"])
+    # ---- CPU EP: pages in host memory, shared with ORT ---------------------------
+    def _init_host(self, package, pool, want_selected: bool) -> None:
         self._types = {i.name: _NP_TYPES.get(i.type, np.int64) for i in self.session.get_inputs()}
         self._inputs = package.inputs
         self._binding = self.session.io_binding()
-        self._ort = ort
         self._pool_values: dict[str, tuple] = {}  # input -> ((buffer address, shape), OrtValue kept alive)
         plain = "key_cache_int8" not in pool.cache_inputs(0)
         self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else {}
@@ -96,7 +118,7 @@ class OrtBackend(Backend):
         self._outputs = [package.logits]
         for names in package.layers:
             self._outputs += [names["new_key"], names["new_value"]]
-        self._want_selected = selected_pages and all("selected_pages" in n for n in package.layers)
+        self._want_selected = want_selected
         if self._want_selected:
             self._outputs += [n["selected_pages"] for n in package.layers]
 
@@ -122,13 +144,18 @@ class OrtBackend(Backend):
         name = self._inputs[role]
         array = np.ascontiguousarray(array, self._types[name])
         self._fed[role] = array  # the binding may point at this buffer: keep it alive until the run
+        self.transfer.fed(role, array.nbytes)
         self._binding.bind_cpu_input(name, array)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         n_layers = self.package.num_layers
         if len(batch) == 0:
-            empty = [np.zeros((0, self.pool.num_kv_heads, 1), bool)] * n_layers if self._want_selected else None
+            want = self._device.want_selected if self._device else self._want_selected
+            empty = [np.zeros((0, self.pool.num_kv_heads, 1), bool)] * n_layers if want else None
             return StepOutput(np.zeros((0, self.package.vocab_size), np.float32), empty)
+        self.transfer.begin_step()
+        if self._device is not None:
+            return self._device.run(batch)
         self._feed("input_ids", batch.input_ids)
         if "position_ids" in self._inputs:
             self._feed("position_ids", batch.positions)
@@ -144,7 +171,7 @@ class OrtBackend(Backend):
         for name in self._outputs:
             self._binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(self._binding)
-        outs = self._binding.copy_outputs_to_cpu()
+        outs = self._binding.copy_outputs_to_cpu()  # CPU EP: the outputs already are host memory
         logits = outs[0]
         logits = logits[:, 0] if "logits_index" in self._inputs else logits[np.arange(len(batch)), last]
         for layer in range(n_layers):
@@ -153,9 +180,22 @@ class OrtBackend(Backend):
         return StepOutput(np.asarray(logits, np.float32), selected)
 
     def close(self) -> None:
+        if self._device is not None:
+            self._device.close()
         self._binding = None
         self._pool_values = {}
         self.session = None
+
+
+def _kind_of(providers: list) -> str:
+    """Where the pages live for an explicit providers list: its first entry's EP."""
+    from tinyserve_trt.runtime.backends.ort_providers import EP_NAMES
+
+    first = providers[0][0] if isinstance(providers[0], (tuple, list)) else providers[0]
+    kinds = {v: k for k, v in EP_NAMES.items()}
+    if first not in kinds:
+        raise ValueError(f"unsupported first ORT provider {first!r}; use one of {sorted(kinds)}")
+    return kinds[first]
 
 
 def _unused_cold_tier(package) -> dict[str, np.ndarray]:

@@ -51,13 +51,9 @@ GRAPHS_ENV = "TINYSERVE_CUDA_GRAPHS"  # "0" turns decode-step CUDA graphs off
 
 
 def _load_tensorrt():
-    from tinyserve_trt.export.errors import UnsupportedError
-    from tinyserve_trt.export.trt_build import require_tensorrt
+    from tinyserve_trt.cuda.plugin import require_tensorrt  # TensorRTUnavailable is a RuntimeError
 
-    try:
-        return require_tensorrt()
-    except UnsupportedError as e:
-        raise RuntimeError(str(e)) from None
+    return require_tensorrt()
 
 
 class TrtBackend(Backend):

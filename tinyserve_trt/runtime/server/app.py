@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -27,11 +28,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyserve_trt.runtime.async_llm import AsyncLLM
 from tinyserve_trt.runtime.server.admission import Admission
+from tinyserve_trt.runtime.server.auth import ApiKeyMiddleware, bind_warning
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, error_body
 from tinyserve_trt.runtime.server.handler import CompletionHandler
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
 from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from tinyserve_trt.runtime.server.warmup import prefill, warmup_token_ids
 
 log = logging.getLogger("tinyserve.server")
 EXIT_ENGINE_DEAD = 3  # the process exit status when the engine could not recover
@@ -59,9 +62,11 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown_engine: bool = True,
-               on_engine_death: Callable[[], None] | None = None) -> FastAPI:
+               on_engine_death: Callable[[], None] | None = None, warmup: Sequence[Sequence[int]] = ()) -> FastAPI:
     """An app serving ``llm``; with ``shutdown_engine`` the app's shutdown stops the engine thread.
-    ``on_engine_death()`` is called (on the event loop) once the engine thread has failed."""
+    ``on_engine_death()`` is called (on the event loop) once the engine thread has failed.
+    ``warmup``: prompt token ids prefilled into the prefix cache at startup, before the
+    app answers anything (``warmup.prefill``)."""
     model_name = config.model_name or llm.package.path.resolve().name
     metrics = ServerMetrics()
     admission = Admission(llm.engine.config.max_batch + config.max_queue)
@@ -80,6 +85,9 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     async def lifespan(app):
         watcher = asyncio.ensure_future(watch_engine())
         try:
+            if warmup:
+                tokens = await prefill(llm, warmup, handler.context)
+                log.info("warm-up: %d prompts (%d tokens) prefilled into the prefix cache", len(warmup), tokens)
             yield
         finally:
             watcher.cancel()
@@ -89,6 +97,9 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi(app)
     app.state.llm, app.state.metrics, app.state.admission = llm, metrics, admission
+    app.state.context = handler.context  # longest prompt + completion, in tokens
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -140,18 +151,29 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     return app
 
 
-def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = "info", **engine_config) -> int:
+def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = "info", warmup: Sequence[dict] = (),
+          **engine_config) -> int:
     """Load the package, then serve it until interrupted (blocks). ``engine_config``: EngineConfig's
-    fields. Returns the process exit status: 0, or EXIT_ENGINE_DEAD when the engine failed."""
+    fields; ``warmup``: items of ``warmup.load_warmup`` prefilled before serving. Returns the
+    process exit status: 0, or EXIT_ENGINE_DEAD when the engine failed."""
     import uvicorn
 
+    warning = bind_warning(config.host, config.api_key)
+    if warning:
+        log.warning(warning)
+        print(warning, file=sys.stderr, flush=True)
     llm = AsyncLLM(model_dir, **engine_config)
+    try:
+        warmup_ids = warmup_token_ids(llm.package, warmup)
+    except ValueError:
+        llm.shutdown()
+        raise
     server: uvicorn.Server | None = None
 
     def stop():
         server.should_exit = True
 
-    app = create_app(llm, config, on_engine_death=stop)
+    app = create_app(llm, config, on_engine_death=stop, warmup=warmup_ids)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                            timeout_graceful_shutdown=config.graceful_shutdown))
     try:

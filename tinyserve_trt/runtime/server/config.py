@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyserve_trt.runtime.limits import MAX_N, is_finite_number, is_int as _is_int
 
@@ -25,6 +25,8 @@ class ServerConfig:
     max_body_bytes:    largest request body; a larger one is answered 400 unread.
     max_json_depth:    deepest nesting of arrays/objects in a request body (OpenAI's bodies
                        need about 5); deeper is answered 400 before validation.
+    api_key:           when set, every route but /health needs ``Authorization: Bearer <api_key>``
+                       (401 otherwise); None = open. Kept out of the repr (logs).
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +39,7 @@ class ServerConfig:
     max_prompts: int = 64
     max_body_bytes: int = 8 << 20
     max_json_depth: int = 32
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -57,3 +60,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                                or not (key.isascii() and key.isprintable())):
+            raise ValueError("api_key must be a non-empty printable ASCII string without surrounding spaces, or None")

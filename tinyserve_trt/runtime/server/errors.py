@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 # HTTP status -> OpenAI error "type"
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 499: "client_closed_request", 500: "internal_error",
-               503: "service_unavailable", 504: "timeout_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+               500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 # one-word request fields a ValueError message may start with (others contain "_")

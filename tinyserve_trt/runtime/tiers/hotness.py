@@ -21,46 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.contracts.cold_tier import HotnessConfig
 from tinyserve_trt.runtime.pages import OutOfPagesError
 from tinyserve_trt.runtime.tiers.pool import TieredPagePool
-
-
-@dataclass(frozen=True)
-class HotnessConfig:
-    """decay: hit counts are multiplied by it every step, in (0, 1].
-    sink_pages / recent_pages: leading / trailing logical pages of every holder kept hot
-    (at least the op's ``sink_pages`` / ``recent_pages``: the op reads them every step).
-    hot_fraction: target share of live pages kept hot, in [0, 1]; None = no fraction target.
-    max_hot_pages: target hot page count; None = no count target. One of the two is required.
-    """
-
-    decay: float = 0.9
-    sink_pages: int = 1
-    recent_pages: int = 2
-    hot_fraction: float | None = 0.5
-    max_hot_pages: int | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.decay, (int, float)) or not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-        for name in ("sink_pages", "recent_pages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.recent_pages < 1:
-            raise ValueError("recent_pages must be >= 1: the page being written is never demoted")
-        if self.hot_fraction is None and self.max_hot_pages is None:
-            raise ValueError("give hot_fraction or max_hot_pages (or both)")
-        if self.hot_fraction is not None and (not isinstance(self.hot_fraction, (int, float))
-                                              or not 0.0 <= self.hot_fraction <= 1.0):
-            raise ValueError(f"hot_fraction must be in [0, 1], got {self.hot_fraction!r}")
-        if self.max_hot_pages is not None and (not isinstance(self.max_hot_pages, int)
-                                               or self.max_hot_pages < 0):
-            raise ValueError(f"max_hot_pages must be an int >= 0, got {self.max_hot_pages!r}")
 
 
 class HotnessPolicy:

@@ -34,11 +34,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from tinyserve_trt.contracts.cold_tier import TierConfig
 from tinyserve_trt.ops.quantization import layer_page_scales
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.host_storage import HostKVStorage
 from tinyserve_trt.runtime.pages import OutOfPagesError, PagePool, PoolIntegrityError
-from tinyserve_trt.runtime.tiers.config import TierConfig
 
 
 class TieredPagePool(PagePool):

@@ -24,9 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from tinyserve_trt.contracts.calibration import CalibrationArtifact
+from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig, cold_page_bytes
 from tinyserve_trt.runtime.config import CacheConfig, EngineConfig
-from tinyserve_trt.runtime.tiers.config import TierConfig, cold_page_bytes
-from tinyserve_trt.runtime.tiers.hotness import HotnessConfig, HotnessPolicy
+from tinyserve_trt.runtime.tiers.hotness import HotnessPolicy
 from tinyserve_trt.runtime.tiers.pool import TieredPagePool
 
 
@@ -93,8 +94,6 @@ class Tiering:
 
 def _static_scales(package) -> tuple[np.ndarray, np.ndarray]:
     """The calibration's static K/V scales, from the artifact the package carries."""
-    from tinyserve_trt.calibration.artifact import CalibrationArtifact
-
     cal = package.cold_tier.get("calibration")
     if not cal:
         raise ValueError(f"{package.path}: static KV scales need a package exported with --calibration "

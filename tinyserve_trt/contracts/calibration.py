@@ -1,9 +1,11 @@
 """CalibrationArtifact: what observation learned, saved as ``NAME.json`` + ``NAME.npz``.
 
 The JSON holds the settings and the report (human-readable, diffable); the
-``.npz`` beside it holds the per layer / KV head ranges. The runtime only
-loads an artifact and turns it into its configs (:meth:`tier_config`,
-:meth:`hotness_config`); it never observes (gpt-fast ``quantize.py``:
+``.npz`` beside it holds the per layer / KV head ranges. A contract of three
+parties: ``tinyserve-calibrate`` writes it, ``tinyserve-export --calibration``
+reads it and copies it into the package, and the runtime only loads it and
+turns it into its configs (:meth:`tier_config`, :meth:`hotness_config`,
+:meth:`static_scales`); it never observes (gpt-fast ``quantize.py``:
 ``create_quantized_state_dict`` writes, ``convert_for_runtime`` applies).
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
 from tinyserve_trt.ops.quantization import GRANULARITIES, QMAX
 
 VERSION = 1
@@ -94,17 +97,13 @@ class CalibrationArtifact:
             raise ArtifactError(f"{path}: incomplete calibration artifact ({e})") from None
 
     # ---- apply ----------------------------------------------------------------
-    def tier_config(self, num_cold_pages: int):
-        """The pool's :class:`~tinyserve_trt.runtime.tiers.config.TierConfig` with these granularities."""
-        from tinyserve_trt.runtime.tiers.config import TierConfig  # noqa: PLC0415
-
+    def tier_config(self, num_cold_pages: int) -> TierConfig:
+        """The cold pool's :class:`TierConfig` with these granularities."""
         return TierConfig(num_cold_pages=num_cold_pages, k_granularity=self.k_granularity,
                           v_granularity=self.v_granularity)
 
-    def hotness_config(self, **overrides):
-        """The :class:`~tinyserve_trt.runtime.tiers.hotness.HotnessConfig` for this calibration."""
-        from tinyserve_trt.runtime.tiers.hotness import HotnessConfig  # noqa: PLC0415
-
+    def hotness_config(self, **overrides) -> HotnessConfig:
+        """The :class:`HotnessConfig` for this calibration."""
         kw = dict(hot_fraction=self.hot_fraction, sink_pages=self.sink_pages, recent_pages=self.recent_pages)
         kw.update(overrides)
         return HotnessConfig(**kw)

@@ -1,0 +1,34 @@
+"""benchmarks/bench_scale.py end to end on the tiny package, tiny sizes (a local Ray cluster of
+2 CPUs; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.benchmarks.test_bench_scripts import load
+
+pytest.importorskip("ray.serve", reason="needs ray[serve] (the scale extra)")
+pytest.importorskip("httpx")
+
+
+def test_bench_scale_smoke(llama, tmp_path, capsys):
+    out = tmp_path / "scale.md"
+    assert load("bench_scale").main(["--model", str(llama[1]), "--systems", "2", "--requests", "3",
+                                     "--concurrency", "2", "--max-tokens", "2", "--system-chars", "80",
+                                     "--max-batch", "4", "--threads", "1", "--num-cpus", "2",
+                                     "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"RESULT hit_rate_prefix=(\d\.\d+) hit_rate_default=(\d\.\d+) tok_s_2v1=\d+\.\d+", last)
+    assert m
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["routing"], r["replicas"]): r for r in data["rows"]}
+    assert set(rows) == {("prefix", 2), ("default", 2), ("prefix", 1)}
+    assert all(r["requests"] == 6 for r in rows.values())
+    # prefix-aware: each system prompt has one owner, warmed by the unmeasured request, so every
+    # measured request reuses its system prompt's pages (most of its prompt)
+    assert rows["prefix", 2]["prefix_hit_rate"] > 0.5 and rows["prefix", 1]["prefix_hit_rate"] > 0.5
+    assert len(rows["prefix", 2]["prompt_tokens_by_replica"]) == 2
+    assert "| prefix | 2 | 6 |" in out.read_text()

@@ -1,0 +1,32 @@
+"""Contracts that export, calibration and the runtime share - and the layering of tinyserve_trt.
+
+``manifest``     the package manifest ``tinyserve.json`` (typed, versioned, validated) and the
+                 package's file names
+``cold_tier``    ``TierConfig`` / ``HotnessConfig``: the INT8 cold tier and which pages stay hot
+``calibration``  ``CalibrationArtifact``: what ``tinyserve-calibrate`` writes, the exporter
+                 copies into a package and the runtime applies
+
+Imports point down. A subpackage may import only those listed under it
+(``LAYERS``; ``tests/test_imports.py`` checks every import, at module level and
+inside functions, against this table and for cycles)::
+
+    ops          the op: schema, numpy reference, ONNX function     imports nothing of ours
+    contracts    this package                                       ops
+    cuda         ctypes kernels, TensorRT + plugin loading           ops
+    export       ONNX rewrite, package writing, engine build         ops, contracts, cuda
+    runtime      pages, scheduler, backends, LLM, server             ops, contracts, cuda
+    calibration  observe -> artifact (sizes pages like the runtime)  ops, contracts, runtime
+
+So the runtime never imports export or calibration, export never imports the
+runtime or calibration, and nothing here imports ``tinyserve_dev`` (dev-only).
+Only plain Python and numpy are imported at this package's import.
+"""
+
+LAYERS = {
+    "ops": (),
+    "contracts": ("ops",),
+    "cuda": ("ops",),
+    "export": ("ops", "contracts", "cuda"),
+    "runtime": ("ops", "contracts", "cuda"),
+    "calibration": ("ops", "contracts", "runtime"),
+}

@@ -1,0 +1,50 @@
+"""TensorRT optimization profiles of a package: the (min, opt, max) shape of every
+dynamic input, derived from the manifest. Shared by the exporter (engine builds)
+and the runtime (ORT's TensorRT EP), so it lives below both."""
+
+from __future__ import annotations
+
+from ..ops.quantization import scale_shape
+
+BATCH = (1, 8, 64)  # rows per step: (min, opt, max) of the engine's profile
+NEW_TOKENS = (1, 1, 512)  # new tokens per row: decode-tuned, prefill chunks up to 512
+
+
+def engine_profiles(manifest: dict, max_context: int) -> tuple[dict[str, tuple], dict]:
+    """The (min, opt, max) shape of every dynamic input of the rewritten model, and the
+    limits ``manifest["engine"]`` records for the runtime.
+
+    TensorRT needs a range for every dynamic input, and inputs sharing an ONNX dim
+    name (``batch``, ``num_pages``, ...) must get overlapping ranges. Page tables
+    cover ``max_context``; the hot page pools (and key_min/key_max) hold up to twice
+    what ``BATCH[2]`` sequences of ``max_context`` need - room for prefix-cached
+    pages - and a cold tier as many INT8 pages again (its metadata rows are hot + cold).
+    """
+    io, ps = manifest["io"], manifest["page_size"]
+    hkv, d = manifest["num_kv_heads"], manifest["head_dim"]
+    max_pages = -(-max_context // ps)
+    batch, chunk = BATCH, NEW_TOKENS
+    pool = (1, batch[1] * max_pages, 2 * batch[2] * max_pages)
+    cold = manifest.get("cold_tier")
+    rows = tuple(2 * n for n in pool) if cold else pool  # key_min/key_max: P (+ Pcold) rows
+    inputs = io["inputs"]
+    profiles = {inputs["input_ids"]: tuple((b, t) for b, t in zip(batch, chunk)),
+                inputs["page_table"]: ((1, 1), (batch[1], max_pages // 2 or 1), (batch[2], max_pages))}
+    if "position_ids" in inputs:
+        profiles[inputs["position_ids"]] = profiles[inputs["input_ids"]]
+    for role in ("past_lens", "token_budget", "logits_index"):
+        if role in inputs:
+            profiles[inputs[role]] = tuple((b,) for b in batch)
+    for names in io["layers"]:
+        for role in ("key_cache", "value_cache"):
+            profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)
+        for role in ("key_min", "key_max"):
+            profiles[names[role]] = tuple((n, hkv, d) for n in rows)
+        if cold:
+            for role in ("key_cache_int8", "value_cache_int8"):
+                profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)
+            for role, gran in (("key_scale", cold["k_granularity"]), ("value_scale", cold["v_granularity"])):
+                profiles[names[role]] = tuple((n, *scale_shape(gran, hkv, ps, d)) for n in pool)
+    limits = dict(max_batch=batch[2], max_new_tokens=chunk[2], max_pages=max_pages, max_pool_pages=pool[2],
+                  max_cold_pages=pool[2] if cold else 0)
+    return profiles, limits
