@@ -111,7 +111,8 @@ def main(argv=None) -> int:
                              recent_pages=s["recent_pages"], group_reduce=s["group_reduce"],
                              sub_page_size=s["sub_page_size"], candidate_share=s["candidate_share"])
         r = pp.run(spec, dense_layers=s["dense_layers"])
-        reads = modelled_reads(s, int(ids.numel()), args.budget) / modelled_reads(BASELINE, int(ids.numel()), args.budget)
+        n = int(ids.numel())
+        reads = modelled_reads(s, n, args.budget) / modelled_reads(BASELINE, n, args.budget)
         rows.append(dict(variant=name, **s, ppl=r.ppl, ratio=r.ppl / dense.ppl, reads=round(reads, 3),
                          seconds=round(time.perf_counter() - t0)))
         print(f"{name:12s} ppl {r.ppl:.4f} ratio {r.ppl / dense.ppl:.4f} ({rows[-1]['seconds']} s)", flush=True)
