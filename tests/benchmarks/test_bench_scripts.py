@@ -89,20 +89,26 @@ def test_quality_sweep_variants_parse_and_reject():
     for bad in ("x:page=8", "x:page_size", ";"):
         with pytest.raises(ValueError):
             sweep.parse_variants(bad, defaults)
-    two = sweep.parse_variants("t:sub_page_size=4,candidates=2.5", {**defaults, "sub_page_size": 0, "candidates": 2.0})
-    assert two[0][1]["sub_page_size"] == 4 and two[0][1]["candidates"] == 2.5
+    two = sweep.parse_variants("t:sub_page_size=4,candidate_share=0.25",
+                               {**defaults, "sub_page_size": 0, "candidate_share": 0.5})
+    assert two[0][1]["sub_page_size"] == 4 and two[0][1]["candidate_share"] == 0.25
+    with pytest.raises(ValueError):  # the op has no "candidates" multiple of the budget
+        sweep.parse_variants("t:candidates=2", defaults)
 
 
 def test_quality_sweep_modelled_reads():
     sweep = load("quality_sweep")
-    base = dict(page_size=16, sub_page_size=0, candidates=2.0)
+    base = dict(page_size=16, sub_page_size=0, candidate_share=0.0)
     assert sweep.modelled_reads(base, 8192, 1024) == 2 * 512 + 2 * 1024
     assert sweep.modelled_reads({**base, "page_size": 4}, 8192, 1024) == 2 * 2048 + 2 * 1024
-    # two-level: + min/max of the 2048 candidate tokens' 4-token sub-pages
-    assert sweep.modelled_reads({**base, "sub_page_size": 4}, 8192, 1024) == 2 * 512 + 2 * 1024 + 2 * 512
-    # at least half the context as candidates: 4096 tokens' sub-pages
+    # two-level, share 0: candidates = budget // page = 64 pages, 256 sub-pages of one code byte per
+    # channel (half an FP16 key vector each)
+    assert sweep.modelled_reads({**base, "sub_page_size": 4}, 8192, 1024) == 2 * 512 + 2 * 1024 + 128
+    # half the 512 pages as candidates: 4096 tokens, 1024 sub-pages
     assert sweep.modelled_reads({**base, "sub_page_size": 4, "candidate_share": 0.5}, 8192, 1024) == \
-        2 * 512 + 2 * 1024 + 2 * 1024
+        2 * 512 + 2 * 1024 + 512
+    assert sweep.modelled_reads({"page_size": 32, "sub_page_size": 4, "candidate_share": 0.5}, 8192, 1024) == \
+        2 * 256 + 2 * 1024 + 512
 
 
 def test_bench_page_size_smoke(llama, tmp_path, capsys):

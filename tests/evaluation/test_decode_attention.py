@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinyserve_trt.ops import policies, schema, sparse_attention_ref  # noqa: E402
+from tinyserve_trt.ops.fine_bounds import page_sub_bounds  # noqa: E402
 from tinyserve_trt.ops.reference import page_min_max  # noqa: E402
 from tinyserve_dev.evaluation.decode_attention import (  # noqa: E402
     SelectionSpec, decode_attention, page_mass, page_scores, select_pages)
@@ -177,55 +178,48 @@ def test_spec_validation():
         SelectionSpec(page_fraction=0.0)
 
 
-def _two_level_step_ref(q, k, v, t, spec):
-    """One decode step at position t by the two-level rule, per KV head, in numpy:
-    returns the output [H, D] (float64)."""
-    ps, sp = spec.page_size, spec.sub_page_size
-    G = H // HKV
-    n = -(-t // ps)
-    forced = {p for p in range(n) if p < spec.sink_pages or p >= n - spec.recent_pages}
-    out = np.zeros((H, D))
-    for h in range(HKV):
-        qg = q[h * G:(h + 1) * G, t] * D ** -0.5
-
-        def score(lo, hi):  # query_aware, group max
-            return max(float(np.sum(np.maximum(qi * lo, qi * hi))) for qi in qg)
-
-        coarse = {p: score(*page_min_max(k[h, p * ps:(p + 1) * ps], min(ps, t - p * ps))) for p in range(n)}
-        cand_tokens = max(int(spec.candidates * spec.budget), int(spec.candidate_share * n) * ps)
-        n_cand = max(cand_tokens // ps, len(forced)) - len(forced)
-        cand = sorted((p for p in range(n) if p not in forced), key=lambda p: (-coarse[p], p))[:n_cand]
-        n_sub = -(-t // sp)
-        forced_sub = [s for s in range(n_sub) if s * sp // ps in forced]
-        keep_n = max(spec.budget // sp, len(forced_sub))
-        if keep_n >= n_sub:
-            kept = list(range(n_sub))
-        else:
-            subs = [s for p in cand for s in range(p * ps // sp, (p + 1) * ps // sp) if s < n_sub]
-            fine = {s: score(*page_min_max(k[h, s * sp:(s + 1) * sp], min(sp, t - s * sp))) for s in subs}
-            kept = forced_sub + sorted(subs, key=lambda s: (-fine[s], s))[:keep_n - len(forced_sub)]
-        tokens = sorted({i for s in kept for i in range(s * sp, min((s + 1) * sp, t))} | {t})
-        for g in range(G):
-            logits = (q[h * G + g, t] * D ** -0.5) @ k[h, tokens].T
-            p = np.exp(logits - logits.max())
-            out[h * G + g] = (p / p.sum()) @ v[h, tokens]
-    return out
+def _with_sub_bounds(case, sp):
+    """The step's ``key_sub_bounds``: 4-bit codes of every page's valid keys (``ops.fine_bounds``)."""
+    kc, t = case["key_cache"], int(case["past_lens"][0])
+    sub = np.zeros((kc.shape[0], HKV, PS // sp, D), np.uint8)
+    for i, pid in enumerate(case["page_table"][0, :-(-t // PS)]):
+        sub[pid] = page_sub_bounds(kc[pid], sp, case["key_min"][pid], case["key_max"][pid], min(PS, t - i * PS))
+    return dict(case, key_sub_bounds=sub)
 
 
 @pytest.mark.parametrize("spec", [
-    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=2.0),
-    SelectionSpec("query_aware", budget=12, page_size=PS, sub_page_size=4, candidates=1.5, sink_pages=0),
-    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidates=8.0, recent_pages=2),
-    SelectionSpec("query_aware", budget=8, page_size=PS, sub_page_size=2, candidates=1.0, candidate_share=0.5),
-], ids=["x2", "x1.5-nosink", "all-candidates", "share"])
-def test_two_level_selection_matches_a_step_by_step_reference(rng, spec):
+    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2),
+    SelectionSpec("query_aware", budget=12, page_size=PS, sub_page_size=4, candidate_share=0.25, sink_pages=0),
+    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidate_share=1.0, recent_pages=2),
+    SelectionSpec("query_aware", budget=8, page_size=PS, sub_page_size=2, candidate_share=0.0,
+                  group_reduce="sum"),
+], ids=["share50", "share25-nosink", "all-candidates", "share0-sum"])
+def test_two_level_rows_equal_reference_decode_steps(rng, spec):
+    """Two-level rows are the op's: its numpy reference run as a real decode step, fed the 4-bit
+    ``key_sub_bounds`` the runtime stores - so quality numbers measure what the op does."""
     q, k, v = random_qkv(rng)
     q_start = 20
     got = decode_attention(torch.from_numpy(q[:, q_start:]), torch.from_numpy(k), torch.from_numpy(v), q_start,
                            spec, D ** -0.5, chunk=16).numpy()
+    attrs = schema.OpAttributes(policy=spec.policy, sink_pages=spec.sink_pages, recent_pages=spec.recent_pages,
+                                group_reduce=spec.group_reduce, sub_page_size=spec.sub_page_size,
+                                candidate_share=spec.candidate_share)
+    sparse_rows = 0
     for t in range(q_start, T):
-        np.testing.assert_allclose(got[:, t - q_start], _two_level_step_ref(q, k, v, t, spec), rtol=1e-9,
-                                   atol=1e-9, err_msg=f"step {t}")
+        case = _with_sub_bounds(decode_step_case(q, k, v, t, spec.budget, rng), spec.sub_page_size)
+        ref, sel = sparse_attention_ref(**case, attrs=attrs)
+        np.testing.assert_allclose(got[:, t - q_start], ref[0, :, 0], rtol=1e-9, atol=1e-9, err_msg=f"step {t}")
+        sparse_rows += not sel[0, :, :-(-t // PS)].all()
+    assert sparse_rows  # some steps really select
+
+
+def test_two_level_rows_differ_from_single_level(rng):
+    """Not vacuous: re-ranking sub-pages changes rows that single-level selection gives."""
+    q, k, v = random_qkv(rng)
+    args = (torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), 0)
+    one = decode_attention(*args, SelectionSpec("query_aware", budget=16, page_size=PS), D ** -0.5)
+    two = decode_attention(*args, SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2), D ** -0.5)
+    assert not torch.allclose(one, two)
 
 
 def test_two_level_spec_validation():
@@ -233,7 +227,7 @@ def test_two_level_spec_validation():
         SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=3)
     with pytest.raises(ValueError, match="sub_page_size"):
         SelectionSpec("query_aware", page_size=8, sub_page_size=4, page_fraction=0.5)
-    with pytest.raises(ValueError, match="candidates"):
-        SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidates=0.5)
+    with pytest.raises(ValueError, match="sub_page_size"):
+        SelectionSpec("window", budget=16, page_size=8, sub_page_size=4)
     with pytest.raises(ValueError, match="candidate_share"):
         SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidate_share=1.5)

@@ -125,9 +125,12 @@ def test_existing_output_needs_force(capsys, tmp_path, export_fixture):
 
 @pytest.mark.parametrize("ctx,page", [(1024, 8), (4096, 16), (16384, 32), (65536, 64), (1 << 20, 64)])
 def test_auto_page_size(ctx, page):
-    from tinyserve_trt.export.config import ExportConfig
+    """Single level (``--sub-page-size 0``): auto sizes the page by the context. With the default
+    two-level selection auto is the measured page size (tests/export/test_two_level.py)."""
+    from tinyserve_trt.export.config import DEFAULT_PAGE_SIZE, ExportConfig
 
-    assert ExportConfig(page_size="auto", max_context=ctx).resolved_page_size() == page
+    assert ExportConfig(page_size="auto", max_context=ctx, sub_page_size=0).resolved_page_size() == page
+    assert ExportConfig(page_size="auto", max_context=ctx).resolved_page_size() == DEFAULT_PAGE_SIZE
 
 
 @pytest.mark.slow

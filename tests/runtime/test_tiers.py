@@ -21,8 +21,8 @@ def rng():
     return np.random.default_rng(0)
 
 
-def make_pool(hot=6, cold=4, dtype="float32", **tier):
-    return TieredPagePool(CacheConfig(page_size=PS, num_pages=hot, dtype=dtype),
+def make_pool(hot=6, cold=4, dtype="float32", sub_page_size=0, **tier):
+    return TieredPagePool(CacheConfig(page_size=PS, num_pages=hot, dtype=dtype, sub_page_size=sub_page_size),
                           TierConfig(num_cold_pages=cold, **tier), L, H, D)
 
 
@@ -147,10 +147,12 @@ OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "write", "write", "d
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from(["channel", "token", "head"]))
-def test_random_operations_keep_integrity(ops, granularity):
+@given(OPS, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 1, 2]))
+def test_random_operations_keep_integrity(ops, granularity, sub_page_size):
+    """Two-level pools (sub_page_size > 0) too: check_data recomputes every live page's sub-page codes."""
     rng = np.random.default_rng(0)
-    pool = make_pool(hot=5, cold=3, k_granularity=granularity, v_granularity=granularity)
+    pool = make_pool(hot=5, cold=3, sub_page_size=sub_page_size, k_granularity=granularity,
+                     v_granularity=granularity)
     holders: list[list[int]] = []  # each holder references one page
     for op, x in ops:
         live = [h[0] for h in holders]

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from tinyserve_trt.ops import schema
+from tinyserve_trt.ops import fine_bounds, schema, two_level
 from tinyserve_trt.ops.policies import get_policy
 
 NEG_INF = float("-inf")
@@ -40,13 +41,13 @@ class SelectionSpec:
     recent_pages: int = 1
     group_reduce: str = "max"
     page_fraction: float | None = None
-    sub_page_size: int = 0  # > 0: two-level selection (see ``select_sub_pages``); evaluation only, not the op
-    candidates: float = 2.0  # two-level: coarse pages kept as candidates, in multiples of the budget
-    candidate_share: float = 0.0  # two-level: ... or at least this share of the step's pages
+    sub_page_size: int = 0  # > 0: two-level selection, the op's (``select_sub_pages``)
+    candidate_share: float = schema.attribute("candidate_share").default  # two-level: share of pages as candidates
 
     def __post_init__(self):
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
-                            group_reduce=self.group_reduce)
+                            group_reduce=self.group_reduce, sub_page_size=self.sub_page_size,
+                            candidate_share=self.candidate_share)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.budget < 0:
@@ -57,10 +58,6 @@ class SelectionSpec:
                                    or self.sub_page_size == self.page_size or self.page_fraction is not None):
             raise ValueError(f"sub_page_size must divide page_size {self.page_size} (and be smaller), with a "
                              f"token budget; got {self.sub_page_size}")
-        if self.candidates < 1.0:
-            raise ValueError(f"candidates must be >= 1 (a multiple of the budget), got {self.candidates}")
-        if not 0.0 <= self.candidate_share <= 1.0:
-            raise ValueError(f"candidate_share must be in [0, 1], got {self.candidate_share}")
 
     @property
     def is_dense(self) -> bool:
@@ -158,35 +155,41 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     return torch.where(dense_row[None, :, None], valid, keep)
 
 
-def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, q, k, scores: torch.Tensor) -> torch.Tensor:
-    """Two-level selection: kept sub-pages ``[Hkv, C, NP * r]`` (bool, ``r = page_size / sub_page_size``).
+def sub_page_bounds(k: torch.Tensor, spec: SelectionSpec, kmin: torch.Tensor, kmax: torch.Tensor):
+    """The op's two-level bounds of every sub-page: ``(lo, hi)`` ``[Hkv, NP * r, D]`` from the keys
+    ``k [Hkv, T, D]`` and their page bounds ``kmin/kmax [Hkv, NP, D]`` (``page_min_max``): the exact
+    sub-page min/max encoded to 4-bit codes and decoded as the op reads ``key_sub_bounds``
+    (``ops.fine_bounds``). The partial last page is padded by repeating its last key, which changes
+    no bound (and that page is forced, so its sub-page scores are never read)."""
+    ps, sp = spec.page_size, spec.sub_page_size
+    Hkv, n_pages, D = kmin.shape
+    pad = n_pages * ps - k.shape[1]
+    k_rep = torch.cat([k, k[:, -1:].expand(Hkv, pad, D)], dim=1) if pad else k
+    smin, smax = page_min_max(k_rep, sp)
+    shape = (Hkv, n_pages, ps // sp, D)
+    codes = fine_bounds.encode(smin.reshape(shape).numpy(), smax.reshape(shape).numpy(), kmin.numpy(),
+                               kmax.numpy())
+    lo, hi = fine_bounds.decode(codes, kmin.numpy(), kmax.numpy())
+    return tuple(torch.from_numpy(x).to(k.dtype).reshape(Hkv, n_pages * (ps // sp), D) for x in (lo, hi))
 
-    Level 1 keeps the forced pages and the best others up to ``candidates x budget``
-    tokens (or ``candidate_share`` of the step's pages, if more), by the page scores
-    ``scores [Hkv, C, NP]``. Level 2 scores the candidates'
-    sub-pages of ``sub_page_size`` tokens with their own min/max (from ``k [Hkv, T, D]``)
-    and keeps the forced pages' sub-pages whole plus the best candidate sub-pages up to
-    the budget. Per step it reads the coarse min/max of every page plus the fine min/max
-    of the candidates only: between page_size and sub_page_size in cost.
-    """
+
+def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, coarse: torch.Tensor,
+                     fine: torch.Tensor) -> torch.Tensor:
+    """Two-level selection: kept sub-pages ``[Hkv, C, NP * r]`` (bool, ``r = page_size / sub_page_size``)
+    by the op's rule itself (``ops.two_level.select_sub_pages``), one decode step and KV head at a
+    time. ``coarse [Hkv, C, NP]`` page scores; ``fine [Hkv, C, NP * r]`` sub-page scores from the
+    op's 4-bit bounds (:func:`sub_page_bounds`)."""
     ps, sp = spec.page_size, spec.sub_page_size
     r = ps // sp
-    n_pages = scores.shape[-1]
-    n_t = (positions + ps - 1) // ps
-    by_share = torch.floor(spec.candidate_share * n_t.double()).long() * ps
-    cand_budget = torch.clamp(by_share, min=int(spec.candidates * spec.budget))
-    cand = select_pages(replace(spec, sub_page_size=0), positions, scores, cand_budget)  # forced included
-    _, forced = _written_and_forced(spec, n_t, n_pages)
-    fmin, fmax = page_min_max(k[:, :n_pages * ps], sp)  # [Hkv, NP*r, D]; a partial sub-page is in a forced page
-    fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), q, fmin, fmax)  # [Hkv, C, NP*r]
-    written = torch.arange(n_pages * r)[None, :] < ((positions + sp - 1) // sp)[:, None]  # [C, NP*r]
-    forced_f = forced.repeat_interleave(r, dim=-1) & written
-    cand_f = cand.repeat_interleave(r, dim=-1) & written[None] & ~forced_f[None]
-    keep_n = torch.maximum(torch.full_like(n_t, spec.budget // sp), forced_f.sum(-1))
-    take = (keep_n - forced_f.sum(-1))[None, :, None]
-    keep = forced_f[None] | _top_take(fine, cand_f, take)
-    dense_row = (-(-positions // sp) <= keep_n)  # the budget covers every written sub-page
-    return torch.where(dense_row[None, :, None], written[None].expand_as(keep), keep)
+    coarse64, fine64 = coarse.double().numpy(), fine.double().numpy()
+    keep = np.zeros(fine.shape, bool)
+    for c, t in enumerate(positions.tolist()):
+        n = -(-t // ps)
+        for h in range(coarse.shape[0]):
+            keep[h, c, :n * r] = two_level.select_sub_pages(
+                coarse64[h, c, :n], fine64[h, c, :n * r], t, spec.budget, ps, sp, spec.candidate_share,
+                spec.sink_pages, spec.recent_pages)
+    return torch.from_numpy(keep)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
@@ -212,6 +215,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     pad = -(-T // ps) * ps - T
     k_pad = torch.nn.functional.pad(k, (0, 0, 0, pad))
     v_pad = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    if spec.sub_page_size and not spec.is_dense:
+        lo, hi = sub_page_bounds(k, spec, kmin, kmax)
     q_scaled = q * scale  # scaling q scales query_aware scores by a positive constant: same choices
     out = torch.empty_like(q)
     for c0 in range(0, S, chunk):
@@ -236,7 +241,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         elif spec.sub_page_size:
             sp, r = spec.sub_page_size, ps // spec.sub_page_size
             scores = page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
-            keep = select_sub_pages(spec, positions, qc, k_pad[:, :width], scores)
+            fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), qc, lo[:, :n_np * r], hi[:, :n_np * r])
+            keep = select_sub_pages(spec, positions, scores, fine)
             keep = keep | (torch.arange(n_np * r)[None, :] == (positions // sp)[:, None])  # the token's own
             logits.view(Hkv, G, C, n_np * r, sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)

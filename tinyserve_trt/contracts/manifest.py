@@ -37,6 +37,7 @@ DTYPES = ("float32", "float16")
 INPUT_ROLES = ("input_ids", "page_table", "past_lens", "token_budget")
 LAYER_ROLES = ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new_value")
 COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")  # ops.schema.COLD_INPUTS
+SUB_ROLE = "key_sub_bounds"  # ops.schema.TWO_LEVEL_INPUTS: per sparse layer of a two-level package
 INT_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "page_size", "token_budget")
 
 
@@ -134,6 +135,8 @@ class Manifest:
     recent_pages: int = 1
     backend: str = "ort"
     cold_tier: ColdTier | None = None
+    sub_page_size: int = 0  # two-level selection (issue #15): the runtime pools keep key_sub_bounds
+    candidate_share: float | None = None
     ort_optimized: OrtOptimized | None = None
     engine: dict | None = None
     bos_token_id: int | list | None = None
@@ -163,6 +166,19 @@ class Manifest:
                     raise PackageError(f"io.layers[{i}] lacks the cold-tier inputs {lacking}")
         if self.dtype not in DTYPES:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
+        self._check_two_level()
+
+    def _check_two_level(self) -> None:
+        """``sub_page_size`` (absent: 0) properly divides the page size, and exactly the layers
+        that select (policy not dense) take ``key_sub_bounds`` when it is set; none when 0."""
+        sp, ps = self.sub_page_size, self.page_size
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 0 or (sp and (ps % sp or sp == ps)):
+            raise PackageError(f"sub_page_size must be 0 or a proper divisor of page_size {ps}, got {sp!r}")
+        for i, layer in enumerate(self.io.layers):
+            if (SUB_ROLE in layer) != bool(sp and layer.get("policy") != "dense"):
+                raise PackageError(f"io.layers[{i}] ({layer.get('policy')}) "
+                                   + (f"lacks {SUB_ROLE!r} for sub_page_size {sp}" if sp else
+                                      f"has {SUB_ROLE!r} but sub_page_size is 0"))
 
     # ---- JSON ---------------------------------------------------------------
     @classmethod

@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ort: a model ONNX Runtime runs anywhere (default); trt: also build a TensorRT engine "
                         "with the tinyserve plugin (needs TensorRT, the plugin library and a GPU)")
     p.add_argument("--page-size", default=str(DEFAULTS.page_size),
-                   help="tokens per KV page: a power of two, or 'auto' (8-16 up to 4K context, 16-32 up to 16K, "
+                   help="tokens per KV page: a power of two, or 'auto' (with the default two-level selection "
+                        f"{DEFAULTS.resolved_page_size()}; single level 8-16 up to 4K context, 16-32 up to 16K, "
                         "32-64 beyond, near sqrt(context/16)); default %(default)s")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context,
                    help="longest context the package is sized for (used by --page-size auto); default %(default)s")
@@ -43,9 +44,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=DEFAULTS.policy, choices=selecting(),
                    help="page selection policy of the sparse layers; default %(default)s")
     p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
-    p.add_argument("--sub-page-size", type=int, default=DEFAULTS.sub_page_size,
+    p.add_argument("--sub-page-size", type=int, default=None,
                    help="two-level selection: re-rank the candidate pages' sub-pages of this many tokens "
-                        "(e.g. 4; 0 = off; docs/op.md); default %(default)s")
+                        "(0 = single level; docs/op.md); default "
+                        f"{DEFAULTS.resolved_sub_page_size()} for ORT packages of query_aware, else 0")
     p.add_argument("--candidate-share", type=float, default=DEFAULTS.candidate_share,
                    help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "

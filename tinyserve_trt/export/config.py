@@ -8,11 +8,17 @@ from dataclasses import dataclass
 from ..ops import schema
 
 BACKENDS = ("ort", "trt")
+# The default selection (issue #15), chosen by benchmarks/quality_sweep.py at budget 1024 on two
+# texts (benchmarks/results/analysis.md, "Two-level default"): the cheapest setting within 2% of
+# dense perplexity on both. Two-level is the default of ONNX Runtime packages with a two-level
+# policy; TensorRT packages stay single level until the plugin's select kernel has its second stage.
+DEFAULT_PAGE_SIZE = 32
+DEFAULT_SUB_PAGE_SIZE = 4
 
 
 @dataclass(frozen=True)
 class ExportConfig:
-    page_size: int | str = 16  # or "auto"
+    page_size: int | str = DEFAULT_PAGE_SIZE  # or "auto"
     token_budget: int = 1024  # the runtime's default decode budget (0 = dense)
     dense_layers: int = 2  # leading layers kept dense, as Quest does
     policy: str = "query_aware"
@@ -31,7 +37,8 @@ class ExportConfig:
     calibration: str | None = None
     # Two-level selection (issue #15): sparse layers re-rank the candidate pages' sub-pages of
     # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
-    sub_page_size: int = 0
+    # None: the default (``resolved_sub_page_size``).
+    sub_page_size: int | None = None
     candidate_share: float = schema.attribute("candidate_share").default
 
     def __post_init__(self):
@@ -47,7 +54,7 @@ class ExportConfig:
         if self.max_context < 1:
             raise ValueError("max_context must be positive")
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
-                            sub_page_size=self.sub_page_size, candidate_share=self.candidate_share)
+                            sub_page_size=self.resolved_sub_page_size(), candidate_share=self.candidate_share)
         if self.sub_page_size and self.resolved_page_size() % self.sub_page_size:
             raise ValueError(f"sub_page_size must divide the page size {self.resolved_page_size()}, "
                              f"got {self.sub_page_size}")
@@ -65,14 +72,30 @@ class ExportConfig:
             return self.validate_tolerance
         return 5e-2 if self.fp16 else 1e-4
 
+    def _default_two_level(self) -> bool:
+        return self.sub_page_size is None and self.policy in schema.TWO_LEVEL_POLICIES and self.backend == "ort"
+
+    def resolved_sub_page_size(self) -> int:
+        """The sub-page size the sparse layers use: ``sub_page_size``, or by default
+        ``DEFAULT_SUB_PAGE_SIZE`` for an ORT package of a two-level policy when it divides
+        the page size (and is smaller); 0 (single level) otherwise."""
+        if self.sub_page_size is not None:
+            return self.sub_page_size
+        ps = self.resolved_page_size()
+        ok = self._default_two_level() and ps % DEFAULT_SUB_PAGE_SIZE == 0 and ps > DEFAULT_SUB_PAGE_SIZE
+        return DEFAULT_SUB_PAGE_SIZE if ok else 0
+
     def resolved_page_size(self) -> int:
-        """``auto``: the power of two nearest sqrt(max_context / 16), kept in the band
-        8-16 up to 4K tokens, 16-32 up to 16K, 32-64 beyond. Scoring reads one
-        min/max pair per page (cost ~ context / page) while coarse pages waste
-        budget on unneeded tokens (cost ~ page); the square root balances the
-        two for a budget of ~1/16 of the context."""
+        """``auto`` with the default two-level selection: ``DEFAULT_PAGE_SIZE``, the page
+        size measured with it. ``auto`` single level: the power of two nearest
+        sqrt(max_context / 16), kept in the band 8-16 up to 4K tokens, 16-32 up to
+        16K, 32-64 beyond. Scoring reads one min/max pair per page (cost ~ context /
+        page) while coarse pages waste budget on unneeded tokens (cost ~ page); the
+        square root balances the two for a budget of ~1/16 of the context."""
         if self.page_size != "auto":
             return int(self.page_size)
+        if self._default_two_level() or (self.sub_page_size and self.policy in schema.TWO_LEVEL_POLICIES):
+            return DEFAULT_PAGE_SIZE
         lo, hi = (8, 16) if self.max_context <= 4096 else (16, 32) if self.max_context <= 16384 else (32, 64)
         ideal = 2 ** round(math.log2(math.sqrt(self.max_context / 16)))
         return min(hi, max(lo, ideal))
@@ -80,7 +103,8 @@ class ExportConfig:
     def layer_attributes(self, layer: int, scale: float) -> schema.OpAttributes:
         """Dense layers, and a sub-page size equal to the page size, are single-level (no fine bounds)."""
         policy = "dense" if layer < self.dense_layers else self.policy
-        two_level = policy != "dense" and self.sub_page_size not in (0, self.resolved_page_size())
+        sp = self.resolved_sub_page_size()
+        two_level = policy != "dense" and sp not in (0, self.resolved_page_size())
         return schema.OpAttributes(scale=scale, policy=policy, sink_pages=self.sink_pages,
                                    recent_pages=self.recent_pages, candidate_share=self.candidate_share,
-                                   sub_page_size=self.sub_page_size if two_level else 0)
+                                   sub_page_size=sp if two_level else 0)

@@ -112,7 +112,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         max_context=config.max_context, io=PackageIO(paged.inputs, paged.outputs, paged.layers),
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
         source_io=source_io, backend=config.backend, cold_tier=cold_tier, **special_tokens(files),
-        extra=dict(extra_manifest or {}),
+        **_two_level_fields(plans, config), extra=dict(extra_manifest or {}),
     )
 
     figure = None
@@ -280,3 +280,10 @@ def _validate(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict) -> 
 
 
 __all__ = ["export_model", "ExportReport", "np"]
+
+
+def _two_level_fields(plans, config: ExportConfig) -> dict:
+    """Manifest fields of two-level selection (issue #15): the runtime pools keep ``key_sub_bounds``
+    of this sub-page size; nothing for a single-level package."""
+    two_level = [p.attrs for p in plans if p.attrs.two_level]
+    return dict(sub_page_size=two_level[0].sub_page_size, candidate_share=config.candidate_share) if two_level else {}

@@ -76,18 +76,25 @@ def page_sub_bounds(keys: np.ndarray, sub_page_size: int, page_min: np.ndarray, 
     """Codes ``[Hkv, r, D]`` of one page ``keys [Hkv, ps, D]`` (the keys the op attends: dequantized
     for a cold page) whose coarse bounds are ``page_min/page_max [Hkv, D]``. Only the first ``valid``
     tokens count; a sub-page with none gets code 0 (the coarse bounds)."""
-    Hkv, ps, D = keys.shape
+    valid = keys.shape[1] if valid is None else int(valid)
+    return pages_sub_bounds(keys[None], sub_page_size, page_min[None], page_max[None], np.array([valid]))[0]
+
+
+def pages_sub_bounds(keys: np.ndarray, sub_page_size: int, page_min: np.ndarray, page_max: np.ndarray,
+                     valid: np.ndarray) -> np.ndarray:
+    """:func:`page_sub_bounds` of ``U`` pages at once: ``keys [U, Hkv, ps, D]``, bounds ``[U, Hkv, D]``,
+    ``valid [U]`` tokens each -> codes ``[U, Hkv, r, D]`` (what a page pool stores per write)."""
+    U, Hkv, ps, D = keys.shape
     if sub_page_size < 1 or ps % sub_page_size:
         raise ValueError(f"sub_page_size must divide the page size {ps}, got {sub_page_size}")
-    valid = ps if valid is None else int(valid)
     r = ps // sub_page_size
-    k = keys.astype(np.float32).reshape(Hkv, r, sub_page_size, D)
-    written = (np.arange(ps) < valid).reshape(1, r, sub_page_size, 1)
-    smin = np.where(written, k, np.inf).min(axis=2)
-    smax = np.where(written, k, -np.inf).max(axis=2)
-    empty = ~written.any(axis=2)  # [1, r, 1]
-    kmin32 = np.broadcast_to(page_min.astype(np.float32)[:, None, :], smin.shape)
-    kmax32 = np.broadcast_to(page_max.astype(np.float32)[:, None, :], smax.shape)
+    k = keys.astype(np.float32).reshape(U, Hkv, r, sub_page_size, D)
+    written = (np.arange(ps)[None, :] < np.asarray(valid).reshape(U, 1)).reshape(U, 1, r, sub_page_size, 1)
+    smin = np.where(written, k, np.inf).min(axis=3)
+    smax = np.where(written, k, -np.inf).max(axis=3)
+    empty = ~written.any(axis=3)  # [U, 1, r, 1]
+    kmin32 = np.broadcast_to(page_min.astype(np.float32)[:, :, None, :], smin.shape)
+    kmax32 = np.broadcast_to(page_max.astype(np.float32)[:, :, None, :], smax.shape)
     smin, smax = np.where(empty, kmin32, smin), np.where(empty, kmax32, smax)
     return encode(smin, smax, page_min, page_max)
 

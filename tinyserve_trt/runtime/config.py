@@ -35,6 +35,8 @@ class CacheConfig:
     num_pages:    hot pages in the pool (``P``); page ids are ``[0, num_pages)``.
     dtype:        K/V pool and key_min/key_max dtype, ``float32`` or ``float16``.
     prefix_cache: name in the prefix-cache registry (``hash`` or ``none``).
+    sub_page_size: two-level selection's sub-page tokens (the package's): the pool keeps
+                  ``key_sub_bounds`` per page; 0 (single level) keeps none.
 
     Use :meth:`from_memory` to size ``num_pages`` from a byte budget.
     """
@@ -43,9 +45,14 @@ class CacheConfig:
     num_pages: int = 1024
     dtype: str = "float16"
     prefix_cache: str = "hash"
+    sub_page_size: int = 0
 
     def __post_init__(self):
         _positive_int("page_size", self.page_size)
+        if not isinstance(self.sub_page_size, int) or self.sub_page_size < 0 or (
+                self.sub_page_size and (self.page_size % self.sub_page_size or self.sub_page_size == self.page_size)):
+            raise ValueError(f"sub_page_size must be 0 or a proper divisor of page_size {self.page_size}, "
+                             f"got {self.sub_page_size!r}")
         _positive_int("num_pages", self.num_pages)
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"dtype must be one of {KV_DTYPES}, got {self.dtype!r}")

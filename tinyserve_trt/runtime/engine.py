@@ -13,6 +13,7 @@ selections to the hotness policy and demotes between steps (``tiers/tiering.py``
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import numpy as np
 
@@ -51,6 +52,7 @@ class Engine:
         cache = config.cache_config(page_size=package.page_size, num_layers=package.num_layers,
                                     num_kv_heads=package.num_kv_heads, head_dim=package.head_dim,
                                     dtype=package.dtype, max_context=package.max_context)
+        cache = replace(cache, sub_page_size=package.sub_page_size)  # the pool keeps key_sub_bounds
         eos = package.eos_token_ids
         self.token_budget = config.resolved_budget(package.token_budget)
         self.tiering = Tiering(package, cache, config) if config.kv_tiers and package.cold_tier else None
@@ -82,8 +84,6 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         params = params or SamplingParams()
         if len(self.package.eos_token_ids) > 1 and not params.ignore_eos:  # a model may have several EOS
-            from dataclasses import replace
-
             params = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.package.eos_token_ids[1:])
         return self.scheduler.add(request_id, prompt_token_ids, params)
 

@@ -2,8 +2,10 @@
 
 Per layer, by physical id (see ``kv_storage``): hot K/V ``[num_hot, Hkv, ps, D]``
 in the pool dtype, key min/max ``[num_hot + num_cold, Hkv, D]``, and with a cold
-tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales. Quantization is
-``ops.quantization``'s, so the op's reference reads exactly what was stored.
+tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales; with two-level
+selection uint8 ``key_sub_bounds [num_hot + num_cold, Hkv, r, D]``. Quantization is
+``ops.quantization``'s and the sub-page codes ``ops.fine_bounds``', so the op's
+reference reads exactly what was stored.
 Arrays are ``np.zeros``: pages never written are never resident.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.ops.quantization import (dequantize_page, quantize_page, quantize_page_static,
                                             scale_shape)
 from tinyserve_trt.runtime.kv_storage import KVStorage
@@ -21,18 +24,21 @@ class HostKVStorage(KVStorage):
 
     def __init__(self, num_layers: int, num_hot: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype, num_cold: int = 0, granularities: tuple[str, str] | None = None,
-                 static_scales: tuple[np.ndarray, np.ndarray] | None = None):
+                 static_scales: tuple[np.ndarray, np.ndarray] | None = None, sub_page_size: int = 0):
         if (num_cold > 0) != (granularities is not None):
             raise ValueError("a cold tier needs both num_cold > 0 and its scale granularities")
         self.num_layers, self.num_hot, self.num_cold = num_layers, num_hot, num_cold
         self.num_kv_heads, self.page_size, self.head_dim = num_kv_heads, page_size, head_dim
         self.granularities, self.static_scales = granularities, static_scales
+        self.sub_page_size = self.check_sub_page_size(sub_page_size)
         dtype = np.dtype(dtype)
         L, h, p, d = num_layers, num_kv_heads, page_size, head_dim
         self._k = np.zeros((L, num_hot, h, p, d), dtype)
         self._v = np.zeros((L, num_hot, h, p, d), dtype)
         self._key_min = np.zeros((L, num_hot + num_cold, h, d), dtype)
         self._key_max = np.zeros((L, num_hot + num_cold, h, d), dtype)
+        if sub_page_size:
+            self._sub = np.zeros((L, num_hot + num_cold, h, p // sub_page_size, d), np.uint8)
         if granularities:
             self._kq = np.zeros((L, num_cold, h, p, d), np.int8)
             self._vq = np.zeros((L, num_cold, h, p, d), np.int8)
@@ -50,7 +56,15 @@ class HostKVStorage(KVStorage):
         if self.granularities:
             out.update(key_cache_int8=self._kq[layer], value_cache_int8=self._vq[layer],
                        key_scale=self._ks[layer], value_scale=self._vs[layer])
+        if self.sub_page_size:
+            out["key_sub_bounds"] = self._sub[layer]
         return out
+
+    def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
+        if not self.sub_page_size:
+            return super().read_sub_bounds(layer, page)
+        self.check_range("read", page, 0, self.num_hot + self.num_cold)
+        return self._sub[layer, page]
 
     def read_page(self, layer: int, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         self.check_range("read", page, 0, self.num_hot + self.num_cold)
@@ -67,6 +81,8 @@ class HostKVStorage(KVStorage):
     def reset_pages(self, pages: np.ndarray) -> None:
         self._key_min[:, pages] = 0
         self._key_max[:, pages] = 0
+        if self.sub_page_size:
+            self._sub[:, pages] = 0
 
     def write_tokens(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray, pages: np.ndarray,
                      valid: np.ndarray) -> None:
@@ -86,7 +102,7 @@ class HostKVStorage(KVStorage):
             for layer in range(self.num_layers):
                 self._k[layer, dst] = dequantize_page(self._kq[layer, c], self._ks[layer, c], self.dtype)
                 self._v[layer, dst] = dequantize_page(self._vq[layer, c], self._vs[layer, c], self.dtype)
-        for arr in (self._key_min, self._key_max):
+        for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
 
     def demote_page(self, hot: int, cold: int) -> None:
@@ -109,8 +125,20 @@ class HostKVStorage(KVStorage):
 
     def _refresh_minmax(self, layer: int, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
         """key_min/key_max of physical ``pages`` from their ``keys [U, Hkv, ps, D]``, over
-        tokens ``[0, valid)``: exact in the storage dtype, whatever the write order."""
+        tokens ``[0, valid)``: exact in the storage dtype, whatever the write order; then
+        their sub-page codes."""
         mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
         big = np.array(np.inf, keys.dtype)
         self._key_min[layer, pages] = np.where(mask, keys, big).min(axis=2)
         self._key_max[layer, pages] = np.where(mask, keys, -big).max(axis=2)
+        if self.sub_page_size:  # after min/max: the codes are relative to them
+            self._sub[layer, pages] = pages_sub_bounds(keys, self.sub_page_size, self._key_min[layer, pages],
+                                                       self._key_max[layer, pages], valid)
+
+    def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
+        if not self.sub_page_size:
+            return super().refresh_sub_bounds(pages, valid)
+        for layer in range(self.num_layers):
+            self._sub[layer, pages] = pages_sub_bounds(self._k[layer, pages], self.sub_page_size,
+                                                       self._key_min[layer, pages], self._key_max[layer, pages],
+                                                       valid[layer])

@@ -9,10 +9,17 @@ op's ``page_table`` holds), with the op's tensors by schema name::
   key_min, key_max                  [num_hot + num_cold, Hkv, D]  every physical page
   key_cache_int8, value_cache_int8  [num_cold, Hkv, ps, D]        int8      (cold tier only)
   key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (cold tier only)
+  key_sub_bounds                    [num_hot + num_cold, Hkv, r, D] uint8   (two-level only)
 
 Physical ids ``[0, num_hot)`` are hot, ``[num_hot, num_hot + num_cold)`` cold.
 Key min/max are kept by the storage, indexed by the same physical id as the
 page: the storage updates them whenever it writes, copies or demotes a page.
+Two-level selection (``sub_page_size`` > 0, ``r = page_size / sub_page_size``):
+``key_sub_bounds`` holds each page's 4-bit sub-page codes relative to its
+min/max (``ops.fine_bounds``), indexed the same way and kept with them: a write
+recomputes the touched pages' codes over their valid tokens after their min/max
+(a new min/max moves every code of the page), a copy copies them, a demotion
+recomputes them from the dequantized keys against the recomputed min/max.
 
 Implementations: ``host_storage.HostKVStorage`` (numpy, what the ORT backend
 reads) and ``backends.device_pages.DevicePages`` (torch tensors on the TensorRT
@@ -27,6 +34,7 @@ import numpy as np
 
 HOT_ROLES = ("key_cache", "value_cache", "key_min", "key_max")
 COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")
+SUB_ROLES = ("key_sub_bounds",)  # ops.schema.TWO_LEVEL_INPUTS
 
 
 class KVStorage(ABC):
@@ -37,6 +45,7 @@ class KVStorage(ABC):
     the cold tier, ``ops.quantization.GRANULARITIES``) is None without one.
     ``static_scales``: ``(K, V)`` page scales ``[num_layers, Hkv, ps|1, D|1]`` (numpy)
     of a calibration (cold pages quantize with them), or None (each page's absmax).
+    ``sub_page_size``: tokens per sub-page of two-level selection, 0 without ``key_sub_bounds``.
     """
 
     num_layers: int
@@ -47,11 +56,20 @@ class KVStorage(ABC):
     head_dim: int
     granularities: tuple[str, str] | None
     static_scales: tuple[np.ndarray, np.ndarray] | None
+    sub_page_size: int = 0
 
     @property
     def roles(self) -> tuple[str, ...]:
         """Schema names of the tensors :meth:`cache_inputs` returns."""
-        return HOT_ROLES + (COLD_ROLES if self.granularities else ())
+        return HOT_ROLES + (COLD_ROLES if self.granularities else ()) + (SUB_ROLES if self.sub_page_size else ())
+
+    def check_sub_page_size(self, sub_page_size: int) -> int:
+        """ValueError unless ``sub_page_size`` is 0 or divides the page size (and is smaller)."""
+        if not isinstance(sub_page_size, int) or sub_page_size < 0 or (
+                sub_page_size and (self.page_size % sub_page_size or sub_page_size == self.page_size)):
+            raise ValueError(f"sub_page_size must be 0 or a proper divisor of the page size {self.page_size}, "
+                             f"got {sub_page_size!r}")
+        return sub_page_size
 
     def check_range(self, name: str, phys, lo: int, hi: int) -> None:
         """ValueError unless every physical id in ``phys`` is in ``[lo, hi)``."""
@@ -71,29 +89,40 @@ class KVStorage(ABC):
         as host arrays, keys as the op reads them (a cold page dequantized). For checks
         and tests; does not modify the storage."""
 
+    def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
+        """``key_sub_bounds [Hkv, r, D]`` (uint8) of physical ``page`` as a host array (checks, tests)."""
+        raise ValueError("these pages keep no sub-page bounds (sub_page_size 0)")
+
     # ---- data moves the pool asks for ----------------------------------------
     @abstractmethod
     def reset_pages(self, pages: np.ndarray) -> None:
         """Physical ``pages`` were just allocated: key_min = key_max = 0 in every layer
-        (a storage whose writer rewrites min/max from a page's first token may skip it)."""
+        and their sub-page codes 0 (a storage whose writer rewrites them from a page's first
+        token may skip it)."""
 
     @abstractmethod
     def write_tokens(self, layer: int, slots: np.ndarray, k, v, pages: np.ndarray, valid: np.ndarray) -> None:
         """Write token K/V into hot physical ``slots`` (``page * page_size + offset``,
         ``[tokens]``, no duplicates; ``k, v [tokens, Hkv, D]``), then recompute key
-        min/max of the touched ``pages`` over their tokens ``[0, valid)``. The pool
-        has checked the slots and computed ``valid`` (``[len(pages)]``)."""
+        min/max of the touched ``pages`` over their tokens ``[0, valid)``, then their
+        sub-page codes. The pool has checked the slots and computed ``valid`` (``[len(pages)]``)."""
 
     @abstractmethod
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write: physical ``src`` (hot, or cold: dequantized) into hot ``dst``,
-        key min/max included, every layer."""
+        key min/max and sub-page codes included, every layer."""
 
     @abstractmethod
     def demote_page(self, hot: int, cold: int) -> None:
         """Quantize the full hot page ``hot`` into cold slot ``cold`` (physical ids),
-        every layer; the cold page's min/max become those of its dequantized keys.
-        May be deferred until :meth:`flush`."""
+        every layer; the cold page's min/max (and sub-page codes) become those of its
+        dequantized keys. May be deferred until :meth:`flush`."""
+
+    def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
+        """Recompute the sub-page codes of hot physical ``pages`` (``valid [len(pages), ]`` per layer:
+        ``[num_layers, len(pages)]``) from their stored keys and min/max: after a backend's append
+        kernel wrote tokens and min/max itself (``PagePool.note_device_writes``)."""
+        raise ValueError("these pages keep no sub-page bounds (sub_page_size 0)")
 
     def flush(self) -> None:
         """Finish deferred data moves (nothing is deferred unless an implementation says so)."""

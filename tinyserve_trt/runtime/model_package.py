@@ -73,6 +73,8 @@ class ModelPackage:
     token_budget = property(lambda self: self.spec.token_budget, doc="default decode budget (0 = dense)")
     dtype = property(lambda self: self.spec.dtype)
     max_context = property(lambda self: self.spec.max_context)
+    sub_page_size = property(lambda self: self.spec.sub_page_size,
+                             doc="two-level selection's sub-page tokens (key_sub_bounds per sparse layer); 0: single")
 
     @cached_property
     def cold_tier(self) -> dict | None:

@@ -14,6 +14,8 @@ by physical id (the op schema's names)::
   K, V pools        [num_pages, num_kv_heads, page_size, head_dim]
   key_min, key_max  [num_pages, num_kv_heads, head_dim]  min / max over the page's
                     valid (written) tokens; a fresh page has both = 0.
+  key_sub_bounds    [num_pages, num_kv_heads, r, head_dim] uint8, two-level only
+                    (``config.sub_page_size``): 4-bit sub-page codes (``ops.fine_bounds``).
 
 Tiers: here every page is hot and a page id is its physical id. Cold INT8 pages
 (issue #6) live in ``tiers.TieredPagePool``, a subclass whose ids are handles
@@ -28,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from tinyserve_trt.ops.fine_bounds import page_sub_bounds
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.host_storage import HostKVStorage
 from tinyserve_trt.runtime.kv_storage import KVStorage
@@ -58,7 +61,8 @@ class PagePool:
         self.page_size = config.page_size
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.storage = storage if storage is not None else HostKVStorage(
-            num_layers, n, num_kv_heads, self.page_size, head_dim, config.dtype)
+            num_layers, n, num_kv_heads, self.page_size, head_dim, config.dtype,
+            sub_page_size=config.sub_page_size)
         self._num_valid = np.zeros((num_layers, n), np.int32)  # by physical id; layers are written one by one
         self._refcount = np.zeros(n, np.int32)
         self._cached = np.zeros(n, bool)
@@ -200,13 +204,13 @@ class PagePool:
         if np.any(self._refcount > 0) or np.any(self._cached):
             raise ValueError("attach storage to an empty pool: pages in use would lose their data")
         want = (self.num_layers, self.num_kv_heads, self.page_size, self.head_dim, self.storage.num_hot,
-                self.storage.num_cold)
+                self.storage.num_cold, self.storage.sub_page_size)
         # over a pool without a cold tier a device storage may hold one unused cold page
         # (the op's _int8 overload needs one); page ids never reach it
         got = (storage.num_layers, storage.num_kv_heads, storage.page_size, storage.head_dim, storage.num_hot,
-               storage.num_cold if self.storage.num_cold else 0)
+               storage.num_cold if self.storage.num_cold else 0, storage.sub_page_size)
         if got != want:
-            raise ValueError(f"storage geometry (layers, heads, page size, head dim, hot, cold) {got} "
+            raise ValueError(f"storage geometry (layers, heads, page size, head dim, hot, cold, sub-page) {got} "
                              f"does not match the pool's {want}")
         self.storage = storage
 
@@ -266,7 +270,8 @@ class PagePool:
         """Valid counts after a backend wrote a step's tokens (``slot_mapping``:
         ``[batch, new]`` page * page_size + offset, -1 padding) into every layer's
         pages in its attached storage itself (an append kernel, which also refreshes
-        their min/max). The same page checks as :meth:`write_tokens`."""
+        their min/max; a two-level storage then recomputes those pages' sub-page codes).
+        The same page checks as :meth:`write_tokens`."""
         slots = np.asarray(slot_mapping, np.int64).reshape(-1)
         slots = slots[slots >= 0]
         if not slots.size:
@@ -279,6 +284,8 @@ class PagePool:
         last = np.full(upages.shape, -1, np.int64)
         np.maximum.at(last, inv, slots % self.page_size)
         self._num_valid[:, upages] = np.maximum(self._num_valid[:, upages], last + 1)
+        if self.storage.sub_page_size:
+            self.storage.refresh_sub_bounds(upages, self._num_valid[:, upages])
 
     def _check_writable(self, pages: np.ndarray) -> None:
         bad = [int(p) for p in np.unique(pages) if not self.is_writable(p)]
@@ -313,7 +320,7 @@ class PagePool:
         list, e.g. every live sequence's page table) is given, that each page's
         refcount equals the number of times holders reference it. ``check_data``
         also reads every live page back from the storage and recomputes its
-        key min/max over its valid tokens.
+        key min/max over its valid tokens (and, two-level, its sub-page codes).
         """
         n = self.num_pages
         free = list(self._free)
@@ -361,7 +368,12 @@ class PagePool:
                 if n == 0:
                     continue
                 keys, kmin, kmax = self.storage.read_page(layer, p)
-                keys = keys[:, :n]
-                if not (np.array_equal(keys.min(axis=1), kmin) and np.array_equal(keys.max(axis=1), kmax)):
+                if not (np.array_equal(keys[:, :n].min(axis=1), kmin) and
+                        np.array_equal(keys[:, :n].max(axis=1), kmax)):
                     raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
                                              "min/max are stale")
+                if self.storage.sub_page_size and not np.array_equal(
+                        self.storage.read_sub_bounds(layer, p),
+                        page_sub_bounds(keys, self.storage.sub_page_size, kmin, kmax, n)):
+                    raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
+                                             "sub-page bounds are stale")

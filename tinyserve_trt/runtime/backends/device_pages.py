@@ -6,6 +6,7 @@ Per layer, by the op's input names (``schema.INPUTS``)::
   key_min, key_max                  [P + Pcold, Hkv, D]    every physical page, hot then cold
   key_cache_int8, value_cache_int8  [Pcold, Hkv, ps, D]    int8        (cold tier only)
   key_scale, value_scale            [Pcold, Hkv, ps|1, D|1] float32
+  key_sub_bounds                    [P + Pcold, Hkv, r, D] uint8       (two-level only)
 
 ``P``/``Pcold`` are a ``TieredPagePool``'s hot/cold slots; over a plain
 ``PagePool`` a package with a cold tier gets one unused INT8 page (the op's
@@ -27,6 +28,14 @@ the same int8 values, scales and min/max as one demoted by ``HostKVStorage``
 (``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
 written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata. torch is imported by the constructor only.
+
+Two-level packages (the pool's ``sub_page_size``): the 4-bit sub-page codes are
+``ops.fine_bounds``' numpy encoder's, computed on the host from the page's keys
+and min/max and copied in (a synchronizing round trip) whenever a write, a
+demotion or :meth:`refresh_sub_bounds` (after the append kernel wrote a step:
+``PagePool.note_device_writes``) changes a page; a copy copies them. Until the
+append kernel encodes them itself, that round trip is the price of two-level on
+a GPU.
 """
 
 from __future__ import annotations
@@ -35,10 +44,11 @@ import contextlib
 
 import numpy as np
 
+from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.ops.quantization import QMAX, _reduce_axes, scale_shape
-from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, KVStorage
+from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, SUB_ROLES, KVStorage
 
-__all__ = ["COLD_ROLES", "HOT_ROLES", "DevicePages", "dequantize_pages", "quantize_pages"]
+__all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages", "dequantize_pages", "quantize_pages"]
 
 
 def quantize_pages(torch, x, granularity: str, scale=None):
@@ -83,6 +93,7 @@ class DevicePages(KVStorage):
         self.num_hot = host.num_hot
         self.num_cold = host.num_cold or (1 if cold_tier else 0)
         self.granularities = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
+        self.sub_page_size = self.check_sub_page_size(host.sub_page_size)
         h, ps, d = pool.num_kv_heads, pool.page_size, pool.head_dim
         total = self.num_hot + self.num_cold
 
@@ -101,6 +112,8 @@ class DevicePages(KVStorage):
                                               dtype=torch.float32, device=device),
                          value_scale=torch.ones((self.num_cold, *scale_shape(vg, h, ps, d)),
                                                 dtype=torch.float32, device=device))
+            if self.sub_page_size:
+                t["key_sub_bounds"] = zeros(total, h, ps // self.sub_page_size, d, dt=torch.uint8)
             self.layers.append(t)
         self.static_scales = host.static_scales  # (K, V) page scales [L, Hkv, ps|1, D|1] (numpy), or None
         self.static = None if host.static_scales is None else [
@@ -127,10 +140,18 @@ class DevicePages(KVStorage):
             keys = dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype)
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
+    def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
+        if not self.sub_page_size:
+            return super().read_sub_bounds(layer, page)
+        self.check_range("read", page, 0, self.num_hot + self.num_cold)
+        self.flush()
+        return self.layers[layer]["key_sub_bounds"][page].cpu().numpy()
+
     # ---- data moves the pool asks for ------------------------------------------
     def reset_pages(self, pages: np.ndarray) -> None:
-        """Nothing to do: the append kernel rewrites a page's min/max from its first token,
-        and the op never reads a page before (no tensor op per allocation)."""
+        """Nothing to do: the append kernel rewrites a page's min/max from its first token
+        (and the sub-page codes are recomputed after every write), and the op never reads
+        a page before (no tensor op per allocation)."""
 
     def write_tokens(self, layer: int, slots: np.ndarray, k, v, pages: np.ndarray, valid: np.ndarray) -> None:
         """Host arrays ``k, v [tokens, Hkv, D]`` into the hot slots, then min/max of ``pages``
@@ -155,6 +176,25 @@ class DevicePages(KVStorage):
         inf = torch.tensor(float("inf"), dtype=keys.dtype, device=self.device)
         t["key_min"][pages] = torch.where(mask, keys, inf).amin(dim=2)
         t["key_max"][pages] = torch.where(mask, keys, -inf).amax(dim=2)
+        if self.sub_page_size:  # after min/max: the codes are relative to them
+            self._encode_sub(t, pages, keys, valid)
+
+    def _encode_sub(self, t: dict, pages, keys, valid) -> None:
+        """Sub-page codes of ``pages`` by ``ops.fine_bounds`` on the host (see the module docstring)."""
+        codes = pages_sub_bounds(keys.cpu().numpy(), self.sub_page_size, t["key_min"][pages].cpu().numpy(),
+                                 t["key_max"][pages].cpu().numpy(), valid.cpu().numpy())
+        t["key_sub_bounds"][pages] = self._torch.from_numpy(codes).to(self.device)
+
+    def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
+        if not self.sub_page_size:
+            return super().refresh_sub_bounds(pages, valid)
+        torch = self._torch
+        self.flush()
+        pages_t = torch.from_numpy(np.asarray(pages, np.int64)).to(self.device)
+        with self._on_stream():
+            for layer, t in enumerate(self.layers):
+                self._encode_sub(t, pages_t, t["key_cache"][pages_t],
+                                 torch.from_numpy(np.asarray(valid[layer], np.int64)))
 
     def copy_page(self, src: int, dst: int) -> None:
         """Page ``src`` (hot, or cold: dequantized) into hot page ``dst``, metadata included."""
@@ -176,6 +216,8 @@ class DevicePages(KVStorage):
                                                              self.dtype))
             t["key_min"][dst].copy_(t["key_min"][src])
             t["key_max"][dst].copy_(t["key_max"][src])
+            if self.sub_page_size:
+                t["key_sub_bounds"][dst].copy_(t["key_sub_bounds"][src])
 
     def demote_page(self, hot: int, cold: int) -> None:
         """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id

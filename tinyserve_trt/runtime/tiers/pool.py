@@ -61,7 +61,7 @@ class TieredPagePool(PagePool):
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
                                 num_cold=cold, granularities=(tiers.k_granularity, tiers.v_granularity),
-                                static_scales=page_scales)
+                                static_scales=page_scales, sub_page_size=config.sub_page_size)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
         self.num_hot, self.num_cold = hot, cold
