@@ -43,6 +43,7 @@ class ExportReport:
     size_bytes: int
     seconds: dict = field(default_factory=dict)
     weight_bytes: int = 0  # the model's initializers: the package holds them once
+    head_dim: int = 0
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -136,7 +137,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     weights = weight_bytes(proto)
     size, _ = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
-    return ExportReport(outdir, counts, len(plans), figure, size, times, weights)
+    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"])
 
 
 def _load_calibration(config: ExportConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..ops import fine_bounds
 from .config import ExportConfig
 from .pipeline import ExportReport
 
@@ -10,6 +11,8 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
     rows = [("output", str(report.outdir)), ("layers rewritten", str(report.layers))]
     rows += [(f"  rule {name}", str(n)) for name, n in sorted(report.rule_counts.items())]
     rows += [("page size", str(config.resolved_page_size())),
+             ("selection", _selection(config)),
+             ("bytes / token / KV head", _bytes_per_token(report, config)),
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
              ("dense layers", str(min(config.dense_layers, report.layers))),
              ("validation max |logit diff|",
@@ -27,3 +30,21 @@ def _size(report: ExportReport) -> str:
     if report.weight_bytes:
         text += f" ({report.size_bytes / report.weight_bytes:.2f}x the weights, {report.weight_bytes / 2**20:.1f} MiB)"
     return text
+
+
+def _selection(config: ExportConfig) -> str:
+    sub = config.resolved_sub_page_size()
+    if not sub or sub == config.resolved_page_size():
+        return f"{config.policy}, single level"
+    return f"{config.policy}, two-level: {sub}-token sub-pages of the top {config.candidate_share:.0%} of pages"
+
+
+def _bytes_per_token(report: ExportReport, config: ExportConfig) -> str:
+    """K+V and selection metadata per token, KV head and layer, in the cache dtype."""
+    if not report.head_dim:
+        return "unknown"
+    width = 2 if config.fp16 else 4
+    kv = fine_bounds.kv_bytes_per_token(report.head_dim, width)
+    meta = fine_bounds.metadata_bytes_per_token(config.resolved_page_size(), config.resolved_sub_page_size(),
+                                                report.head_dim, width)
+    return f"KV {kv}, selection metadata {meta:g} ({meta / kv:.1%})"
