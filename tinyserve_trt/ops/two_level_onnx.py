@@ -33,7 +33,7 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     def i64(*xs):
         return b.const(list(xs), np.int64, "i")
     zero, one = b.const(0, np.int64), b.const(1, np.int64)
-    r = b.dim(b.op("Shape", sub_bounds), 2)
+    r = b.dim(sub_bounds, 2)
     sp = b.op("Div", ps, r)
     n_sub = b.op("Div", b.op("Add", past64, b.op("Sub", sp, one)), sp)  # written sub-pages [B]
     in_page = b.op("Min", b.op("Max", b.op("Sub", b.unsqueeze(n_sub, [1]), b.op("Mul", pidx_row, r)), zero), r)
@@ -46,7 +46,7 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     share = b.attr_const("candidate_share", "float")
     by_share = b.op("Cast", b.op("Floor", b.op("Mul", share, b.op("Cast", n_b, to=F))), to=I64)
     k1 = b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b))
-    top1, ok1 = top_k(scores, k1)  # [B, Hkv, K1] logical pages
+    top1, ok1 = top_k(scores, k1, NP)  # [B, Hkv, K1] logical pages
     phys1 = b.op("GatherElements", pt_bh, top1, axis=2)
 
     # --- level 2: the candidates' sub-pages, scored from their compact bounds ---
