@@ -10,6 +10,10 @@ whose bytes equal one in ``model.onnx.data`` points at that file's offset and
 length; an initializer ORT created (folded constants) goes to a small
 ``model.ort.onnx.data``. One copy of the weights, the fast start kept.
 
+Before ORT sees it, the op's functions are inlined and resolvable ``Shape`` dims
+are made constants or shared graph-input dims (``shared_shapes.py``): ORT then
+computes the op's per-step page bookkeeping once per step instead of per layer.
+
 The graph is tied to the ONNX Runtime version and the CPU EP that wrote it
 (the manifest's ``ort_optimized`` records which); the runtime uses the portable
 model otherwise. It does not modify ``model.onnx`` or its data file.
@@ -25,6 +29,16 @@ from pathlib import Path
 from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, ORT_GRAPH_FILE, OrtOptimized
 
 LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machines may load
+PREPARED_FILE = ".model.ort-prepared.onnx"
+
+
+def prepared_graph(model):
+    """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
+    loaded or external) with the op inlined and its shapes shared (``shared_shapes.py``).
+    The exporter validates this graph against the source too."""
+    from .shared_shapes import share_shape_dims
+
+    return share_shape_dims(model)[0]
 MIN_EXTERNAL_BYTES = 1024
 
 
@@ -74,7 +88,15 @@ def save_optimized_graph(package: Path) -> OrtOptimized:
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                     str(MIN_EXTERNAL_BYTES))
         so.log_severity_level = 3
-        ort.InferenceSession(str(package / MODEL_FILE), so, providers=["CPUExecutionProvider"])
+        # Shapes resolved first (shared_shapes.py) so ORT merges the op's per-step bookkeeping
+        # across layers; written beside model.onnx so its weights resolve to the same file.
+        prepared = package / PREPARED_FILE
+        onnx.save_model(prepared_graph(onnx.load(str(package / MODEL_FILE), load_external_data=False)),
+                        str(prepared))
+        try:
+            ort.InferenceSession(str(prepared), so, providers=["CPUExecutionProvider"])
+        finally:
+            prepared.unlink()
 
         optimized = onnx.load(str(tmp / ORT_GRAPH_FILE), load_external_data=False)
         weights = _weights_by_content(package)
