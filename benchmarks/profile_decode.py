@@ -7,8 +7,11 @@ cached tokens, one new token each. Ours is the package's ORT-optimized graph
 GenAI's is its ``model.onnx`` fed random past K/V (no shared past/present buffer).
 Each node of ours is labelled by where it came from before profiling:
 
-  body  an inlined node of the op's ONNX function (``ops/function.py``)
-  step  the op's per-step metadata the exporter computes once per step (``tinyserve_step/``)
+  body  an inlined node of the op's ONNX function (``ops/function.py``) that reads a
+        layer's tensors (its pools, its query / key / value)
+  step  an inlined node of the op that reads only per-step inputs (page table, lengths,
+        budget, static dims): page counts, masks, the dense switch. Once per step when
+        ORT merged it across layers (``export/shared_shapes.py``), else once per layer
   rest  the rest of the model (projections, norms, rotary, MLP, LM head)
 
 Reported per (graph, label, op type): node executions per step, ms per step and
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -37,16 +41,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-INLINED = "_inlfunc_"  # ORT's prefix for the values of an inlined function
-STEP_PREFIX = "tinyserve_step/"  # exporter-made per-step metadata nodes (export/step_metadata.py)
+BODY = re.compile(r"(_inlfunc_|(^|_)qsa\d+_)")  # values of the op's inlined function (ORT's or onnx's inliner)
 
 
-def label_of(node) -> str:
-    if any(INLINED in o for o in node.output):
-        return "body"
-    if node.name.startswith(STEP_PREFIX):
-        return "step"
-    return "rest"
+def labels(model) -> list[str]:
+    """Each node's label: ``body`` / ``step`` / ``rest`` (see the module doc). A body node is
+    ``step`` when it reads only per-step inputs (no layer's pools or activations)."""
+    graph = model.graph
+    per_step = {t.name for t in graph.initializer} | {""}
+    per_step |= {i.name for i in graph.input if not re.search(r"\.\d+$", i.name)}  # not key_cache.3, ...
+    out = []
+    for node in graph.node:
+        shared = all(i in per_step for i in node.input)
+        if shared:
+            per_step.update(node.output)
+        body = any(BODY.search(o) for o in node.output)
+        out.append("rest" if not body else "step" if shared else "body")
+    return out
 
 
 def labelled_copy(model_path: Path, tmp: Path) -> Path:
@@ -58,8 +69,8 @@ def labelled_copy(model_path: Path, tmp: Path) -> Path:
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
-    for i, node in enumerate(model.graph.node):
-        node.name = f"{label_of(node)}#{i}"
+    for i, (node, label) in enumerate(zip(model.graph.node, labels(model))):
+        node.name = f"{label}#{i}"
     for f in model_path.parent.iterdir():
         if f.name.endswith(".data"):
             try:
@@ -74,8 +85,7 @@ def labelled_copy(model_path: Path, tmp: Path) -> Path:
 def node_counts(model_path: Path) -> Counter:
     import onnx
 
-    model = onnx.load(str(model_path), load_external_data=False)
-    return Counter(label_of(n) for n in model.graph.node)
+    return Counter(labels(onnx.load(str(model_path), load_external_data=False)))
 
 
 def session(path: Path, threads: int, profile_prefix: str | None = None):
@@ -210,8 +220,13 @@ def main(argv=None) -> int:
              f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}).",
              f"Command: `python benchmarks/profile_decode.py --model {args.model}"
              + (f" --genai-model {args.genai_model}" if args.genai_model else "")
-             + f" --contexts {args.contexts} --batch {args.batch} --budget {args.budget} --steps {args.steps}`"
-             " (" + __doc__.split("\n\n")[1].replace("\n", " ") + ")", ""]
+             + f" --contexts {args.contexts} --batch {args.batch} --budget {args.budget} --steps {args.steps}`.",
+             "", "Both graphs run in plain ORT sessions in one process on synthetic inputs of the same shape "
+             "(ours: the package's `model.ort.onnx` over a random page pool; GenAI: its `model.onnx` over random "
+             "past K/V, no shared past/present buffer). Labels: **body** = the op's inlined nodes that read a "
+             "layer's tensors; **step** = the op's nodes that read only per-step inputs (page counts, masks, the "
+             "dense switch); **rest** = the rest of the model. The profiler adds a little per node: read shares "
+             "and counts, and the profiler-off wall times for the ratio.", ""]
     if args.genai_model is not None:
         import onnx
 

@@ -42,9 +42,9 @@ def _layers_model(layers: int, attrs: schema.OpAttributes) -> onnx.ModelProto:
         own = {n: f"{n}.{i}" for n in names if n not in SHARED}
         inputs += [vi(own[n], by_name[n]) for n in names if n not in SHARED and n != "query"]
         q = f"q.{i}"
-        nodes.append(helper.make_node("Add", ["query", f"shift.{i}"], [q]))
         nodes.append(helper.make_node("Constant", [], [f"shift.{i}"], value=helper.make_tensor(
             f"shift.{i}", TensorProto.FLOAT, [], [0.1 * i])))
+        nodes.append(helper.make_node("Add", ["query", f"shift.{i}"], [q]))
         ins = ["" if not n else q if n == "query" else n if n in SHARED else own[n] for n in slots]
         nodes.append(make_node(ins, [f"out.{i}", f"sel.{i}"], attrs, name=f"qsa.{i}"))
         outs.append(helper.make_tensor_value_info(f"out.{i}", TensorProto.FLOAT, ["B", H, "S", D]))
