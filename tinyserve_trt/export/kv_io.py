@@ -109,7 +109,7 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         q, k_new, v_new = (_cast(g, anchor, x, dtype) if dtype != act else x
                            for x in (m.query, m.key.new, m.value.new))
         for x, heads in ((q, plan.num_heads), (k_new, hkv), (v_new, hkv)):
-            _state_new_token_shape(x, io.input_ids, heads, d)
+            _state_new_token_shape(x, io.input_ids, heads, d, dtype)
         op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in,
                                       *sub_in],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
@@ -143,7 +143,7 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
     return paged
 
 
-def _state_new_token_shape(x: ir.Value, input_ids: ir.Value, heads: int, head_dim: int) -> None:
+def _state_new_token_shape(x: ir.Value, input_ids: ir.Value, heads: int, head_dim: int, dtype: ir.DataType) -> None:
     """Give an op's query/key/value input its shape ``[B, heads, S, D]`` with ``B, S`` named
     as ``input_ids``' dims (the new tokens: the op's contract). Shape inference often
     loses them through the source's computed Reshapes; stated, every layer's ``S`` is
@@ -151,6 +151,8 @@ def _state_new_token_shape(x: ir.Value, input_ids: ir.Value, heads: int, head_di
     dims = input_ids.shape.dims if input_ids.shape is not None else ()
     if len(dims) == 2:
         x.shape = ir.Shape([dims[0], heads, dims[1], head_dim])
+        if x.type is None:  # onnx_ir writes no shape without a type
+            x.type = ir.TensorType(dtype)
 
 
 def _cast(g: ir.Graph, anchor: ir.Node, x: ir.Value, dtype: ir.DataType, after: ir.Node | None = None) -> ir.Value:

@@ -64,6 +64,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     S = b.dim(q, 2)
 
     qg = b.op("Reshape", b.op("Cast", q, to=F), b.cat(B, Hkv, i64(-1), D))  # [B, Hkv, G*S, D]
+    GS = b.op("Mul", b.op("Div", b.dim(q, 1), Hkv), S)
     kf, vf = b.op("Cast", k, to=F), b.op("Cast", v, to=F)
     zero, one = b.const(0, np.int64), b.const(1, np.int64)
     scale_attr = b.attr_const("scale", "float")
@@ -129,24 +130,22 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         keys = gather_pages(kc, all_phys)  # [B, Hkv, NP*ps, D]
         tok = b.op("Range", zero, b.scalar(b.op("Mul", NP, ps)), one)
         tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
-        probs, _ = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
+        probs = attention_probs(keys, tok_ok, b.op("Mul", NP, ps))  # [B, Hkv, GS, NP*ps + S]
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
         return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
-    def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
+    def attention_probs(keys, tok_ok, T):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
         # Cached and new keys are scored by separate MatMuls and only the logits are
         # concatenated: a Concat of the keys would copy every gathered page once more.
         def logits_of(x):
             return b.op("MatMul", qg, b.op("Transpose", x, perm=[0, 1, 3, 2]))
         logits = b.op("Mul", b.op("Concat", logits_of(keys), logits_of(kf), axis=3), scale)
-        GS = b.dim(qg, 2)
         s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
         causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
                       b.unsqueeze(s_of_row, [1]))  # [GS, S]: new token j visible from row (g, s) iff j <= s
-        T = b.dim(keys, 2)
         mask = b.op("Concat", b.op("Expand", tok_ok, b.cat(B, Hkv, GS, T)),
                     b.op("Expand", b.unsqueeze(causal, [0, 1]), b.cat(B, Hkv, GS, S)), axis=3)
-        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1), T
+        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1)
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
     ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
@@ -159,15 +158,16 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
-    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices [B, Hkv, Kmax], rank < k_b [B, Hkv, Kmax])
+    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices [B, Hkv, Kmax], rank < k_b [B, Hkv, Kmax], Kmax)
         # Kmax and the rank mask depend on k_b and N only (not on x): shared by all layers.
         kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(x, 2) if width is None else width)
         _, top = b.op_multi("TopK", [x, kmax], 2, axis=-1, largest=1, sorted=1)
         rank = b.op("Reshape", b.op("Range", zero, b.scalar(kmax), one), i64(1, 1, -1))
-        return top, b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
+        ok = b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
+        return top, ok, kmax
 
     if not two_level:
-        top, rank_ok = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
+        top, rank_ok, n_slots = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
         selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
                         rank_ok, axis=2, _name=schema.OUTPUT_NAMES[1])
         phys = b.op("GatherElements", pt_bh, top, axis=2)
@@ -182,14 +182,15 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         selected = b.op("Identity", sel["selected"], _name=schema.OUTPUT_NAMES[1])
         sub = (sel["j"], sel["r"])
         keys, vals = gather_pages(kc, sel["phys"], sub), gather_pages(vc, sel["phys"], sub)
-        tok_first, tok_len, tok_ok_rank = sel["first_token"], sel["sp"], sel["ok"]
+        tok_first, tok_len, tok_ok_rank, n_slots = sel["first_token"], sel["sp"], sel["ok"], sel["slots"]
 
     # --- attention over the kept pages (or sub-pages) + the new tokens --------
     tok = b.op("Add", b.unsqueeze(tok_first, [3]),
                b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
     tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(tok_ok_rank, [3]))
     tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
-    probs, T = attention_probs(keys, tok_ok)
+    T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
+    probs = attention_probs(keys, tok_ok, T)
     end = i64(np.iinfo(np.int64).max)
     out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]
                b.op("MatMul", b.op("Slice", probs, T, end, i64(3)), vf))
