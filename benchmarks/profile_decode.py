@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BODY = re.compile(r"(_inlfunc_|(^|_)qsa\d+_)")  # values of the op's inlined function (ORT's or onnx's inliner)
+# values of the op's inlined function (ORT's or onnx's inliner) and the op's own outputs (export/kv_io.py)
+BODY = re.compile(r"(_inlfunc_|(^|_)qsa\d+_|^(attention_output|selected_pages)\.\d+$)")
 
 
 def labels(model) -> list[str]:
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=15, help="op types listed per graph")
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_profile.md")
+    ap.add_argument("--note", default="", help="a line for the table's header (e.g. what else ran)")
     args = ap.parse_args(argv)
     if not (args.model / "tinyserve.json").is_file():
         print(f"error: {args.model} is not a tinyserve package", file=sys.stderr)
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
              "past K/V, no shared past/present buffer). Labels: **body** = the op's inlined nodes that read a "
              "layer's tensors; **step** = the op's nodes that read only per-step inputs (page counts, masks, the "
              "dense switch); **rest** = the rest of the model. The profiler adds a little per node: read shares "
-             "and counts, and the profiler-off wall times for the ratio.", ""]
+             "and counts, and the profiler-off wall times for the ratio.", ""] + ([args.note, ""] if args.note else [])
     if args.genai_model is not None:
         import onnx
 

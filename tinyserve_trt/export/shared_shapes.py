@@ -143,5 +143,15 @@ def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         else:
             nodes.append(helper.make_node("Concat", parts, list(node.output), axis=0, name=node.name))
     del graph.node[:]
-    graph.node.extend(head + nodes)
+    graph.node.extend(_live(head + nodes, {o.name for o in graph.output}))
     return inlined, rewritten
+
+
+def _live(nodes: list, outputs: set[str]) -> list:
+    """``nodes`` without those whose outputs nothing reads (ORT keeps a dead ``Shape``)."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    return kept[::-1]
