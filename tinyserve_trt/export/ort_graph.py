@@ -34,12 +34,20 @@ PREPARED_FILE = ".model.ort-prepared.onnx"
 
 def prepared_graph(model):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
-    loaded or external) with the op inlined and its shapes shared (``shared_shapes.py``).
+    loaded or external) with the op inlined, its shapes shared (``shared_shapes.py``) and
+    rotary's rotate_half as one MatMul (``rotate_half.py``).
     The exporter validates this graph against the source too."""
-    from .shared_shapes import share_shape_dims
+    from .rotate_half import fuse_rotate_half
+    from .shared_shapes import inferred, live, share_shape_dims
 
-    return share_shape_dims(model)[0]
+    prepared = share_shape_dims(model)[0]
+    if fuse_rotate_half(prepared, inferred(prepared)):
+        nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
+        del prepared.graph.node[:]
+        prepared.graph.node.extend(nodes)
+    return prepared
 MIN_EXTERNAL_BYTES = 1024
+INLINE_MAX_BYTES = 1 << 16  # a made constant this small (rotate_half's matrix: 16 KiB) stays in the graph file
 
 
 def _external(tensor) -> dict | None:
@@ -109,6 +117,11 @@ def save_optimized_graph(package: Path) -> OrtOptimized:
                     continue
                 data = _read(tmp / info["location"], int(info.get("offset", 0)), int(info["length"]))
                 where = weights.get((hashlib.sha256(data).hexdigest(), len(data)))
+                if where is None and len(data) <= INLINE_MAX_BYTES:  # a small constant made here: in the graph
+                    del t.external_data[:]
+                    t.data_location = onnx.TensorProto.DEFAULT
+                    t.raw_data = data
+                    continue
                 if where is None:  # made by ORT: keep it, in our own small file
                     where = (own.name, extra.tell(), len(data))
                     extra.write(data)

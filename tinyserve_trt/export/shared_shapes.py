@@ -21,6 +21,8 @@ exporter validates the resulting graph against the source like the portable one.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import onnx
 from onnx import helper, numpy_helper
 
@@ -36,29 +38,46 @@ def _dims(vi: onnx.ValueInfoProto) -> list | None:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
 
 
-def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """Inline local functions, infer shapes, and rewrite resolvable ``Shape`` nodes in the
-    main graph (see the module doc). Returns (new model, Shape nodes rewritten). Does not
-    modify ``model``; reads no external data."""
-    from onnx import inliner, shape_inference
-
-    # Large weights are detached while the graph is copied and typed (neither reads them).
+@contextmanager
+def _weights_detached(model: onnx.ModelProto):
+    """Large initializers' bytes taken out for the block (copying and typing read none);
+    yields name -> bytes; restores them after."""
     big = [(t, t.raw_data) for t in model.graph.initializer if len(t.raw_data) > (1 << 16)]
     try:
         for t, _ in big:
             t.ClearField("raw_data")
-        inlined = inliner.inline_local_functions(model)
-        typed = shape_inference.infer_shapes(inlined, data_prop=True)
+        yield {t.name: data for t, data in big}
     finally:
         for t, data in big:
             t.raw_data = data
-    by_name = {t.name: data for t, data in big}
+
+
+def inferred(model: onnx.ModelProto) -> dict[str, tuple[int, list | None]]:
+    """Value name -> (ONNX elem type, dims: int, dim_param str or None) by ONNX shape inference
+    with data propagation. Does not modify ``model``."""
+    from onnx import shape_inference
+
+    with _weights_detached(model):
+        typed = shape_inference.infer_shapes(model, data_prop=True)
+    return {vi.name: (vi.type.tensor_type.elem_type, _dims(vi))
+            for vi in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]}
+
+
+def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Inline local functions, infer shapes, and rewrite resolvable ``Shape`` nodes in the
+    main graph (see the module doc). Returns (new model, Shape nodes rewritten). Does not
+    modify ``model``; reads no external data."""
+    from onnx import inliner
+
+    with _weights_detached(model) as big:
+        inlined = inliner.inline_local_functions(model)
     for t in inlined.graph.initializer:
-        if t.name in by_name:
-            t.raw_data = by_name[t.name]
-    shapes = {vi.name: _dims(vi) for vi in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]}
+        if t.name in big:
+            t.raw_data = big[t.name]
+    typed = inferred(inlined)
+    shapes = {name: dims for name, (_, dims) in typed.items()}
     sources: dict[str, tuple[str, int]] = {}  # dim_param -> (graph input, axis)
-    for vi in typed.graph.input:
+    for vi in inlined.graph.input:
         for axis, d in enumerate(shapes.get(vi.name) or []):
             if isinstance(d, str):
                 sources.setdefault(d, (vi.name, axis))
@@ -132,9 +151,9 @@ def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         start, end = max(0, min(start, rank)), max(0, min(end, rank))
         own = node.input[0] in inputs  # a graph input's own symbolic dim stays its own (pools may differ)
         parts = [None if own and not isinstance(d, int) else dim_source(d) for d in dims[start:end]]
+        if start == 0 and end == rank:  # a Gather of it reads the one dim it needs, not this Shape
+            kept_shapes[node.output[0]] = (dims, own)
         if not parts or any(p is None for p in parts):
-            if start == 0 and end == rank:
-                kept_shapes[node.output[0]] = (dims, own)
             nodes.append(node)
             continue
         rewritten += 1
@@ -143,11 +162,11 @@ def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         else:
             nodes.append(helper.make_node("Concat", parts, list(node.output), axis=0, name=node.name))
     del graph.node[:]
-    graph.node.extend(_live(head + nodes, {o.name for o in graph.output}))
+    graph.node.extend(live(head + nodes, {o.name for o in graph.output}))
     return inlined, rewritten
 
 
-def _live(nodes: list, outputs: set[str]) -> list:
+def live(nodes: list, outputs: set[str]) -> list:
     """``nodes`` without those whose outputs nothing reads (ORT keeps a dead ``Shape``)."""
     needed, kept = set(outputs), []
     for node in reversed(nodes):
