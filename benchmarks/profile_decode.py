@@ -188,13 +188,21 @@ def table(title: str, prof: dict, top: int) -> list[str]:
     for (label, op), (n, ms) in sorted(prof.items(), key=lambda x: -x[1][1])[:top]:
         lines.append(f"| {label} | {op} | {n:.0f} | {ms:.2f} | {ms / total:.1%} |")
     lines.append(f"| | **total** | {sum(n for n, _ in prof.values()):.0f} | {total:.2f} | 100% |")
+    heavy = sum(ms for (_, op), (_, ms) in prof.items() if op in HEAVY)
+    small = sum(n for (_, op), (n, _) in prof.items() if op not in HEAVY)
+    lines += ["", f"Matrix work ({', '.join(HEAVY)}) {heavy / total:.0%} of the node time; the other "
+                  f"{small:.0f} nodes a step (gathers, masks, shapes, norms, elementwise) {1 - heavy / total:.0%}."]
     return lines + [""]
+
+
+HEAVY = ("MatMul", "FusedMatMul", "GroupQueryAttention", "Gemm")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="tinyserve package (tinyserve-export output)")
     ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same model")
+    ap.add_argument("--before", type=Path, help="an older package of the same model, profiled alongside as 'before'")
     ap.add_argument("--contexts", default="512,8000")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--budget", type=int, default=1024, help="token budget (>= context: the op runs dense)")
@@ -222,6 +230,7 @@ def main(argv=None) -> int:
              f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}).",
              f"Command: `python benchmarks/profile_decode.py --model {args.model}"
              + (f" --genai-model {args.genai_model}" if args.genai_model else "")
+             + (f" --before {args.before}" if args.before else "")
              + f" --contexts {args.contexts} --batch {args.batch} --budget {args.budget} --steps {args.steps}`.",
              "", "Both graphs run in plain ORT sessions in one process on synthetic inputs of the same shape "
              "(ours: the package's `model.ort.onnx` over a random page pool; GenAI: its `model.onnx` over random "
@@ -239,10 +248,20 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         (tmp / "ours").mkdir()
         labelled = labelled_copy(ours_path, tmp / "ours")
+        before = None
+        if args.before is not None:
+            old = ModelPackage.load(args.before)
+            (tmp / "before").mkdir()
+            before = labelled_copy(old.ort_model_path(ort.__version__), tmp / "before")
+            old_counts = node_counts(old.ort_model_path(ort.__version__))
+            lines.insert(3, f"Before: `{args.before}`, {sum(old_counts.values())} nodes ("
+                            f"{', '.join(f'{k} {v}' for k, v in sorted(old_counts.items()))}).")
         for context in (int(c) for c in args.contexts.split(",")):
             mode = "dense" if args.budget <= 0 or args.budget >= context else f"sparse, budget {args.budget}"
             feeds = {"ours": ours_feeds(package, context, args.batch, args.budget)}
             paths = {"ours": labelled}
+            if before is not None:
+                paths["before"], feeds["before"] = before, feeds["ours"]
             if args.genai_model is not None:
                 paths["genai"] = args.genai_model / "model.onnx"
                 feeds["genai"] = genai_feeds(session(paths["genai"], args.threads), context, args.batch)
