@@ -130,22 +130,23 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         keys = gather_pages(kc, all_phys)  # [B, Hkv, NP*ps, D]
         tok = b.op("Range", zero, b.scalar(b.op("Mul", NP, ps)), one)
         tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
-        probs = attention_probs(keys, tok_ok, b.op("Mul", NP, ps))  # [B, Hkv, GS, NP*ps + S]
+        probs = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
         return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
-    def attention_probs(keys, tok_ok, T):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
+    def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
         # Cached and new keys are scored by separate MatMuls and only the logits are
         # concatenated: a Concat of the keys would copy every gathered page once more.
         def logits_of(x):
             return b.op("MatMul", qg, b.op("Transpose", x, perm=[0, 1, 3, 2]))
-        logits = b.op("Mul", b.op("Concat", logits_of(keys), logits_of(kf), axis=3), scale)
         s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
         causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
                       b.unsqueeze(s_of_row, [1]))  # [GS, S]: new token j visible from row (g, s) iff j <= s
-        mask = b.op("Concat", b.op("Expand", tok_ok, b.cat(B, Hkv, GS, T)),
-                    b.op("Expand", b.unsqueeze(causal, [0, 1]), b.cat(B, Hkv, GS, S)), axis=3)
-        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1)
+        # Each part masked where it is made (the masks broadcast): no expanded [B, Hkv, GS, T+S] mask.
+        neg_inf = b.const(-np.inf, np.float32)
+        cached = b.op("Where", tok_ok, logits_of(keys), neg_inf)
+        new = b.op("Where", b.unsqueeze(causal, [0, 1]), logits_of(kf), neg_inf)
+        return b.op("Softmax", b.op("Mul", b.op("Concat", cached, new, axis=3), scale), axis=-1)
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
     ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
@@ -153,8 +154,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
     scores = b.reduce(reduce_op, per_head, [2])  # [B|1, Hkv|1, NP]
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
-    scores = b.op("Where", valid3, scores, b.const(-np.inf, np.float32))
-    scores = b.op("Where", forced3, b.const(np.inf, np.float32), scores)
+    # forced pages +inf, invalid -inf: one Where per layer (the condition and the fill are per-step)
+    ranked = b.op("And", valid3, b.op("Not", forced3))
+    fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
+    scores = b.op("Where", ranked, scores, fill)
     scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
@@ -190,7 +193,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(tok_ok_rank, [3]))
     tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
     T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
-    probs = attention_probs(keys, tok_ok, T)
+    probs = attention_probs(keys, tok_ok)
     end = i64(np.iinfo(np.int64).max)
     out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]
                b.op("MatMul", b.op("Slice", probs, T, end, i64(3)), vf))
