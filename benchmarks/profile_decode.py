@@ -164,12 +164,13 @@ def profile(path: Path, feeds: dict, steps: int, threads: int, tmp: Path, tag: s
 
 
 def wall(sessions: dict, feeds: dict, steps: int) -> dict:
-    """Median seconds per run of each session, interleaved step by step."""
+    """Median seconds per run of each session, interleaved step by step. Each timed run follows
+    an untimed one of the same session: ORT's pool threads spin a while after a run, and on
+    few cores the previous session's spinning would be charged to the next one."""
     times = defaultdict(list)
-    for s, f in zip(sessions.values(), feeds.values()):
-        s.run(None, f)
     for _ in range(steps):
         for name, s in sessions.items():
+            s.run(None, feeds[name])
             t0 = time.perf_counter()
             s.run(None, feeds[name])
             times[name].append(time.perf_counter() - t0)
