@@ -42,7 +42,8 @@ def _model(half_from_shape: bool, shift: int = 0) -> onnx.ModelProto:
               helper.make_node("Add", ["x", "x"], ["x2x"]),
               helper.make_node("Add", ["x2x", "rot"], ["y"])]
     inits = [numpy_helper.from_array(np.zeros((), np.float32), "zero"), _i64("last", -1), _i64("shift", shift),
-             _i64("hi_end", 2**62 if shift == 0 else D - shift), _i64("zero_i", 0), numpy_helper.from_array(np.array(3, np.int64), "three"),
+             _i64("hi_end", 2**62 if shift == 0 else D - shift), _i64("zero_i", 0),
+             numpy_helper.from_array(np.array(3, np.int64), "three"),
              numpy_helper.from_array(np.array(2, np.int64), "two"), _i64("axis0", 0)]
     graph = helper.make_graph(nodes, "rot", [helper.make_tensor_value_info("inp", TensorProto.FLOAT, ["B", 3, "S", D])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 3, "S", D])], inits)

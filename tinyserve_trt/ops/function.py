@@ -161,7 +161,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
-    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices [B, Hkv, Kmax], rank < k_b [B, Hkv, Kmax], Kmax)
+    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices, rank < k_b: [B, Hkv, Kmax]; Kmax)
         # Kmax and the rank mask depend on k_b and N only (not on x): shared by all layers.
         kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(x, 2) if width is None else width)
         _, top = b.op_multi("TopK", [x, kmax], 2, axis=-1, largest=1, sorted=1)

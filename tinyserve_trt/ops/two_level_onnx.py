@@ -27,7 +27,8 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); forced ``[B, NP]``;
     keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax).
     Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
-    used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each sub-page), ``selected`` ``[B, Hkv, NP]``
+    used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each sub-page),
+    ``selected`` ``[B, Hkv, NP]``
     (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64).
     """
     def i64(*xs):
@@ -86,4 +87,5 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     marks = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, b.op("Add", NP, one))),
                  target, b.op("Expand", b.const(True, np.bool_), b.op("Shape", target)), axis=2)
     return dict(selected=b.op("Slice", marks, i64(0), NP, i64(2)), phys=b.op("GatherElements", phys1, slot, axis=2),
-                j=j, ok=ok2, slots=k2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)), r=r, sp=sp)
+                j=j, ok=ok2, slots=k2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)),
+                r=r, sp=sp)
