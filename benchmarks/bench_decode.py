@@ -1,4 +1,4 @@
-"""Decode tokens/s on CPU: tinyserve sparse vs tinyserve dense vs the original export.
+"""Decode tokens/s on CPU: tinyserve sparse vs dense vs the original export vs ORT GenAI.
 
 Side by side in one run, per (context, batch):
   sparse    - tinyserve runtime, Quest budget --budget tokens
@@ -166,12 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, required=True, help="tinyserve package (tinyserve-export output)")
     ap.add_argument("--source", type=Path, help="the original export (default: found by the manifest's sha256)")
     ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same model")
-    ap.add_argument("--contexts", default="1024,4096,8000")
+    ap.add_argument("--contexts", default="512,1024,4096,8000")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=31)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads of every system (default 2)")
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.md")
     args = ap.parse_args(argv)
     package = ModelPackage.load(args.model)
@@ -218,16 +218,20 @@ def write_table(args, package: ModelPackage, source, rows) -> None:
         f"{ort.__version__}. Model: `{package.path.name}` ({package.num_layers} layers, {package.num_heads} heads / "
         f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}). Original: "
         f"`{source.name if source else 'not found'}`. Command: `python benchmarks/bench_decode.py --model "
-        f"{args.model} --contexts {args.contexts} --batches {args.batches} --budget {args.budget}` "
-        f"(median of {args.steps} decode steps, best of {args.passes} passes).",
+        f"{args.model}" + (f" --genai-model {args.genai_model}" if args.genai_model else "")
+        + f" --contexts {args.contexts} --batches {args.batches} --budget {args.budget} --steps {args.steps} "
+        f"--passes {args.passes} --threads {args.threads}` (median of {args.steps} decode steps, best of "
+        f"{args.passes} passes; genai / x > 1 means x is faster than ORT GenAI).",
         "",
-        "| context | batch | " + " | ".join(f"{c} ms/step (tok/s)" for c in cols) + " | sparse vs original |",
-        "|---|---|" + "---|" * (len(cols) + 1),
+        "| context | batch | " + " | ".join(f"{c} ms/step (tok/s)" for c in cols)
+        + " | sparse vs original | genai / sparse | genai / dense |",
+        "|---|---|" + "---|" * (len(cols) + 3),
     ]
     for context, batch, best in rows:
         cells = [f"{best[c] * 1e3:.1f} ({batch / best[c]:.0f})" if c in best else "n/a" for c in cols]
-        ratio = f"{best['original'] / best['sparse']:.2f}x" if "original" in best else "n/a"
-        lines.append(f"| {context} | {batch} | " + " | ".join(cells) + f" | {ratio} |")
+        ratios = [f"{best[a] / best[b]:.2f}x" if a in best and b in best else "n/a"
+                  for a, b in (("original", "sparse"), ("genai", "sparse"), ("genai", "dense"))]
+        lines.append(f"| {context} | {batch} | " + " | ".join(cells + ratios) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     write_json(args.out.with_suffix(".json"), rows, args.threads, budget=args.budget)

@@ -108,6 +108,8 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         act = m.key.past_input.dtype  # the model's activation dtype
         q, k_new, v_new = (_cast(g, anchor, x, dtype) if dtype != act else x
                            for x in (m.query, m.key.new, m.value.new))
+        for x, heads in ((q, plan.num_heads), (k_new, hkv), (v_new, hkv)):
+            _state_new_token_shape(x, io.input_ids, heads, d, dtype)
         op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in,
                                       *sub_in],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
@@ -139,6 +141,18 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         paged.inputs["logits_index"] = LOGITS_INDEX
     paged.outputs["logits"] = io.logits.name
     return paged
+
+
+def _state_new_token_shape(x: ir.Value, input_ids: ir.Value, heads: int, head_dim: int, dtype: ir.DataType) -> None:
+    """Give an op's query/key/value input its shape ``[B, heads, S, D]`` with ``B, S`` named
+    as ``input_ids``' dims (the new tokens: the op's contract). Shape inference often
+    loses them through the source's computed Reshapes; stated, every layer's ``S`` is
+    visibly one value (``shared_shapes.py`` then reads it once per step)."""
+    dims = input_ids.shape.dims if input_ids.shape is not None else ()
+    if len(dims) == 2:
+        x.shape = ir.Shape([dims[0], heads, dims[1], head_dim])
+        if x.type is None:  # onnx_ir writes no shape without a type
+            x.type = ir.TensorType(dtype)
 
 
 def _cast(g: ir.Graph, anchor: ir.Node, x: ir.Value, dtype: ir.DataType, after: ir.Node | None = None) -> ir.Value:

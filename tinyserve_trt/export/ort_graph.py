@@ -10,6 +10,10 @@ whose bytes equal one in ``model.onnx.data`` points at that file's offset and
 length; an initializer ORT created (folded constants) goes to a small
 ``model.ort.onnx.data``. One copy of the weights, the fast start kept.
 
+Before ORT sees it, the op's functions are inlined and resolvable ``Shape`` dims
+are made constants or shared graph-input dims (``shared_shapes.py``): ORT then
+computes the op's per-step page bookkeeping once per step instead of per layer.
+
 The graph is tied to the ONNX Runtime version and the CPU EP that wrote it
 (the manifest's ``ort_optimized`` records which); the runtime uses the portable
 model otherwise. It does not modify ``model.onnx`` or its data file.
@@ -25,7 +29,25 @@ from pathlib import Path
 from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, ORT_GRAPH_FILE, OrtOptimized
 
 LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machines may load
+PREPARED_FILE = ".model.ort-prepared.onnx"
+
+
+def prepared_graph(model):
+    """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
+    loaded or external) with the op inlined, its shapes shared (``shared_shapes.py``) and
+    rotary's rotate_half as one MatMul (``rotate_half.py``).
+    The exporter validates this graph against the source too."""
+    from .rotate_half import fuse_rotate_half
+    from .shared_shapes import inferred, live, share_shape_dims
+
+    prepared = share_shape_dims(model)[0]
+    if fuse_rotate_half(prepared, inferred(prepared)):
+        nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
+        del prepared.graph.node[:]
+        prepared.graph.node.extend(nodes)
+    return prepared
 MIN_EXTERNAL_BYTES = 1024
+INLINE_MAX_BYTES = 1 << 16  # a made constant this small (rotate_half's matrix: 16 KiB) stays in the graph file
 
 
 def _external(tensor) -> dict | None:
@@ -74,7 +96,15 @@ def save_optimized_graph(package: Path) -> OrtOptimized:
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                     str(MIN_EXTERNAL_BYTES))
         so.log_severity_level = 3
-        ort.InferenceSession(str(package / MODEL_FILE), so, providers=["CPUExecutionProvider"])
+        # Shapes resolved first (shared_shapes.py) so ORT merges the op's per-step bookkeeping
+        # across layers; written beside model.onnx so its weights resolve to the same file.
+        prepared = package / PREPARED_FILE
+        onnx.save_model(prepared_graph(onnx.load(str(package / MODEL_FILE), load_external_data=False)),
+                        str(prepared))
+        try:
+            ort.InferenceSession(str(prepared), so, providers=["CPUExecutionProvider"])
+        finally:
+            prepared.unlink()
 
         optimized = onnx.load(str(tmp / ORT_GRAPH_FILE), load_external_data=False)
         weights = _weights_by_content(package)
@@ -87,6 +117,11 @@ def save_optimized_graph(package: Path) -> OrtOptimized:
                     continue
                 data = _read(tmp / info["location"], int(info.get("offset", 0)), int(info["length"]))
                 where = weights.get((hashlib.sha256(data).hexdigest(), len(data)))
+                if where is None and len(data) <= INLINE_MAX_BYTES:  # a small constant made here: in the graph
+                    del t.external_data[:]
+                    t.data_location = onnx.TensorProto.DEFAULT
+                    t.raw_data = data
+                    continue
                 if where is None:  # made by ORT: keep it, in our own small file
                     where = (own.name, extra.tell(), len(data))
                     extra.write(data)

@@ -56,14 +56,15 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
 
     # --- shapes -------------------------------------------------------------
-    shape_q = b.op("Shape", q)
-    B, D = b.dim(shape_q, 0), b.dim(shape_q, 3)
-    S = b.dim(shape_q, 2)
-    Hkv = b.dim(b.op("Shape", k), 1)
-    ps = b.dim(b.op("Shape", kc), 2)
-    NP = b.dim(b.op("Shape", pt), 1)
+    # Every dim is read from the input that every layer shares (page_table) or whose dims
+    # are static in an export (the page pool), never from a per-layer activation but S:
+    # an exporter can then merge the per-step bookkeeping below across layers.
+    B, NP = b.dim(pt, 0), b.dim(pt, 1)
+    Hkv, ps, D = b.dim(kc, 1), b.dim(kc, 2), b.dim(kc, 3)
+    S = b.dim(q, 2)
 
     qg = b.op("Reshape", b.op("Cast", q, to=F), b.cat(B, Hkv, i64(-1), D))  # [B, Hkv, G*S, D]
+    GS = b.op("Mul", b.op("Div", b.dim(q, 1), Hkv), S)
     kf, vf = b.op("Cast", k, to=F), b.op("Cast", v, to=F)
     zero, one = b.const(0, np.int64), b.const(1, np.int64)
     scale_attr = b.attr_const("scale", "float")
@@ -93,15 +94,14 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
     def gather_rows(pool, ids, sub=None):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
-        shape = b.op("Shape", pool)
         row = b.op("Add", b.op("Mul", ids, Hkv), h_idx)
         if sub is None:
-            rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Slice", shape, i64(2), i64(4), i64(0))))
+            rows = b.op("Reshape", pool, b.cat(i64(-1), b.dim(pool, 2, 4)))
         else:  # sub = (j [B, Hkv, K], r): sub-page j of each page; a is ps (split in r) or 1 (broadcast)
             j, r = sub
-            a = b.dim(shape, 2)
+            a = b.dim(pool, 2)
             ra = b.op("Max", b.op("Div", b.op("Mul", a, r), ps), one)  # r, or 1 when a == 1
-            rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Div", a, ra), b.dim(shape, 3)))  # [N*Hkv*ra, a/ra, c]
+            rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Div", a, ra), b.dim(pool, 3)))  # [N*Hkv*ra, a/ra, c]
             row = b.op("Add", b.op("Mul", row, ra), b.op("Div", b.op("Mul", j, ra), r))
         return b.op("Cast", b.op("Gather", rows, row, axis=0), to=F)
 
@@ -112,7 +112,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             # Both tiers are gathered with clipped ids and Where picks per page: one
             # static graph for any hot/cold mix (the CUDA kernel branches instead).
             q8, sc = {kc: (kc8, kscale), vc: (vc8, vscale)}[cache]
-            P = b.dim(b.op("Shape", cache), 0)
+            P = b.dim(cache, 0)
             is_cold = b.op("GreaterOrEqual", phys, P)
             hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)), sub)
             cold_id = b.op("Max", b.op("Sub", phys, P), zero)
@@ -130,7 +130,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         keys = gather_pages(kc, all_phys)  # [B, Hkv, NP*ps, D]
         tok = b.op("Range", zero, b.scalar(b.op("Mul", NP, ps)), one)
         tok_ok = b.op("Less", b.op("Reshape", tok, i64(1, 1, 1, -1)), b.op("Reshape", past64, i64(-1, 1, 1, 1)))
-        probs, _ = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
+        probs = attention_probs(keys, tok_ok)  # [B, Hkv, GS, NP*ps + S]
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
         return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
@@ -139,15 +139,14 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         # concatenated: a Concat of the keys would copy every gathered page once more.
         def logits_of(x):
             return b.op("MatMul", qg, b.op("Transpose", x, perm=[0, 1, 3, 2]))
-        logits = b.op("Mul", b.op("Concat", logits_of(keys), logits_of(kf), axis=3), scale)
-        GS = b.dim(b.op("Shape", qg), 2)
         s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
         causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
                       b.unsqueeze(s_of_row, [1]))  # [GS, S]: new token j visible from row (g, s) iff j <= s
-        T = b.dim(b.op("Shape", keys), 2)
-        mask = b.op("Concat", b.op("Expand", tok_ok, b.cat(B, Hkv, GS, T)),
-                    b.op("Expand", b.unsqueeze(causal, [0, 1]), b.cat(B, Hkv, GS, S)), axis=3)
-        return b.op("Softmax", b.op("Where", mask, logits, b.const(-np.inf, np.float32)), axis=-1), T
+        # Each part masked where it is made (the masks broadcast): no expanded [B, Hkv, GS, T+S] mask.
+        neg_inf = b.const(-np.inf, np.float32)
+        cached = b.op("Where", tok_ok, logits_of(keys), neg_inf)
+        new = b.op("Where", b.unsqueeze(causal, [0, 1]), logits_of(kf), neg_inf)
+        return b.op("Softmax", b.op("Mul", b.op("Concat", cached, new, axis=3), scale), axis=-1)
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
     ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
@@ -155,19 +154,23 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
     scores = b.reduce(reduce_op, per_head, [2])  # [B|1, Hkv|1, NP]
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
-    scores = b.op("Where", valid3, scores, b.const(-np.inf, np.float32))
-    scores = b.op("Where", forced3, b.const(np.inf, np.float32), scores)
+    # forced pages +inf, invalid -inf: one Where per layer (the condition and the fill are per-step)
+    ranked = b.op("And", valid3, b.op("Not", forced3))
+    fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
+    scores = b.op("Where", ranked, scores, fill)
     scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
-    def top_k(x, k_per_seq):  # x [B, Hkv, N] -> (indices [B, Hkv, Kmax], rank < k_b [B, Hkv, Kmax])
-        kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(b.op("Shape", x), 2))
+    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices, rank < k_b: [B, Hkv, Kmax]; Kmax)
+        # Kmax and the rank mask depend on k_b and N only (not on x): shared by all layers.
+        kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(x, 2) if width is None else width)
         _, top = b.op_multi("TopK", [x, kmax], 2, axis=-1, largest=1, sorted=1)
         rank = b.op("Reshape", b.op("Range", zero, b.scalar(kmax), one), i64(1, 1, -1))
-        return top, b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.op("Shape", top))
+        ok = b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
+        return top, ok, kmax
 
     if not two_level:
-        top, rank_ok = top_k(scores, k_b)  # [B, Hkv, K] logical pages
+        top, rank_ok, n_slots = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
         selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
                         rank_ok, axis=2, _name=schema.OUTPUT_NAMES[1])
         phys = b.op("GatherElements", pt_bh, top, axis=2)
@@ -182,18 +185,19 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         selected = b.op("Identity", sel["selected"], _name=schema.OUTPUT_NAMES[1])
         sub = (sel["j"], sel["r"])
         keys, vals = gather_pages(kc, sel["phys"], sub), gather_pages(vc, sel["phys"], sub)
-        tok_first, tok_len, tok_ok_rank = sel["first_token"], sel["sp"], sel["ok"]
+        tok_first, tok_len, tok_ok_rank, n_slots = sel["first_token"], sel["sp"], sel["ok"], sel["slots"]
 
     # --- attention over the kept pages (or sub-pages) + the new tokens --------
     tok = b.op("Add", b.unsqueeze(tok_first, [3]),
                b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
     tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(tok_ok_rank, [3]))
     tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
-    probs, T = attention_probs(keys, tok_ok)
+    T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
+    probs = attention_probs(keys, tok_ok)
     end = i64(np.iinfo(np.int64).max)
     out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]
                b.op("MatMul", b.op("Slice", probs, T, end, i64(3)), vf))
-    b.op("CastLike", b.op("Reshape", out, shape_q), q, _name=schema.OUTPUT_NAMES[0])
+    b.op("CastLike", b.op("Reshape", out, b.cat(B, i64(-1), S, D)), q, _name=schema.OUTPUT_NAMES[0])
 
     fn = helper.make_function(
         schema.DOMAIN, schema.OP_TYPE, list(schema.INPUT_NAMES), list(schema.OUTPUT_NAMES), b.nodes,

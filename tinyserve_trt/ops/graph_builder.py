@@ -51,9 +51,11 @@ class GraphBuilder:
         self.nodes.append(node)
         return out
 
-    def dim(self, shape: str, index: int) -> str:
-        """Dim ``index`` of a Shape output, as an int64 tensor of shape [1]."""
-        return self.op("Gather", shape, self.const([index], np.int64, "i"), axis=0)
+    def dim(self, x: str, index: int, end: int | None = None) -> str:
+        """Dims ``index`` (to ``end``) of tensor ``x`` as an int64 tensor (``[1]`` for one dim):
+        one ``Shape(start, end)`` node (opset >= 15), which an exporter can resolve to a
+        constant or to a graph input's dim (``export/shared_shapes.py``)."""
+        return self.op("Shape", x, start=index, end=index + 1 if end is None else end)
 
     def cat(self, *parts: str) -> str:
         """Concat 1-D int64 pieces (shape building)."""

@@ -25,15 +25,16 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     """Kept sub-pages of each (sequence, KV head) as ONNX tensors.
 
     scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); forced ``[B, NP]``;
-    keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b).
+    keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax).
     Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
-    used), ``first_token`` (logical token index of each sub-page), ``selected`` ``[B, Hkv, NP]``
+    used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each sub-page),
+    ``selected`` ``[B, Hkv, NP]``
     (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64).
     """
     def i64(*xs):
         return b.const(list(xs), np.int64, "i")
     zero, one = b.const(0, np.int64), b.const(1, np.int64)
-    r = b.dim(b.op("Shape", sub_bounds), 2)
+    r = b.dim(sub_bounds, 2)
     sp = b.op("Div", ps, r)
     n_sub = b.op("Div", b.op("Add", past64, b.op("Sub", sp, one)), sp)  # written sub-pages [B]
     in_page = b.op("Min", b.op("Max", b.op("Sub", b.unsqueeze(n_sub, [1]), b.op("Mul", pidx_row, r)), zero), r)
@@ -46,7 +47,7 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     share = b.attr_const("candidate_share", "float")
     by_share = b.op("Cast", b.op("Floor", b.op("Mul", share, b.op("Cast", n_b, to=F))), to=I64)
     k1 = b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b))
-    top1, ok1 = top_k(scores, k1)  # [B, Hkv, K1] logical pages
+    top1, ok1, _ = top_k(scores, k1, NP)  # [B, Hkv, K1] logical pages
     phys1 = b.op("GatherElements", pt_bh, top1, axis=2)
 
     # --- level 2: the candidates' sub-pages, scored from their compact bounds ---
@@ -76,7 +77,7 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     cand = flat(b.op("And", b.unsqueeze(ok1, [3]), written))  # candidates' written sub-pages (forced included)
     fine = b.op("Where", cand, fine, b.const(-np.inf, np.float32))
     fine = b.op("Where", flat(b.op("And", b.unsqueeze(forced1, [3]), written)), b.const(np.inf, np.float32), fine)
-    top2, ok2 = top_k(fine, b.op("Where", dense, n_sub, keep2))  # [B, Hkv, K2] into K1*r
+    top2, ok2, k2 = top_k(fine, b.op("Where", dense, n_sub, keep2))  # [B, Hkv, K2] into K1*r
     ok2 = b.op("And", ok2, b.op("GatherElements", cand, top2, axis=2))  # too few candidates: keep what there is
 
     slot, j = b.op("Div", top2, r), b.op("Mod", top2, r)
@@ -86,4 +87,5 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     marks = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, b.op("Add", NP, one))),
                  target, b.op("Expand", b.const(True, np.bool_), b.op("Shape", target)), axis=2)
     return dict(selected=b.op("Slice", marks, i64(0), NP, i64(2)), phys=b.op("GatherElements", phys1, slot, axis=2),
-                j=j, ok=ok2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)), r=r, sp=sp)
+                j=j, ok=ok2, slots=k2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)),
+                r=r, sp=sp)
