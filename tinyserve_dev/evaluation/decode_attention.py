@@ -32,7 +32,9 @@ NEG_INF = float("-inf")
 class SelectionSpec:
     """How decode steps select pages. ``page_fraction`` (if set) replaces the
     fixed token budget by ``floor(fraction * n_t) * page_size`` at a step whose
-    cache has ``n_t`` pages - used for recall at a share of the pages."""
+    cache has ``n_t`` pages - used for recall at a share of the pages (with
+    ``sub_page_size``: the two-level rule at that token budget). As in the op,
+    ``sub_page_size == page_size`` selects exactly as single level."""
 
     policy: str = "query_aware"
     budget: int = 1024
@@ -54,10 +56,8 @@ class SelectionSpec:
             raise ValueError(f"budget must be >= 0 (0 = dense), got {self.budget}")
         if self.page_fraction is not None and not 0.0 < self.page_fraction <= 1.0:
             raise ValueError(f"page_fraction must be in (0, 1], got {self.page_fraction}")
-        if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size
-                                   or self.sub_page_size == self.page_size or self.page_fraction is not None):
-            raise ValueError(f"sub_page_size must divide page_size {self.page_size} (and be smaller), with a "
-                             f"token budget; got {self.sub_page_size}")
+        if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size):
+            raise ValueError(f"sub_page_size must divide page_size {self.page_size}; got {self.sub_page_size}")
 
     @property
     def is_dense(self) -> bool:
@@ -67,7 +67,8 @@ class SelectionSpec:
         if not get_policy(self.policy).selects:
             return "dense"
         size = f"{self.page_fraction:.0%}" if self.page_fraction is not None else str(self.budget)
-        return f"{self.policy}@{size}"
+        level = f"[{self.page_size}->{self.sub_page_size}]" if self.sub_page_size else ""
+        return f"{self.policy}{level}@{size}"
 
 
 DENSE = SelectionSpec(policy="dense", budget=0)
@@ -129,6 +130,16 @@ def _written_and_forced(spec: SelectionSpec, n_t: torch.Tensor, n_pages: int) ->
     return valid, valid & ((idx < spec.sink_pages) | (idx >= (n_t - spec.recent_pages)[:, None]))
 
 
+def step_budgets(spec: SelectionSpec, positions: torch.Tensor) -> torch.Tensor:
+    """Token budget ``[C]`` of the decode steps at ``positions [C]``: the spec's budget, or with a
+    ``page_fraction`` ``floor(fraction * n_t)`` pages' worth of tokens (``n_t`` pages in the cache)."""
+    ps = spec.page_size
+    n_t = (positions + ps - 1) // ps
+    if spec.page_fraction is not None:
+        return torch.floor(spec.page_fraction * n_t.double()).long() * ps
+    return torch.full_like(n_t, spec.budget)
+
+
 def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Tensor,
                  budget: torch.Tensor | None = None) -> torch.Tensor:
     """Kept pages ``[Hkv, C, NP]`` (bool) of decode steps at ``positions [C]``.
@@ -140,12 +151,8 @@ def select_pages(spec: SelectionSpec, positions: torch.Tensor, scores: torch.Ten
     ps = spec.page_size
     n_t = (positions + ps - 1) // ps  # pages in the cache at each step
     valid, forced = _written_and_forced(spec, n_t, scores.shape[-1])
-    if budget is not None:
-        pass
-    elif spec.page_fraction is not None:
-        budget = torch.floor(spec.page_fraction * n_t.double()).long() * ps
-    else:
-        budget = torch.full_like(n_t, spec.budget)
+    if budget is None:
+        budget = step_budgets(spec, positions)
     keep_n = torch.maximum(budget // ps, forced.sum(-1))
     dense_row = (budget <= 0) | (keep_n >= n_t)  # [C]
     if spec.is_dense or bool(dense_row.all()):
@@ -177,19 +184,32 @@ def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, coarse: torch
                      fine: torch.Tensor) -> torch.Tensor:
     """Two-level selection: kept sub-pages ``[Hkv, C, NP * r]`` (bool, ``r = page_size / sub_page_size``)
     by the op's rule itself (``ops.two_level.select_sub_pages``), one decode step and KV head at a
-    time. ``coarse [Hkv, C, NP]`` page scores; ``fine [Hkv, C, NP * r]`` sub-page scores from the
-    op's 4-bit bounds (:func:`sub_page_bounds`)."""
+    time, at the step's token budget (:func:`step_budgets`). ``coarse [Hkv, C, NP]`` page scores;
+    ``fine [Hkv, C, NP * r]`` sub-page scores from the op's 4-bit bounds (:func:`sub_page_bounds`)."""
     ps, sp = spec.page_size, spec.sub_page_size
     r = ps // sp
     coarse64, fine64 = coarse.double().numpy(), fine.double().numpy()
     keep = np.zeros(fine.shape, bool)
-    for c, t in enumerate(positions.tolist()):
+    for c, (t, budget) in enumerate(zip(positions.tolist(), step_budgets(spec, positions).tolist())):
         n = -(-t // ps)
         for h in range(coarse.shape[0]):
             keep[h, c, :n * r] = two_level.select_sub_pages(
-                coarse64[h, c, :n], fine64[h, c, :n * r], t, spec.budget, ps, sp, spec.candidate_share,
+                coarse64[h, c, :n], fine64[h, c, :n * r], t, budget, ps, sp, spec.candidate_share,
                 spec.sink_pages, spec.recent_pages)
     return torch.from_numpy(keep)
+
+
+def two_level_keep(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, lo, hi, mass=None) -> torch.Tensor:
+    """What a two-level decode step attends: kept sub-pages ``[Hkv, C, NP * r]`` plus each step's own
+    sub-page (``positions // sub_page_size``: the token itself; its cached neighbours there sit in the
+    last page, which is forced). q ``[Hkv, G, C, D]``; kmin/kmax ``[Hkv, NP, D]``; lo/hi
+    (:func:`sub_page_bounds`) ``[Hkv, >= NP * r, D]``; mass: ``page_mass``, for a policy that reads it."""
+    sp = spec.sub_page_size
+    n_sub = kmin.shape[1] * (spec.page_size // sp)
+    coarse = page_scores(spec, q, kmin, kmax, mass)
+    fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), q, lo[:, :n_sub], hi[:, :n_sub])
+    keep = select_sub_pages(spec, positions, coarse, fine)
+    return keep | (torch.arange(n_sub)[None, :] == (positions // sp)[:, None])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
@@ -199,8 +219,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     q: [H, S, D]; k, v: [Hkv, q_start + S, D] (every key up to the last query,
     after rotary). Returns ``[H, S, D]``. ``probe`` (optional, a
     ``recall.RecallProbe`` with the same page size unless ``spec`` is dense)
-    receives each chunk's queries, page metadata and dense page masses. Does
-    not modify its inputs; memory is ``O(H * chunk * T)``.
+    receives each chunk's queries, page metadata, sub-page bounds and dense
+    attention probabilities. Does not modify its inputs; memory is
+    ``O(H * chunk * T)``.
     """
     H, S, D = q.shape
     Hkv, T, _ = k.shape
@@ -217,6 +238,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     v_pad = torch.nn.functional.pad(v, (0, 0, 0, pad))
     if spec.sub_page_size and not spec.is_dense:
         lo, hi = sub_page_bounds(k, spec, kmin, kmax)
+    probe_bounds = probe.sub_bounds(k, kmin, kmax) if probe is not None else None
     q_scaled = q * scale  # scaling q scales query_aware scores by a positive constant: same choices
     out = torch.empty_like(q)
     for c0 in range(0, S, chunk):
@@ -235,16 +257,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
             if needs_mass:
                 mass = dense_probs.view(Hkv, G, C, n_np, ps).sum(-1)
         if probe is not None:
-            probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
+            probe.observe(layer, positions, qc, kmin[:, :n_np], kmax[:, :n_np], dense_probs, probe_bounds)
         if spec.is_dense:
             probs = dense_probs
         elif spec.sub_page_size:
-            sp, r = spec.sub_page_size, ps // spec.sub_page_size
-            scores = page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass)
-            fine = page_scores(replace(spec, page_size=sp, sub_page_size=0), qc, lo[:, :n_np * r], hi[:, :n_np * r])
-            keep = select_sub_pages(spec, positions, scores, fine)
-            keep = keep | (torch.arange(n_np * r)[None, :] == (positions // sp)[:, None])  # the token's own
-            logits.view(Hkv, G, C, n_np * r, sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            sp = spec.sub_page_size
+            keep = two_level_keep(spec, positions, qc, kmin[:, :n_np], kmax[:, :n_np], lo, hi, mass)
+            logits.view(Hkv, G, C, n_np * (ps // sp), sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)
         else:
             keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))

@@ -1,8 +1,12 @@
-"""Attention-mass recall: how much of the dense attention a page selection keeps.
+"""Attention-mass recall: how much of the dense attention a selection keeps.
 
 For one decode step, one layer and one query head, recall is the share of
 that head's dense softmax mass (over the cached tokens and the token itself)
-that falls on the tokens the step attends: the kept pages plus the token.
+that falls on the tokens the step attends. Single level: the kept pages plus
+the token. Two-level (``spec.sub_page_size > 0``, the op's default): the
+sub-pages the op's rule keeps (``decode_attention.two_level_keep``) at the
+step's token budget plus the token, the mass summed per sub-page. With a
+``page_fraction`` both get ``floor(fraction * n_t)`` pages' worth of tokens.
 ``RecallProbe`` measures it for several selections on the same dense pass
 (``decode_attention(..., probe=)``), so ten selections cost one forward.
 """
@@ -14,19 +18,42 @@ from typing import Sequence
 
 import torch
 
-from .decode_attention import SelectionSpec, page_scores, select_pages
+from .decode_attention import SelectionSpec, page_scores, select_pages, sub_page_bounds, two_level_keep
+
+
+def unit_mass(probs: torch.Tensor, unit: int) -> torch.Tensor:
+    """Mass per block of ``unit`` keys ``[Hkv, G, C, W / unit]`` of probabilities ``[Hkv, G, C, W]``
+    (``W`` a multiple of ``unit``)."""
+    Hkv, G, C, W = probs.shape
+    return probs.view(Hkv, G, C, W // unit, unit).sum(-1)
+
+
+def kept_mass(keep: torch.Tensor, positions: torch.Tensor, unit: int, mass: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, G, C]`` mass on the kept blocks ``keep [Hkv, C, N]`` plus each step's own block
+    (``positions // unit``: the token's own share, always attended); mass ``[Hkv, G, C, N]``."""
+    own = torch.arange(mass.shape[-1])[None, :] == (positions // unit)[:, None]
+    return (mass * (keep | own)[:, None]).sum(-1)
 
 
 def step_recall(spec: SelectionSpec, positions, scores, mass) -> torch.Tensor:
-    """Recall ``[Hkv, G, C]`` of ``spec`` at decode steps ``positions [C]``.
+    """Single-level recall ``[Hkv, G, C]`` of ``spec`` at decode steps ``positions [C]``.
 
     scores: ``page_scores`` of the policy ``[Hkv, C, NP]``; mass: ``page_mass``
     of the dense causal attention ``[Hkv, G, C, NP]`` (keys ``0..t`` per row, so
     page ``t // ps`` holds the token's own share, which is always attended).
     """
-    keep = select_pages(spec, positions, scores)
-    own_page = torch.arange(mass.shape[-1])[None, :] == (positions // spec.page_size)[:, None]
-    return (mass * (keep | own_page)[:, None]).sum(-1)
+    return kept_mass(select_pages(spec, positions, scores), positions, spec.page_size, mass)
+
+
+def step_recall_two_level(spec: SelectionSpec, positions, q, kmin, kmax, lo, hi, probs) -> torch.Tensor:
+    """Two-level recall ``[Hkv, G, C]``: the dense mass on what the op attends (its kept sub-pages).
+
+    q ``[Hkv, G, C, D]``; kmin/kmax ``[Hkv, NP, D]``; lo/hi: ``sub_page_bounds`` ``[Hkv, >= NP * r, D]``;
+    probs: the dense causal attention ``[Hkv, G, C, NP * ps]`` (keys ``0..t`` per row).
+    """
+    mass = unit_mass(probs, spec.page_size)
+    keep = two_level_keep(spec, positions, q, kmin, kmax, lo, hi, mass)
+    return kept_mass(keep, positions, spec.sub_page_size, unit_mass(probs, spec.sub_page_size))
 
 
 class RecallProbe:
@@ -36,6 +63,9 @@ class RecallProbe:
         sizes = {s.page_size for s in specs}
         if len(sizes) > 1:
             raise ValueError(f"probe selections must share one page size, got {sorted(sizes)}")
+        labels = [s.label() for s in specs]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"probe selections must have distinct labels, got {labels}")
         self.specs = tuple(specs)
         self._sum: dict[tuple[str, int], float] = defaultdict(float)
         self._count: dict[tuple[str, int], int] = defaultdict(int)
@@ -44,14 +74,29 @@ class RecallProbe:
     def page_size(self) -> int:
         return self.specs[0].page_size
 
-    def observe(self, layer: int, positions, q, kmin, kmax, mass) -> None:
-        """One chunk of decode steps: q [Hkv, G, C, D], kmin/kmax [Hkv, NP, D], mass [Hkv, G, C, NP]."""
+    def sub_bounds(self, k, kmin, kmax) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The op's sub-page bounds per two-level sub-page size of the probe's selections, from the
+        layer's keys ``k [Hkv, T, D]`` and page bounds ``kmin/kmax [Hkv, ceil(T / ps), D]``."""
+        bounds = {}
+        for s in self.specs:
+            if s.sub_page_size and s.sub_page_size not in bounds:
+                bounds[s.sub_page_size] = sub_page_bounds(k, s, kmin, kmax)
+        return bounds
+
+    def observe(self, layer: int, positions, q, kmin, kmax, probs, sub_bounds=None) -> None:
+        """One chunk of decode steps: q [Hkv, G, C, D], kmin/kmax [Hkv, NP, D], dense probabilities
+        probs [Hkv, G, C, NP * ps], sub_bounds: ``sub_bounds`` of the layer (two-level selections)."""
+        mass = unit_mass(probs, self.page_size)
         scores = {}  # one scoring per (policy, group_reduce), shared by the page fractions
         for spec in self.specs:
-            key = (spec.policy, spec.group_reduce)
-            if key not in scores:
-                scores[key] = page_scores(spec, q, kmin, kmax, mass)
-            r = step_recall(spec, positions, scores[key], mass)
+            if spec.sub_page_size:
+                lo, hi = sub_bounds[spec.sub_page_size]
+                r = step_recall_two_level(spec, positions, q, kmin, kmax, lo, hi, probs)
+            else:
+                key = (spec.policy, spec.group_reduce)
+                if key not in scores:
+                    scores[key] = page_scores(spec, q, kmin, kmax, mass)
+                r = step_recall(spec, positions, scores[key], mass)
             key = (spec.label(), layer)
             self._sum[key] += float(r.double().sum())
             self._count[key] += r.numel()
