@@ -18,6 +18,8 @@
 //
 // Bytes moved per (sequence, KV head): n pages * 2 * D * sizeof(T) of
 // key_min/key_max (1/ps of the dense K+V bytes) + NP bytes of selected_pages.
+// Two-level selection (sub_page_size not 0 or ps) is qsa_select_two_level.cu;
+// launch_select hands a decode step to it.
 #include "qsa_topk.cuh"
 
 namespace qsa {

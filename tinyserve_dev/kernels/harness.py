@@ -148,8 +148,9 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
 
     Same arguments as ``sparse_attention_ref`` (``schema.INPUTS`` order or by
     name), including the optional INT8 cold tier (int8 pools, float32 scales; not
-    cast) and two-level ``key_sub_bounds`` (uint8; not cast): numpy arrays (copied to the GPU; results come back as numpy) or CUDA
-    tensors (results stay on the GPU). Does not modify the cache. Synchronises.
+    cast) and two-level ``key_sub_bounds`` (uint8; not cast): numpy arrays (copied to
+    the GPU; results come back as numpy) or CUDA tensors (results stay on the GPU).
+    Does not modify the cache. Synchronises.
     """
     first = inputs[0] if inputs else named["query"]
     call = ForwardCall(*inputs, attrs=attrs, num_splits=num_splits, poison=poison, **named)
