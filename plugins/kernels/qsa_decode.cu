@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(kWarps * 32)
         bool valid = false;
         if (t < ntok) {
             const int u = kept[p0 + t / us];
-            const int lp = u / upp, off = (u - lp * upp) * us + t % us;
+            const int lp = upp == 1 ? u : u / upp;  // block-uniform: single-level skips the division
+            const int off = (u - lp * upp) * us + t % us;
             if (lp * ps + off < past)  // not the slot tail of the partial last page
                 valid = load_kv<T, LPT, NV, COLD>(p, p.page_table[size_t(b) * NP + lp], h, off, gl, vec_ok, kr, vr);
         }
