@@ -15,10 +15,17 @@ decode at a sparse and a dense budget and a 4-token prefill, 4 sequences up to
 2K tokens, every sequence against the numpy reference (which dequantizes cold
 pages itself) and against the reference on the dequantized all-hot cache.
 A few seconds; it runs first so a cold-path failure is reported before the grid.
+Two-level selection (sub_page_size 4, candidate_share 0.5; sequences up to 8K, GQA 4,
+budgets one sub-page / 1024 (emulated: 64) / dense, hot and hot + INT8 cold): the kernel's kept
+sub-pages (read from its workspace) against ``ops.two_level`` by the reference's
+sub-page scores, and the output against the reference's attention over exactly
+those sub-pages, on every sequence.
 Timing: decode at 32K, budget 2048 (and dense) vs torch
 ``scaled_dot_product_attention`` on contiguous [B, H, 32K, D] K/V, CUDA-event
 medians; GB/s on the bytes our kernels actually load (kept K/V rows + page
 metadata) vs a measured device-to-device copy bandwidth.
+Two-level timing: decode at 8K, budget 1024, single-level vs two-level (random
+fine codes: timing only) at each batch and group of the grid.
 Writes a markdown table to --out (default benchmarks/results/gpu_<gpu>.md). Fails
 loudly (non-zero exit) on any mismatch.
 
@@ -42,9 +49,10 @@ sys.path.insert(0, str(ROOT))
 
 from tinyserve_dev.kernels.harness import ForwardCall, sparse_attention_gpu  # noqa: E402
 from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case,  # noqa: E402
-                                              selection_score_gap)
+                                              kept_sub_pages_ref, selection_score_gap, sub_page_selection_gap,
+                                              units_mask)
 from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
-from tinyserve_dev.cases import CaseSpec, make_mixed_case  # noqa: E402
+from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case  # noqa: E402
 
 HKV, D, PS = 8, 128, 16
 DEV = "cuda"  # "cpu" with --emulated: the harness then keeps every buffer in host memory
@@ -167,6 +175,58 @@ def check_mixed(seed, lens=MIXED_LENS, kv_heads=HKV):
     return rows
 
 
+SP = 4  # two-level sub-page size
+TWO_LEVEL_ATTRS = schema.OpAttributes(sub_page_size=SP, candidate_share=0.5)
+TWO_LEVEL_LENS = (8190, 3001, 517, 33)
+
+
+def check_two_level(seed, lens=TWO_LEVEL_LENS, kv_heads=HKV, budget_sparse=1024):
+    """Two-level decode on every sequence vs the numpy rule; returns report rows. Raises on a mismatch."""
+    rng = np.random.default_rng(seed)
+    attrs, tol = TWO_LEVEL_ATTRS, schema.TOLERANCES["float16"]
+    rows = []
+    for cold, budget in ((False, SP), (False, budget_sparse), (False, 0), (True, budget_sparse)):
+        spec = CaseSpec(lens, kv_heads * 4, kv_heads, D, PS, 1, "float16", budget, sub_page_size=SP)
+        case = make_mixed_case(spec, rng, 0.5) if cold else make_case(spec, rng)
+        what = f"two-level budget={budget or 'dense'}{' hot+int8' if cold else ''}"
+        call = ForwardCall(**case, attrs=attrs)
+        call.launch()
+        call.dev.synchronize()
+        call.dev.check_flags(call.flags, what)
+        out = call.output.float().cpu().numpy().astype(np.float64)
+        if np.isnan(out).any():
+            raise AssertionError(f"{what}: NaN left in the output")
+        NP = case["page_table"].shape[1]
+        got = units_mask(call.kept_units(), NP * (PS // SP))
+        gap = sub_page_selection_gap(case, got, kept_sub_pages_ref(case, attrs), attrs)
+        if gap > 1e-3:
+            raise AssertionError(f"{what}: kept sub-pages score worse than the reference's by {gap}")
+        sel = call.selected.cpu().numpy().astype(bool)
+        np.testing.assert_array_equal(sel, got.reshape(*sel.shape, -1).any(-1), err_msg=f"{what} selected_pages")
+        want = attention_with_selection_ref(case, got, attrs)
+        np.testing.assert_allclose(out, want, err_msg=what, **tol)
+        err = float(np.abs(out - want).max())
+        kept = got.sum() / (len(lens) * kv_heads)
+        rows.append((budget or "dense", "hot + int8" if cold else "hot", f"{kept:.0f}", f"{gap:.1e}", f"{err:.1e}",
+                     "ok"))
+        log(f"ok {what}: sub-pages kept/(seq, KV head) {kept:.0f}, max err {err:.1e}")
+    return rows
+
+
+def time_two_level(torch, B, G, reps, budget=1024, ctx=8192, seed=99):
+    """Decode at ctx: single-level vs two-level at the same budget (random fine codes: timing only)."""
+    case = make_gpu_case(torch, B, G, ctx, budget, seed)
+    P = case["key_cache"].shape[0]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    case["key_sub_bounds"] = torch.randint(0, 256, (P, HKV, PS // SP, D), device=DEV, generator=g,
+                                           dtype=torch.uint8)
+    single = ForwardCall(**case, attrs=schema.OpAttributes(), poison=False)
+    two = ForwardCall(**case, attrs=TWO_LEVEL_ATTRS, poison=False)
+    t1, t2 = time_ms(torch, single.launch, reps), time_ms(torch, two.launch, reps)
+    log(f"time two-level B={B} G={G} ctx={ctx} budget={budget}: single {t1:.3f} ms, two-level {t2:.3f} ms")
+    return (B, G, ctx, budget, SP, t1, t2, t2 / t1)
+
+
 def time_ms(torch, fn, reps):
     for _ in range(3):
         fn()
@@ -235,6 +295,9 @@ def main(argv=None):
     attrs = schema.OpAttributes()  # query_aware, 1 sink page, 1 recent page, max over the group
     mixed_lens, mixed_hkv = ((300, 517, 33), 2) if args.emulated else (MIXED_LENS, HKV)
     mixed = check_mixed(seed=1234, lens=mixed_lens, kv_heads=mixed_hkv)
+    two_lens = (300, 517, 33) if args.emulated else TWO_LEVEL_LENS
+    two_level = check_two_level(seed=4321, lens=two_lens, kv_heads=mixed_hkv,
+                                budget_sparse=64 if args.emulated else 1024)
     sync = (lambda: None) if args.emulated else torch.cuda.synchronize
     rows, timing = [], []
     seed = 0
@@ -263,13 +326,15 @@ def main(argv=None):
                 del case
                 if not args.emulated:
                     torch.cuda.empty_cache()
-    bw = None
+    bw, two_timing = None, []
     if args.emulated:
         log("CPU emulation: correctness only, NO TIMING WAS TAKEN")
     else:
+        two_timing = [time_two_level(torch, B, G, args.reps) for B in ints(args.batches) for G in ints(args.groups)]
         bw = copy_bandwidth(torch)
         log(f"device copy bandwidth {bw:.0f} GB/s")
-    write_report(out, dev, torch.__version__, rows, timing, bw, mixed, mixed_lens, mixed_hkv)
+    write_report(out, dev, torch.__version__, rows, timing, bw, mixed, mixed_lens, mixed_hkv,
+                 (two_level, two_lens, two_timing))
     log(f"wrote {out}")
 
 
@@ -301,7 +366,8 @@ def time_case(torch, F, case, attrs, B, G, ctx, budget, reps, call):
             base_bytes / base / 1e6, how, H)
 
 
-def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=MIXED_LENS, mixed_hkv=HKV):
+def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=MIXED_LENS, mixed_hkv=HKV,
+                 two_level=((), TWO_LEVEL_LENS, ())):
     L = [f"# QueryAwareSparseAttention CUDA kernels on {dev}", "",
          f"Written by `benchmarks/gpu_check.sh` (torch {torch_version}). fp16, D={D}, {HKV} KV heads, page size "
          f"{PS}, policy query_aware (1 sink + 1 recent page, group max).", "",
@@ -319,6 +385,22 @@ def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=M
           "| new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
           "|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in mixed]
+    two_rows, two_lens, two_timing = two_level
+    L += ["", "### Two-level selection", "",
+          f"sub_page_size {SP}, candidate_share {TWO_LEVEL_ATTRS.candidate_share}; {len(two_lens)} sequences "
+          f"({', '.join(map(str, two_lens))} tokens), {mixed_hkv * 4} query heads; every sequence's kept sub-pages "
+          "vs `ops.two_level` by reference sub-page scores, output vs attention over those sub-pages "
+          "(fp16 tolerance).", "",
+          "| budget | pages | sub-pages kept / (seq, KV head) | score gap | max abs err | |",
+          "|---|---|---|---|---|---|"]
+    L += ["| " + " | ".join(map(str, r)) + " |" for r in two_rows]
+    if two_timing:
+        L += ["", "Two-level decode timing (median of CUDA-event runs; fine codes random, so which sub-pages are "
+              "kept is arbitrary but their number is the budget's):", "",
+              "| batch | group | context | budget | sub-page | single-level ms | two-level ms | two / single |",
+              "|---|---|---|---|---|---|---|---|"]
+        L += [f"| {B} | {G} | {ctx} | {budget} | {sp} | {t1:.3f} | {t2:.3f} | {ratio:.2f}x |"
+              for (B, G, ctx, budget, sp, t1, t2, ratio) in two_timing]
     if bw is None:
         L += ["", "## Decode timing", "", "**No timing was taken**: this run used the CPU-emulated kernel library "
               "(plugins/emulation), which checks correctness only.", ""]

@@ -97,7 +97,10 @@ def build_emulated(out: Path, sanitize: str | None = None, if_stale: bool = Fals
     lib = out / "libqsa_kernels.so"
     if if_stale and lib.is_file() and lib.stat().st_mtime >= max(p.stat().st_mtime for p in emulated_inputs()):
         return lib
-    flags = [cxx, "-std=c++20", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas", f"-I{EMULATION / 'include'}",
+    # -ffp-contract=off: as __fmul_rn/__fadd_rn on a GPU, no a * b + c becomes an FMA (two-level
+    # selection decodes its sub-page bounds bit-exactly like ops/fine_bounds.py)
+    flags = [cxx, "-std=c++20", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off",
+             f"-I{EMULATION / 'include'}",
              f"-I{HERE / 'kernels'}"]
     flags += ["-O1", "-g", f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"] if sanitize else ["-O2"]
     units = [*SOURCES, EMULATION / "cuda_emu.cpp"]

@@ -153,6 +153,11 @@ inline float __uint_as_float(unsigned u) {
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// Single-rounded float32 arithmetic, never contracted into an FMA: the library is
+// built with -ffp-contract=off (plugins/build.py), and on the host each is one IEEE op.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 
 // CUDA's device min/max: one overload set for mixed integer/float arguments.
 template <typename A, typename B>

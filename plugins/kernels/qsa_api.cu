@@ -8,7 +8,8 @@ namespace {
 bool dims_ok(const QsaDims& d) {
     return d.batch >= 0 && d.num_heads >= 1 && d.num_kv_heads >= 1 && d.num_heads % d.num_kv_heads == 0 &&
            d.new_tokens >= 1 && d.head_dim >= 1 && d.head_dim <= QSA_MAX_HEAD_DIM && d.num_pages >= 1 &&
-           d.page_size >= 1 && d.table_width >= 1 && d.num_meta_pages >= d.num_pages && d.batch <= 65535 &&
+           d.page_size >= 1 && d.table_width >= 1 && d.num_meta_pages >= d.num_pages && d.sub_pages >= 0 &&
+           d.sub_pages <= d.page_size && d.batch <= 65535 &&
            d.num_kv_heads * ((d.num_heads / d.num_kv_heads + QSA_MAX_GROUP_PER_BLOCK - 1) /
                              QSA_MAX_GROUP_PER_BLOCK) <= 65535;
 }
@@ -17,7 +18,19 @@ bool attrs_ok(const QsaAttrs& a) {
     return a.scale >= 0.f && a.policy >= 0 && a.policy < QSA_NUM_POLICIES && a.sink_pages >= QSA_ATTR_SINK_PAGES_MIN &&
            a.sink_pages <= QSA_ATTR_SINK_PAGES_MAX && a.recent_pages >= QSA_ATTR_RECENT_PAGES_MIN &&
            a.recent_pages <= QSA_ATTR_RECENT_PAGES_MAX && a.group_reduce >= 0 &&
-           a.group_reduce < QSA_NUM_GROUP_REDUCTIONS;
+           a.group_reduce < QSA_NUM_GROUP_REDUCTIONS && a.sub_page_size >= QSA_ATTR_SUB_PAGE_SIZE_MIN &&
+           a.sub_page_size <= QSA_ATTR_SUB_PAGE_SIZE_MAX && a.candidate_share >= QSA_ATTR_CANDIDATE_SHARE_MIN &&
+           a.candidate_share <= QSA_ATTR_CANDIDATE_SHARE_MAX;  // false for NaN
+}
+
+// Two-level selection (schema: sub_page_size divides ps, needs key_sub_bounds, policy
+// query_aware - OpAttributes refuses the others): r = ps / sp rows of key_sub_bounds
+// per (page, KV head), dims.sub_pages says so, and the pointer is set.
+bool two_level_ok(const QsaForwardParams& p) {
+    const int32_t sp = p.attrs.sub_page_size, ps = p.dims.page_size;
+    if (!qsa::two_level(p.attrs, ps)) return sp == 0 || sp == ps;
+    return sp < ps && ps % sp == 0 && p.dims.sub_pages == ps / sp && p.key_sub_bounds != nullptr &&
+           p.attrs.policy == QSA_POLICY_QUERY_AWARE;
 }
 
 // Selection policies a decode step implements, by schema id (plugins/generated/qsa_schema.h).
@@ -57,6 +70,15 @@ size_t qsa_workspace_size(const QsaDims* dims) {
     return qsa::layout_workspace(*dims, nullptr).bytes;
 }
 
+int32_t qsa_workspace_kept(const QsaDims* dims, size_t* idx_offset, size_t* cnt_offset) {
+    if (!dims || !dims_ok(*dims) || !idx_offset || !cnt_offset) return 0;
+    char* const base = reinterpret_cast<char*>(size_t(256));  // any aligned non-null base: offsets only
+    const qsa::Workspace w = qsa::layout_workspace(*dims, base);
+    *idx_offset = size_t(reinterpret_cast<char*>(w.kept_idx) - base);
+    *cnt_offset = size_t(reinterpret_cast<char*>(w.kept_cnt) - base);
+    return w.kept_width;
+}
+
 int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms) {
     if (!dims || !dims_ok(*dims)) return 1;
     const int32_t cap = qsa::splits_cap(*dims);
@@ -79,7 +101,7 @@ int32_t qsa_check(const QsaForwardParams* p) {
         return QSA_ERR_INVALID_ARGUMENT;
     if (p->selected_pages && p->selected_pages_elem_size != 1 && p->selected_pages_elem_size != 4)
         return QSA_ERR_INVALID_ARGUMENT;
-    if (!cold_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
+    if (!cold_ok(*p) || !two_level_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
     const bool decode = p->dims.new_tokens == 1;
     if (decode && !decode_policy_implemented(p->attrs.policy)) return QSA_ERR_UNSUPPORTED;
     if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
@@ -131,7 +153,8 @@ int32_t qsa_append_kv(const QsaAppendParams* p, void* stream) {
 const char* qsa_status_string(int32_t status) {
     switch (status) {
         case QSA_OK: return "ok";
-        case QSA_ERR_INVALID_ARGUMENT: return "invalid argument (dims, pointers, dtype, attributes or cold tier)";
+        case QSA_ERR_INVALID_ARGUMENT:
+            return "invalid argument (dims, pointers, dtype, attributes, cold tier or two-level sub-page bounds)";
         case QSA_ERR_UNSUPPORTED: return "unsupported here (oracle policy on decode, or group*head_dim too large)";
         case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
         case QSA_ERR_CUDA: return "CUDA launch failed";

@@ -87,16 +87,31 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Two-level selection (attribute sub_page_size not 0 and not ps): decode keeps
+// sub-pages of sp tokens instead of whole pages. sub_page_size == ps is single-level.
+__host__ __device__ inline bool two_level(const QsaAttrs& a, int32_t page_size) {
+    return a.sub_page_size > 0 && a.sub_page_size != page_size;
+}
+
+// Tokens per entry of the kept list: a sub-page (two-level) or a page.
+__host__ __device__ inline int32_t kept_unit_tokens(const QsaForwardParams& p) {
+    return two_level(p.attrs, p.dims.page_size) ? p.attrs.sub_page_size : p.dims.page_size;
+}
+
 // Scratch carved out of the caller's workspace; the same function sizes it
 // (base == nullptr) and lays it out, so qsa_workspace_size cannot drift from
-// what the kernels index.
+// what the kernels index. A kept-list entry u is logical page u / r, sub-page
+// u % r (r = ps / unit tokens; r = 1 single-level).
 struct Workspace {
-    int32_t* kept_idx;  // [B, Hkv, NP] logical page indices a decode step attends, ascending
+    int32_t* kept_idx;  // [B, Hkv, kept_width] kept units a decode step attends, ascending
     int32_t* kept_cnt;  // [B, Hkv]
     float* scores;      // [B, Hkv, NP] page scores when they do not fit in shared memory
+    float* fine;        // [B, Hkv, NP * r] two-level: candidate sub-page scores (compact); null if r <= 1
+    int32_t* cand;      // [B, Hkv, NP] two-level: candidate logical pages, ascending; null if r <= 1
     float* part_m;      // [B, H, splits_cap] running max of each split (log-sum-exp state)
     float* part_l;      // [B, H, splits_cap] softmax denominator of each split
     float* part_acc;    // [B, H, splits_cap, D] unnormalised output of each split
+    int32_t kept_width; // NP * max(1, r): room for every sub-page of a full table
     int32_t splits_cap;
     size_t bytes;
 };
@@ -111,6 +126,8 @@ inline int32_t splits_cap(const QsaDims& d) {
 inline Workspace layout_workspace(const QsaDims& d, void* base) {
     Workspace w{};
     w.splits_cap = splits_cap(d);
+    const int32_t r = d.sub_pages > 1 ? d.sub_pages : 1;
+    w.kept_width = d.table_width * r;
     const size_t bkv = size_t(d.batch) * d.num_kv_heads;
     const size_t bh = size_t(d.batch) * d.num_heads;
     const size_t np = size_t(d.table_width);
@@ -121,9 +138,13 @@ inline Workspace layout_workspace(const QsaDims& d, void* base) {
         off += align_up(bytes);
         return r;
     };
-    w.kept_idx = static_cast<int32_t*>(take(bkv * np * sizeof(int32_t)));
+    w.kept_idx = static_cast<int32_t*>(take(bkv * size_t(w.kept_width) * sizeof(int32_t)));
     w.kept_cnt = static_cast<int32_t*>(take(bkv * sizeof(int32_t)));
     w.scores = static_cast<float*>(take(bkv * np * sizeof(float)));
+    if (r > 1) {
+        w.fine = static_cast<float*>(take(bkv * size_t(w.kept_width) * sizeof(float)));
+        w.cand = static_cast<int32_t*>(take(bkv * np * sizeof(int32_t)));
+    }
     w.part_m = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
     w.part_l = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
     w.part_acc = static_cast<float*>(take(bh * w.splits_cap * size_t(d.head_dim) * sizeof(float)));
@@ -133,6 +154,7 @@ inline Workspace layout_workspace(const QsaDims& d, void* base) {
 
 // Host launchers, one per kernel file. Each returns the launch's cudaError_t.
 cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool all_pages, cudaStream_t stream);
+cudaError_t launch_select_two_level(const QsaForwardParams& p, const Workspace& ws, cudaStream_t stream);
 cudaError_t launch_decode(const QsaForwardParams& p, const Workspace& ws, int32_t splits, cudaStream_t stream);
 cudaError_t launch_prefill(const QsaForwardParams& p, cudaStream_t stream);
 cudaError_t launch_append(const QsaAppendParams& p, cudaStream_t stream);

@@ -5,7 +5,7 @@
 // over the kept cached tokens plus the new token); tests/kernels compare with it.
 //
 // Shape of the work:
-// * grid (splits, Hkv * gchunks, B): one block per (split of the kept pages,
+// * grid (splits, Hkv * gchunks, B): one block per (split of the kept list,
 //   KV head, chunk of <= QSA_MAX_GROUP_PER_BLOCK query heads of its GQA group),
 //   so every K/V row loaded is used by the whole group.
 // * A K/V row is read as 16-byte vectors: LPT lanes cover one row (lane l holds
@@ -17,6 +17,9 @@
 //   through shared memory. Each split writes (m, l, unnormalised acc) to the
 //   workspace and combine_kernel merges the splits; split 0 also attends the
 //   new token (its K/V are inputs, not yet in the cache).
+// * The kept list (select kernels) holds whole pages, or with two-level
+//   selection sub-pages of sp contiguous rows; the loop walks it in unit-sized
+//   runs of rows either way, so the loads and the math do not change.
 // * Cold pages (INT8 tier) are read element-wise as int8 * scale into the same
 //   lane layout; the rest of the step is the hot path's code.
 // Plain loads only (no cp.async, no tensor cores), so the CPU emulation runs
@@ -197,18 +200,23 @@ __global__ void __launch_bounds__(kWarps * 32)
         }
 
     const int past = max(p.past_lens[b], 0);
+    // The kept list holds units of `us` rows: pages, or sub-pages (two-level). A unit's
+    // rows are contiguous in its page, so a lane group's rows stay 16-byte vector loads.
+    const int us = kept_unit_tokens(p), upp = ps / us;
+    const int32_t* kept = ws.kept_idx + size_t(bh) * ws.kept_width;
     const int cnt = ws.kept_cnt[bh];
     const int chunk = (cnt + splits - 1) / splits;
     const int p0 = split * chunk, p1 = min(cnt, p0 + chunk);
-    const int ntok = max(p1 - p0, 0) * ps;
+    const int ntok = max(p1 - p0, 0) * us;
     constexpr int kRows = kWarps * L::TPW;  // rows the block holds at once
     // Row t0 + (this lane group's index) into kr/vr; false (zeros) when it does not exist.
     auto fetch = [&](int t0, float (&kr)[E], float (&vr)[E]) {
         const int t = t0 + warp * L::TPW + slot;
         bool valid = false;
         if (t < ntok) {
-            const int off = t % ps;
-            const int lp = ws.kept_idx[size_t(bh) * NP + p0 + t / ps];
+            const int u = kept[p0 + t / us];
+            const int lp = upp == 1 ? u : u / upp;  // block-uniform: single-level skips the division
+            const int off = (u - lp * upp) * us + t % us;
             if (lp * ps + off < past)  // not the slot tail of the partial last page
                 valid = load_kv<T, LPT, NV, COLD>(p, p.page_table[size_t(b) * NP + lp], h, off, gl, vec_ok, kr, vr);
         }

@@ -23,6 +23,16 @@
  * fp32. key_min/key_max keep one exact row per page id, hot or cold
  * (Ptot >= P + Pcold).
  *
+ * Two-level selection (attrs.sub_page_size = sp, 0 < sp < ps, ps % sp == 0;
+ * policy query_aware; rule: tinyserve_trt/ops/two_level.py):
+ *   key_sub_bounds [Ptot, Hkv, r, D] uint8, r = ps / sp = dims.sub_pages: per
+ *   channel, the sub-page's min (low nibble) and max (high nibble) in 4-bit steps
+ *   of the page's [key_min, key_max] (tinyserve_trt/ops/fine_bounds.py).
+ * A decode step keeps candidate pages by the page score, then sub-pages of the
+ * candidates by the decoded bounds, and attends the kept sub-pages only;
+ * selected_pages marks a page when any of its sub-pages is attended. sp == 0 or
+ * sp == ps is single-level (key_sub_bounds and sub_pages are then not read).
+ *
  * Every entry point returns a QsaStatus and never aborts, allocates, or
  * synchronizes the stream. The kernels read page ids from device memory, so
  * they report bad ones through device memory: a page id outside [0, P + Pcold)
@@ -78,6 +88,7 @@ typedef struct QsaDims {
     int32_t page_size;      /* ps */
     int32_t table_width;    /* NP */
     int32_t num_meta_pages; /* Ptot: rows of key_min/key_max (>= P) */
+    int32_t sub_pages;      /* r: sub-pages per page in key_sub_bounds; 0 without it (sizes the workspace) */
 } QsaDims;
 
 typedef struct QsaAttrs {
@@ -86,6 +97,8 @@ typedef struct QsaAttrs {
     int32_t sink_pages;
     int32_t recent_pages;
     int32_t group_reduce; /* QSA_GROUP_REDUCE_* */
+    int32_t sub_page_size; /* two-level sub-page tokens; 0 (or ps) = single-level */
+    float candidate_share; /* two-level: share of a sequence's pages kept as candidates, in [0, 1] */
 } QsaAttrs;
 
 /* Shape of the cold tier. num_pages is 0 when the cold pointers are NULL
@@ -120,6 +133,7 @@ typedef struct QsaForwardParams {
     const void* value_cache_int8; /* int8 [Pcold, Hkv, ps, D] */
     const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] */
     const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] */
+    const void* key_sub_bounds;   /* uint8 [Ptot, Hkv, r, D]; read only by two-level decode */
     void* output;
     void* selected_pages; /* may be NULL */
     int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */
@@ -145,6 +159,13 @@ typedef struct QsaAppendParams {
 /* Bytes of scratch qsa_forward needs for these dims; sized for the largest
  * split count it may choose, so a plugin can size it once from max dims. */
 size_t qsa_workspace_size(const QsaDims* dims);
+
+/* Where a decode step leaves its kept list in a workspace laid out for `dims`:
+ * int32 kept units at byte *idx_offset ([B, Hkv, width], ascending; unit u is
+ * logical page u / r, sub-page u % r; r = 1 single-level) and int32 counts at
+ * byte *cnt_offset ([B, Hkv]). Returns width (0 for bad dims). For tests, which
+ * read it once the stream has run; the kernels do not need it. */
+int32_t qsa_workspace_kept(const QsaDims* dims, size_t* idx_offset, size_t* cnt_offset);
 
 /* Checks dims and attributes without touching device memory. */
 int32_t qsa_check(const QsaForwardParams* params);

@@ -18,51 +18,18 @@
 //
 // Bytes moved per (sequence, KV head): n pages * 2 * D * sizeof(T) of
 // key_min/key_max (1/ps of the dense K+V bytes) + NP bytes of selected_pages.
-#include <cub/block/block_scan.cuh>
-
-#include "qsa_common.cuh"
+// Two-level selection (sub_page_size not 0 or ps) is qsa_select_two_level.cu;
+// launch_select hands a decode step to it.
+#include "qsa_topk.cuh"
 
 namespace qsa {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxEptMeta = QSA_MAX_HEAD_DIM / 32;
-
-// Larger float -> larger unsigned key; -0.0 was folded into +0.0 by the caller.
-// NaN gets the smallest key, below -inf: numpy's argsort(-score) puts NaN last,
-// so a NaN-scored page is kept only after every other one (lowest index first).
-__device__ __forceinline__ uint32_t order_key(float f) {
-    if (f != f) return 0u;
-    uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// max that propagates NaN, as numpy's maximum/max do (fmaxf drops it), so a NaN in a
-// page's metadata or the query gives that page a NaN score like the reference.
-__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
-
-// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
-struct SelOut {
-    void* base;
-    size_t row;
-    bool wide;
-    __device__ void put(int i, bool v) const {
-        if (!base) return;
-        if (wide)
-            static_cast<int32_t*>(base)[row + i] = v;
-        else
-            static_cast<uint8_t*>(base)[row + i] = v;
-    }
-};
-
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kSelectThreads)
     select_kernel(QsaForwardParams p, Workspace ws, int all_pages, int scores_in_smem) {
-    using BlockScan = cub::BlockScan<int, kThreads>;
-    __shared__ typename BlockScan::TempStorage scan_tmp;
-    __shared__ uint32_t hist[256];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_krem;
+    __shared__ typename SelectScan::TempStorage scan_tmp;
+    __shared__ RadixShared radix;
     QSA_DYNAMIC_SHARED(float, smem);
 
     const QsaDims& d = p.dims;
@@ -72,16 +39,9 @@ __global__ void __launch_bounds__(kThreads)
     const int bh = b * d.num_kv_heads + h;
     const int past = max(p.past_lens[b], 0);
     const int n = min((past + ps - 1) / ps, NP);
-    int32_t* kept = ws.kept_idx + size_t(bh) * NP;
+    int32_t* kept = ws.kept_idx + size_t(bh) * ws.kept_width;
     const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
-    if (h == 0) {  // one block per sequence checks its page ids (the numpy reference raises on these)
-        if (threadIdx.x == 0 && (past + ps - 1) / ps > NP) raise_flag(p.error_flags, QSA_FLAG_TOO_MANY_PAGES);
-        const int64_t id_end = int64_t(d.num_pages) + (p.key_cache_int8 ? p.cold.num_pages : 0);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const int page = p.page_table[size_t(b) * NP + i];
-            if (page < 0 || page >= id_end) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
-        }
-    }
+    if (h == 0) check_page_ids(p, b, past, n);
 
     const int n_sink = min(p.attrs.sink_pages, n);
     const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
@@ -104,39 +64,10 @@ __global__ void __launch_bounds__(kThreads)
     const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;  // S == 1
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (p.attrs.policy == QSA_POLICY_WINDOW) {
         for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) scores[i] = float(i);
     } else if (p.attrs.policy == QSA_POLICY_QUERY_AWARE) {  // sum_d max(q*min, q*max), combined over the group
-        const T* kmin = static_cast<const T*>(p.key_min);
-        const T* kmax = static_cast<const T*>(p.key_max);
-        for (int i = n_sink + warp; i < recent_start; i += nwarps) {
-            const int page = p.page_table[size_t(b) * NP + i];
-            float lo[kMaxEptMeta], hi[kMaxEptMeta];
-            const bool ok = page >= 0 && page < d.num_meta_pages;
-            const size_t row = (size_t(ok ? page : 0) * d.num_kv_heads + h) * D;
-#pragma unroll
-            for (int e = 0; e < kMaxEptMeta; ++e) {
-                const int dd = lane + 32 * e;
-                lo[e] = (ok && dd < D) ? to_f(kmin[row + dd]) : 0.f;
-                hi[e] = (ok && dd < D) ? to_f(kmax[row + dd]) : 0.f;
-            }
-            float r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? -INFINITY : 0.f;
-            for (int g = 0; g < G; ++g) {
-                float t = 0.f;
-#pragma unroll
-                for (int e = 0; e < kMaxEptMeta; ++e) {
-                    const int dd = lane + 32 * e;
-                    if (dd < D) {
-                        const float qq = q_s[g * D + dd];
-                        t += max_nan(qq * lo[e], qq * hi[e]);
-                    }
-                }
-                t = warp_sum(t);
-                r = p.attrs.group_reduce == QSA_GROUP_REDUCE_MAX ? max_nan(r, t) : r + t;
-            }
-            if (lane == 0) scores[i] = ok ? r + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
-        }
+        query_aware_page_scores<T>(p, q_s, scores, b, h, n_sink, recent_start);
     }
     __syncthreads();
 
@@ -144,37 +75,7 @@ __global__ void __launch_bounds__(kThreads)
     const int k = keep_n - forced;  // 0 <= k < recent_start - n_sink
     uint32_t prefix = 0xffffffffu;
     int krem = 0;
-    if (k > 0) {
-        prefix = 0;
-        krem = k;
-        uint32_t mask = 0;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int j = threadIdx.x; j < 256; j += blockDim.x) hist[j] = 0;
-            __syncthreads();
-            for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) {
-                const uint32_t key = order_key(scores[i]);
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int cum = 0;
-                for (int bin = 255; bin >= 0; --bin) {
-                    const int c = int(hist[bin]);
-                    if (cum + c >= krem) {
-                        s_prefix = prefix | (uint32_t(bin) << shift);
-                        s_krem = krem - cum;
-                        break;
-                    }
-                    cum += c;
-                }
-            }
-            __syncthreads();
-            prefix = s_prefix;
-            krem = s_krem;
-            mask |= 0xffu << shift;
-            __syncthreads();  // everyone has read s_prefix/hist before the next pass rewrites them
-        }
-    }
+    if (k > 0) radix_threshold(scores, n_sink, recent_start, k, radix, prefix, krem);
 
     // ---- ordered pass: ties at T go to the lowest indices; compact the kept list ----
     int eq_base = 0, out_base = 0;
@@ -186,11 +87,11 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t key = cand ? order_key(scores[i]) : 0u;
         const int is_eq = cand && key == prefix;
         int eq_rank, eq_total;
-        BlockScan(scan_tmp).ExclusiveSum(is_eq, eq_rank, eq_total);
+        SelectScan(scan_tmp).ExclusiveSum(is_eq, eq_rank, eq_total);
         __syncthreads();
         const int keep = is_forced || (cand && (key > prefix || (is_eq && eq_base + eq_rank < krem)));
         int pos, total;
-        BlockScan(scan_tmp).ExclusiveSum(keep, pos, total);
+        SelectScan(scan_tmp).ExclusiveSum(keep, pos, total);
         __syncthreads();
         if (keep) kept[out_base + pos] = i;
         if (valid) sel.put(i, keep);
@@ -204,6 +105,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool all_pages, cudaStream_t stream) {
+    if (!all_pages && two_level(p.attrs, p.dims.page_size)) return launch_select_two_level(p, ws, stream);
     const QsaDims& d = p.dims;
     const bool in_smem = select_scores_in_smem(d);
     // all_pages (prefill) returns before touching shared memory: ask for none.
@@ -211,8 +113,8 @@ cudaError_t launch_select(const QsaForwardParams& p, const Workspace& ws, bool a
         all_pages ? 0 : select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
     const dim3 grid(d.num_kv_heads, d.batch);
     if (p.dtype == QSA_DTYPE_FLOAT16)
-        return launch_kernel(select_kernel<__half>, grid, kThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
-    return launch_kernel(select_kernel<float>, grid, kThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
+        return launch_kernel(select_kernel<__half>, grid, kSelectThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
+    return launch_kernel(select_kernel<float>, grid, kSelectThreads, smem, stream, p, ws, int(all_pages), int(in_smem));
 }
 
 }  // namespace qsa

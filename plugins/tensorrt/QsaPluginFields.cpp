@@ -25,6 +25,8 @@ QsaAttrs defaultAttrs() {
     a.group_reduce = -1;
     for (int i = 0; i < QSA_NUM_GROUP_REDUCTIONS; ++i)
         if (std::strcmp(kGroupReduceNames[i], QSA_ATTR_GROUP_REDUCE_DEFAULT) == 0) a.group_reduce = i;
+    a.sub_page_size = QSA_ATTR_SUB_PAGE_SIZE_DEFAULT;
+    a.candidate_share = QSA_ATTR_CANDIDATE_SHARE_DEFAULT;
     return a;
 }
 
@@ -100,13 +102,10 @@ bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& 
             } else if (name == QSA_ATTR_SUB_PAGE_SIZE_NAME) {
                 ok = readNumber(f, v) && v >= QSA_ATTR_SUB_PAGE_SIZE_MIN && v <= QSA_ATTR_SUB_PAGE_SIZE_MAX &&
                      v == double(int32_t(v));
-                if (ok && v != 0) {  // two-level selection exists in the ONNX function only (docs/op.md)
-                    error = "sub_page_size > 0 (two-level selection) is not in the CUDA kernels yet";
-                    return false;
-                }
+                attrs.sub_page_size = int32_t(v);  // whether it divides ps is checked at the shapes
             } else if (name == QSA_ATTR_CANDIDATE_SHARE_NAME) {
                 ok = readNumber(f, v) && v >= QSA_ATTR_CANDIDATE_SHARE_MIN && v <= QSA_ATTR_CANDIDATE_SHARE_MAX;
-                // read by two-level selection only, which the kernels refuse above
+                attrs.candidate_share = float(v);
             } else if (name == "plugin_namespace" || name == "plugin_version") {
                 continue;  // the ONNX parser's routing attributes, not ours
             } else {
@@ -117,6 +116,11 @@ bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& 
                 error = "bad value or type for field '" + name + "'";
                 return false;
             }
+        }
+        // schema.OpAttributes: two-level re-ranks sub-pages by the query_aware bound only
+        if (attrs.sub_page_size > 0 && attrs.policy != QSA_POLICY_QUERY_AWARE) {
+            error = "sub_page_size > 0 (two-level selection) needs policy 'query_aware'";
+            return false;
         }
         return true;
     } catch (std::exception const& e) {

@@ -29,6 +29,26 @@ void logError(std::string const& msg) noexcept {
     }
 }
 
+// The node's input counts: required (10), + key_sub_bounds (11: a parser that drops
+// skipped inputs), + the cold tier (14), + both (15: the schema's full list, where a
+// two-level node without cold pages has its four cold inputs skipped).
+constexpr int32_t kNbTwoLevelInputs = QSA_NUM_REQUIRED_INPUTS + 1;
+bool nbInputsOk(int32_t nb) {
+    return nb == QSA_NUM_REQUIRED_INPUTS || nb == kNbTwoLevelInputs || nb == QSA_NUM_TIERED_INPUTS ||
+           nb == QSA_NUM_INPUTS;
+}
+
+// Position of key_sub_bounds among nb inputs, or -1 when the node has none.
+int32_t subBoundsInput(int32_t nb) {
+    return nb == QSA_NUM_INPUTS ? QSA_IN_KEY_SUB_BOUNDS : (nb == kNbTwoLevelInputs ? QSA_NUM_REQUIRED_INPUTS : -1);
+}
+
+// The schema input (QSA_IN_*) at position pos among nb inputs.
+int32_t inputRole(int32_t pos, int32_t nb) { return pos == subBoundsInput(nb) ? QSA_IN_KEY_SUB_BOUNDS : pos; }
+
+// Two-level selection: the attribute asks for it and the page size is not the sub-page size.
+bool twoLevel(QsaAttrs const& a, int32_t pageSize) { return a.sub_page_size > 0 && a.sub_page_size != pageSize; }
+
 }  // namespace
 
 // ============================ plugin ============================
@@ -39,7 +59,7 @@ QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QsaAttrs const&
 QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other)
     : IPluginV3(), IPluginV3OneCore(), IPluginV3OneBuild(), IPluginV3OneRuntime(),
       mAttrs(other.mAttrs), mNamespace(other.mNamespace), mDims(other.mDims), mCold(other.mCold),
-      mDtype(other.mDtype), mNbInputs(other.mNbInputs) {}
+      mDtype(other.mDtype), mNbInputs(other.mNbInputs), mHasCold(other.mHasCold) {}
 
 IPluginCapability* QueryAwareSparseAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
     switch (type) {
@@ -70,9 +90,12 @@ int32_t QueryAwareSparseAttentionPlugin::getNbOutputs() const noexcept { return 
 int32_t QueryAwareSparseAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
                                                          DynamicPluginTensorDesc const* out,
                                                          int32_t nbOutputs) noexcept {
-    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_TIERED_INPUTS) ||
-        nbOutputs != QSA_NUM_OUTPUTS) {
-        logError("expects 10 or 14 inputs and 2 outputs");
+    if (in == nullptr || out == nullptr || !nbInputsOk(nbInputs) || nbOutputs != QSA_NUM_OUTPUTS) {
+        logError("expects 10, 11, 14 or 15 inputs and 2 outputs");
+        return -1;
+    }
+    if (mAttrs.sub_page_size > 0 && subBoundsInput(nbInputs) < 0) {
+        logError("sub_page_size > 0 (two-level selection) needs the key_sub_bounds input");
         return -1;
     }
     return 0;
@@ -87,7 +110,7 @@ bool QueryAwareSparseAttentionPlugin::supportsFormatCombination(int32_t pos, Dyn
     if (pos == QSA_IN_QUERY) return t == DataType::kFLOAT || t == DataType::kHALF;
     DataType const ft = inOut[QSA_IN_QUERY].desc.type;
     if (pos >= nbInputs) return pos - nbInputs == QSA_OUT_OUTPUT ? t == ft : t == DataType::kINT32;
-    switch (pos) {
+    switch (inputRole(pos, nbInputs)) {
         case QSA_IN_KEY:
         case QSA_IN_VALUE:
         case QSA_IN_KEY_CACHE:
@@ -102,6 +125,7 @@ bool QueryAwareSparseAttentionPlugin::supportsFormatCombination(int32_t pos, Dyn
         case QSA_IN_VALUE_CACHE_INT8: return t == DataType::kINT8;
         case QSA_IN_KEY_SCALE:
         case QSA_IN_VALUE_SCALE: return t == DataType::kFLOAT;
+        case QSA_IN_KEY_SUB_BOUNDS: return t == DataType::kUINT8;  // 4-bit min/max codes
         default: return false;
     }
 }
@@ -170,6 +194,29 @@ bool coldDimsFrom(GetDims dimsOf, QsaDims const& d, QsaColdDims& c) {
     c.value_scale_channels = int32_t(vs.d[3]);
     return true;
 }
+
+// A skipped ONNX input (""), as a parser may hand it to the plugin: no extent.
+bool emptyInput(Dims const& x) {
+    if (x.nbDims <= 0) return true;
+    for (int32_t i = 0; i < x.nbDims; ++i)
+        if (x.d[i] == 0) return true;
+    return false;
+}
+
+// key_sub_bounds [Ptot, Hkv, r, D] uint8: r into d.sub_pages (0 without the input).
+// qsa_check re-checks r == ps / sub_page_size; Ptot, Hkv and D are only visible here.
+template <typename GetDims>
+bool subBoundsFrom(GetDims dimsOf, int32_t nbInputs, QsaDims& d) {
+    d.sub_pages = 0;
+    int32_t const pos = subBoundsInput(nbInputs);
+    if (pos < 0) return true;
+    Dims const sb = dimsOf(pos);
+    if (sb.nbDims != 4 || sb.d[0] != d.num_meta_pages || sb.d[1] != d.num_kv_heads || sb.d[3] != d.head_dim ||
+        sb.d[2] < 1)
+        return false;
+    d.sub_pages = int32_t(sb.d[2]);
+    return true;
+}
 }  // namespace
 
 size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
@@ -178,23 +225,36 @@ size_t QueryAwareSparseAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc
     if (inputs == nullptr || nbInputs < QSA_NUM_REQUIRED_INPUTS) return 0;
     QsaDims d{};
     // Sized once from the profile's max dims; enqueue uses a prefix of it.
-    if (!dimsFrom([&](int i) { return inputs[i].max; }, d)) return 0;
+    auto maxDims = [&](int i) { return inputs[i].max; };
+    if (!dimsFrom(maxDims, d) || !subBoundsFrom(maxDims, nbInputs, d)) return 0;
     return qsa_workspace_size(&d);
 }
 
 int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
                                                        PluginTensorDesc const* out, int32_t nbOutputs) noexcept {
-    if (in == nullptr || out == nullptr || (nbInputs != QSA_NUM_REQUIRED_INPUTS && nbInputs != QSA_NUM_TIERED_INPUTS) ||
-        nbOutputs != QSA_NUM_OUTPUTS)
-        return -1;
+    if (in == nullptr || out == nullptr || !nbInputsOk(nbInputs) || nbOutputs != QSA_NUM_OUTPUTS) return -1;
     auto dimsOf = [&](int i) { return in[i].dims; };
     if (!dimsFrom(dimsOf, mDims)) {
         logError("inconsistent input shapes");
         return -1;
     }
     mCold = QsaColdDims{};
-    if (nbInputs == QSA_NUM_TIERED_INPUTS && !coldDimsFrom(dimsOf, mDims, mCold)) {
+    // 14 or 15 inputs hold the cold tier, unless (15) its four inputs were skipped
+    mHasCold = nbInputs >= QSA_NUM_TIERED_INPUTS &&
+               !(nbInputs == QSA_NUM_INPUTS && emptyInput(in[QSA_IN_KEY_CACHE_INT8].dims) &&
+                 emptyInput(in[QSA_IN_VALUE_CACHE_INT8].dims) && emptyInput(in[QSA_IN_KEY_SCALE].dims) &&
+                 emptyInput(in[QSA_IN_VALUE_SCALE].dims));
+    if (mHasCold && !coldDimsFrom(dimsOf, mDims, mCold)) {
         logError("cold-tier shapes: want int8 [Pcold, Hkv, ps, D] and scales [Pcold, Hkv, 1|ps, 1|D]");
+        return -1;
+    }
+    if (!subBoundsFrom(dimsOf, nbInputs, mDims)) {
+        logError("key_sub_bounds shape: want uint8 [Ptot, Hkv, r, D] (Ptot and D as key_min)");
+        return -1;
+    }
+    if (twoLevel(mAttrs, mDims.page_size) &&
+        (mDims.page_size % mAttrs.sub_page_size != 0 || mDims.sub_pages != mDims.page_size / mAttrs.sub_page_size)) {
+        logError("sub_page_size must divide the page size, and key_sub_bounds hold page_size / sub_page_size rows");
         return -1;
     }
     mNbInputs = nbInputs;
@@ -222,13 +282,15 @@ int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDe
     p.page_table = static_cast<int32_t const*>(inputs[QSA_IN_PAGE_TABLE]);
     p.past_lens = static_cast<int32_t const*>(inputs[QSA_IN_PAST_LENS]);
     p.token_budget = static_cast<int32_t const*>(inputs[QSA_IN_TOKEN_BUDGET]);
-    if (mNbInputs == QSA_NUM_TIERED_INPUTS) {  // INT8 cold tier: page ids >= P read these
+    if (mHasCold) {  // INT8 cold tier: page ids >= P read these
         p.cold = mCold;
         p.key_cache_int8 = inputs[QSA_IN_KEY_CACHE_INT8];
         p.value_cache_int8 = inputs[QSA_IN_VALUE_CACHE_INT8];
         p.key_scale = inputs[QSA_IN_KEY_SCALE];
         p.value_scale = inputs[QSA_IN_VALUE_SCALE];
     }
+    int32_t const subBounds = subBoundsInput(mNbInputs);
+    if (subBounds >= 0) p.key_sub_bounds = inputs[subBounds];  // read by two-level decode only
     p.output = outputs[QSA_OUT_OUTPUT];
     p.selected_pages = outputs[QSA_OUT_SELECTED_PAGES];
     int32_t const status = qsa_forward(&p, workspace, qsa_workspace_size(&mDims), stream);
@@ -251,6 +313,8 @@ PluginFieldCollection const* QueryAwareSparseAttentionPlugin::getFieldsToSeriali
     mFields.emplace_back(QSA_ATTR_RECENT_PAGES_NAME, &mAttrs.recent_pages, PluginFieldType::kINT32, 1);
     mFields.emplace_back(QSA_ATTR_GROUP_REDUCE_NAME, mGroupReduceName.c_str(), PluginFieldType::kCHAR,
                          int32_t(mGroupReduceName.size() + 1));
+    mFields.emplace_back(QSA_ATTR_SUB_PAGE_SIZE_NAME, &mAttrs.sub_page_size, PluginFieldType::kINT32, 1);
+    mFields.emplace_back(QSA_ATTR_CANDIDATE_SHARE_NAME, &mAttrs.candidate_share, PluginFieldType::kFLOAT32, 1);
     mFieldCollection.nbFields = int32_t(mFields.size());
     mFieldCollection.fields = mFields.data();
     return &mFieldCollection;

@@ -62,9 +62,10 @@ private:
     std::string mNamespace;
     // Set by onShapeChange, read by enqueue (no device queries there).
     QsaDims mDims{};
-    QsaColdDims mCold{};  // all zero with 10 inputs (no INT8 cold tier)
+    QsaColdDims mCold{};  // all zero without an INT8 cold tier
     int32_t mDtype{QSA_DTYPE_FLOAT32};
-    int32_t mNbInputs{QSA_NUM_REQUIRED_INPUTS};
+    int32_t mNbInputs{QSA_NUM_REQUIRED_INPUTS};  // 10, 11 (+ key_sub_bounds), 14 (+ cold tier) or 15 (both)
+    bool mHasCold{false};  // 14 inputs, or 15 whose cold inputs were not skipped
     // Storage the serialized PluginFields point into.
     std::string mPolicyName, mGroupReduceName;
     std::vector<nvinfer1::PluginField> mFields;

@@ -53,3 +53,27 @@ def test_cold_dims_refuse_inconsistent_shapes(rng):
         library.cold_dims({**shapes, "key_scale": (Pc, 2, 4, 1)})  # 4 is neither 1 nor ps
     with pytest.raises(ValueError, match="value_scale"):
         library.cold_dims({**shapes, "value_scale": (Pc, 2, 8)})
+
+
+def test_two_level_packing(rng):
+    case = make_case(CaseSpec((40, 7), 4, 2, 16, 16, 1, "float32", 16, sub_page_size=4), rng)
+    attrs = schema.OpAttributes(sub_page_size=4, candidate_share=0.25)
+    p = library.forward_params(_shapes(case), {"key_sub_bounds": 0x2000}, "float32", attrs)
+    assert p.dims.sub_pages == 4 and p.key_sub_bounds == 0x2000
+    assert (p.attrs.sub_page_size, p.attrs.candidate_share) == (4, 0.25)
+    single = library.forward_params(_shapes({k: v for k, v in case.items() if k != "key_sub_bounds"}), {},
+                                    "float32", schema.OpAttributes())
+    assert single.dims.sub_pages == 0 and single.attrs.sub_page_size == 0
+
+
+def test_two_level_packing_refuses_missing_or_wrong_bounds(rng):
+    case = make_case(CaseSpec((40, 7), 4, 2, 16, 16, 1, "float32", 16, sub_page_size=4), rng)
+    shapes = _shapes(case)
+    with pytest.raises(ValueError, match="needs key_sub_bounds"):
+        library.forward_params({**shapes, "key_sub_bounds": None}, {}, "float32",
+                               schema.OpAttributes(sub_page_size=4))
+    with pytest.raises(ValueError, match="needs key_sub_bounds"):  # r = 4 rows, sub_page_size 8 needs 2
+        library.forward_params(shapes, {}, "float32", schema.OpAttributes(sub_page_size=8))
+    with pytest.raises(ValueError, match="key_sub_bounds must be"):
+        library.forward_params({**shapes, "key_sub_bounds": (shapes["key_min"][0], 2, 4, 8)}, {}, "float32",
+                               schema.OpAttributes(sub_page_size=4))

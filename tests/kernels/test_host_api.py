@@ -147,3 +147,40 @@ def test_flags_status_matches_python(host_lib, flags, status):
     host_lib.qsa_flags_status.argtypes = [ctypes.c_int32]
     host_lib.qsa_flags_status.restype = ctypes.c_int32
     assert host_lib.qsa_flags_status(flags) == status == library.flags_status(flags)
+
+
+def _two_level_params():
+    p = _params(schema.OpAttributes(sub_page_size=4, candidate_share=0.25))
+    p.dims.sub_pages = 4  # r = ps 16 / sp 4 rows of key_sub_bounds per page
+    return p
+
+
+def test_two_level_checks(host_lib):
+    assert _check(host_lib, _two_level_params()) == 0
+    p = _two_level_params()
+    p.key_sub_bounds = None  # two-level reads the fine bounds
+    assert _check(host_lib, p) == 1
+    p = _two_level_params()
+    p.dims.sub_pages = 2  # key_sub_bounds rows disagree with ps / sub_page_size
+    assert _check(host_lib, p) == 1
+    for field, value in (("sub_page_size", 5), ("sub_page_size", 32), ("policy", 1), ("candidate_share", 1.5),
+                         ("candidate_share", float("nan"))):
+        p = _two_level_params()
+        setattr(p.attrs, field, value)
+        assert _check(host_lib, p) == 1, (field, value)
+    # sub_page_size == ps is single-level: no fine bounds needed, r not read
+    assert _check(host_lib, _params(schema.OpAttributes(sub_page_size=16), key_sub_bounds=None)) == 0
+
+
+def test_workspace_kept_list_layout(host_lib):
+    """The kept list has room for every sub-page of a full table; tests read it at these offsets."""
+    single = library.QsaDims(2, 8, 2, 1, 64, 10, 16, 4, 10, 0)
+    two = library.QsaDims(2, 8, 2, 1, 64, 10, 16, 4, 10, 4)
+    idx, cnt = ctypes.c_size_t(), ctypes.c_size_t()
+    assert host_lib.qsa_workspace_kept(ctypes.byref(single), ctypes.byref(idx), ctypes.byref(cnt)) == 4
+    assert idx.value == 0 and cnt.value >= 2 * 2 * 4 * 4
+    assert host_lib.qsa_workspace_kept(ctypes.byref(two), ctypes.byref(idx), ctypes.byref(cnt)) == 16
+    assert cnt.value >= 2 * 2 * 16 * 4
+    assert host_lib.qsa_workspace_size(ctypes.byref(two)) > host_lib.qsa_workspace_size(ctypes.byref(single))
+    two.sub_pages = 17  # more sub-pages than tokens per page
+    assert host_lib.qsa_workspace_kept(ctypes.byref(two), ctypes.byref(idx), ctypes.byref(cnt)) == 0

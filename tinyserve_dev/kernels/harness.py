@@ -77,7 +77,8 @@ class ForwardCall:
 
     def __init__(self, query, key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens,
                  token_budget, key_cache_int8=None, value_cache_int8=None, key_scale=None, value_scale=None,
-                 *, attrs: schema.OpAttributes | None = None, num_splits: int = 0, poison: bool = True):
+                 key_sub_bounds=None, *, attrs: schema.OpAttributes | None = None, num_splits: int = 0,
+                 poison: bool = True):
         dev = self.dev = _Device()
         torch = self.torch = dev.torch
         attrs = attrs or schema.OpAttributes()
@@ -95,7 +96,9 @@ class ForwardCall:
         cold = {n: _to_dev(dev, a) for n, a in dict(key_cache_int8=key_cache_int8,
                                                       value_cache_int8=value_cache_int8, key_scale=key_scale,
                                                       value_scale=value_scale).items()}
-        for n, want in zip(library.COLD_POINTERS, (torch.int8, torch.int8, torch.float32, torch.float32)):
+        cold["key_sub_bounds"] = _to_dev(dev, key_sub_bounds)  # uint8 codes: never cast either
+        for n, want in zip((*library.COLD_POINTERS, "key_sub_bounds"),
+                           (torch.int8, torch.int8, torch.float32, torch.float32, torch.uint8)):
             if cold[n] is not None and cold[n].dtype != want:
                 raise ValueError(f"{n} must be {want}, got {cold[n].dtype}")
         self.output = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
@@ -115,6 +118,21 @@ class ForwardCall:
                                     device=dev.name)
         self.num_splits = self.lib.qsa_num_splits(ctypes.byref(dims), num_splits, dev.num_sms())
 
+    def kept_units(self) -> list[list[np.ndarray]]:
+        """After a decode launch has run: the kept list the select kernels left in the workspace,
+        ``[b][h] -> int array`` of units (ascending; unit u = logical page u // r, sub-page
+        u % r; r = 1 single-level). Read through ``qsa_workspace_kept``'s offsets."""
+        idx_off, cnt_off = ctypes.c_size_t(), ctypes.c_size_t()
+        width = self.lib.qsa_workspace_kept(ctypes.byref(self.params.dims), ctypes.byref(idx_off),
+                                            ctypes.byref(cnt_off))
+        if width <= 0:
+            raise ValueError("qsa_workspace_kept refused these dims")
+        B, Hkv = self.params.dims.batch, self.params.dims.num_kv_heads
+        ws = self.workspace.cpu().numpy()
+        idx = ws[idx_off.value: idx_off.value + 4 * B * Hkv * width].view(np.int32).reshape(B, Hkv, width)
+        cnt = ws[cnt_off.value: cnt_off.value + 4 * B * Hkv].view(np.int32).reshape(B, Hkv)
+        return [[idx[b, h, : cnt[b, h]].copy() for h in range(Hkv)] for b in range(B)]
+
     def launch(self) -> None:
         """Enqueue on torch's current stream; raises KernelError on a bad status. Does not sync
         (the kernels' error flags are read by ``sparse_attention_gpu`` after its sync)."""
@@ -130,8 +148,9 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
 
     Same arguments as ``sparse_attention_ref`` (``schema.INPUTS`` order or by
     name), including the optional INT8 cold tier (int8 pools, float32 scales; not
-    cast): numpy arrays (copied to the GPU; results come back as numpy) or CUDA
-    tensors (results stay on the GPU). Does not modify the cache. Synchronises.
+    cast) and two-level ``key_sub_bounds`` (uint8; not cast): numpy arrays (copied to
+    the GPU; results come back as numpy) or CUDA tensors (results stay on the GPU).
+    Does not modify the cache. Synchronises.
     """
     first = inputs[0] if inputs else named["query"]
     call = ForwardCall(*inputs, attrs=attrs, num_splits=num_splits, poison=poison, **named)

@@ -1,8 +1,11 @@
 """Slow numpy references for what the kernels do beyond ``ops.reference``.
 
-* ``attention_with_selection_ref``: the op's attention for a given page
-  selection, so a kernel's output can be checked even when a near-tie made it
-  keep a different (equally scored) page than the float64 reference.
+* ``attention_with_selection_ref``: the op's attention for a given page (or,
+  two-level, sub-page) selection, so a kernel's output can be checked even when
+  a near-tie made it keep a different (equally scored) page than the float64 reference.
+* ``two_level_scores_ref`` / ``kept_sub_pages_ref`` / ``sub_page_selection_gap``:
+  the two-level rule's scores and kept sub-pages (``ops.two_level``) per (sequence,
+  KV head), and the comparison of two sub-page selections by those scores.
 * ``selection_score_gap``: compares two selections by the reference's scores
   (STYLE principle 8: scores, not indices).
 * ``append_kv_ref``: the cache write + metadata refresh of ``qsa_append_kv``.
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyserve_trt.ops import schema
+from tinyserve_trt.ops import fine_bounds, schema
 from tinyserve_dev.cases import dequantized_case
 from tinyserve_trt.ops.policies import get_policy, reduce_group
 from tinyserve_trt.ops.reference import page_keys_values, page_min_max
+from tinyserve_trt.ops.two_level import select_sub_pages
 
 
 def _pages(case, b):
@@ -30,12 +34,17 @@ def _pages(case, b):
 
 
 def attention_with_selection_ref(case: dict, selected: np.ndarray, attrs: schema.OpAttributes | None = None):
-    """Output ``[B, H, S, D]`` (float64) attending the pages ``selected [B, Hkv, NP]`` marks, plus new tokens."""
+    """Output ``[B, H, S, D]`` (float64) attending what ``selected`` marks, plus new tokens.
+
+    ``selected [B, Hkv, NP * r]``: units of ``ps / r`` tokens, logical page ``i // r``'s
+    sub-page ``i % r`` (r = 1: the ``selected_pages`` layout)."""
     attrs = attrs or schema.OpAttributes()
     q_all = case["query"]
     B, H, S, D = q_all.shape
     Hkv = case["key"].shape[1]
-    G, ps = H // Hkv, case["key_cache"].shape[2]
+    G = H // Hkv
+    r = selected.shape[2] // case["page_table"].shape[1]
+    ps = case["key_cache"].shape[2] // r  # tokens per unit
     scale = schema.resolve_scale(attrs.scale, D)
     out = np.zeros((B, H, S, D))
     for b in range(B):
@@ -44,7 +53,7 @@ def attention_with_selection_ref(case: dict, selected: np.ndarray, attrs: schema
             kv = [page_keys_values(p, h, case) for p in pages]
             keys = np.concatenate([k for k, _ in kv])[:past] if kv else np.zeros((0, D))
             vals = np.concatenate([v for _, v in kv])[:past] if kv else np.zeros((0, D))
-            keep = np.repeat(np.asarray(selected[b, h, :n], dtype=bool), ps)[:past]
+            keep = np.repeat(np.asarray(selected[b, h, :n * r], dtype=bool), ps)[:past]
             k_all = np.concatenate([keys[keep], case["key"][b, h].astype(np.float64)])
             v_all = np.concatenate([vals[keep], case["value"][b, h].astype(np.float64)])
             t = int(keep.sum())
@@ -108,6 +117,81 @@ def selection_score_gap(case: dict, got: np.ndarray, want: np.ndarray, attrs: sc
                 raise AssertionError(f"sequence {b} KV head {h}: padding columns marked selected")
             if n:
                 gap = max(gap, float(np.max(np.abs(np.sort(sc[g]) - np.sort(sc[w])), initial=0.0)))
+    return gap
+
+
+def two_level_scores_ref(case: dict, attrs: schema.OpAttributes) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Decode-step scores per (sequence, KV head): ``[b][h] -> (coarse [n], fine [n * r])``
+    (float64), the page bound and each sub-page's bound from ``key_sub_bounds`` decoded by
+    ``fine_bounds.decode``, combined over the group, as ``ops/reference.py`` computes them."""
+    policy = get_policy(attrs.policy)
+    q_all = case["query"]
+    B, H, _, D = q_all.shape
+    Hkv = case["key"].shape[1]
+    G, ps = H // Hkv, case["key_cache"].shape[2]
+    sp = attrs.sub_page_size
+    scale = schema.resolve_scale(attrs.scale, D)
+    coarse = group_scores_ref(case, attrs)
+    result = []
+    for b in range(B):
+        past, n, pages = _pages(case, b)
+        row = []
+        for h in range(Hkv):
+            q = q_all[b, h * G:(h + 1) * G, 0].astype(np.float64)
+            lo, hi = fine_bounds.decode(case["key_sub_bounds"][pages, h], case["key_min"][pages, h],
+                                        case["key_max"][pages, h])
+            fine = policy.score_ref(q, lo.reshape(-1, D).astype(np.float64), hi.reshape(-1, D).astype(np.float64),
+                                    None, None, sp, scale) if n else np.zeros((G, 0))
+            row.append((coarse[b][h], reduce_group(fine, attrs.group_reduce) if n else np.zeros(0)))
+        result.append(row)
+    return result
+
+
+def kept_sub_pages_ref(case: dict, attrs: schema.OpAttributes) -> np.ndarray:
+    """Kept sub-pages ``[B, Hkv, NP * r]`` (bool) of a two-level decode step (``ops.two_level``)."""
+    ps, NP = case["key_cache"].shape[2], case["page_table"].shape[1]
+    sp = attrs.sub_page_size
+    r = ps // sp
+    B, Hkv = case["key"].shape[:2]
+    keep = np.zeros((B, Hkv, NP * r), dtype=bool)
+    for b, row in enumerate(two_level_scores_ref(case, attrs)):
+        past = int(case["past_lens"][b])
+        for h, (coarse, fine) in enumerate(row):
+            n = coarse.shape[0]
+            keep[b, h, : n * r] = select_sub_pages(coarse, fine, past, int(case["token_budget"][b]), ps, sp,
+                                                   attrs.candidate_share, attrs.sink_pages, attrs.recent_pages)
+    return keep
+
+
+def units_mask(units: list[list[np.ndarray]], width: int) -> np.ndarray:
+    """A kernel's kept list (``ForwardCall.kept_units``) as a bool ``[B, Hkv, width]`` mask."""
+    B, Hkv = len(units), len(units[0]) if units else 0
+    mask = np.zeros((B, Hkv, width), dtype=bool)
+    for b in range(B):
+        for h in range(Hkv):
+            u = np.asarray(units[b][h])
+            if u.size and (np.any(np.diff(u) <= 0) or u.min() < 0 or u.max() >= width):
+                raise AssertionError(f"sequence {b} KV head {h}: kept list not ascending in [0, {width}): {u}")
+            mask[b, h, u] = True
+    return mask
+
+
+def sub_page_selection_gap(case: dict, got: np.ndarray, want: np.ndarray, attrs: schema.OpAttributes) -> float:
+    """Largest difference between the sorted reference sub-page scores of two two-level
+    selections ``[B, Hkv, NP * r]``; raises if their counts differ or padding is marked."""
+    r = case["key_cache"].shape[2] // attrs.sub_page_size
+    gap = 0.0
+    for b, row in enumerate(two_level_scores_ref(case, attrs)):
+        for h, (_, fine) in enumerate(row):
+            m = fine.shape[0]
+            g, w = np.asarray(got[b, h, :m], bool), np.asarray(want[b, h, :m], bool)
+            if g.sum() != w.sum():
+                raise AssertionError(f"sequence {b} KV head {h}: kept {g.sum()} sub-pages, reference {w.sum()} "
+                                     f"(r={r})")
+            if np.any(got[b, h, m:]):
+                raise AssertionError(f"sequence {b} KV head {h}: sub-pages past the sequence marked kept")
+            if m:
+                gap = max(gap, float(np.max(np.abs(np.sort(fine[g]) - np.sort(fine[w])), initial=0.0)))
     return gap
 
 

@@ -35,12 +35,12 @@ _i32, _f32, _vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 class QsaDims(ctypes.Structure):
     _fields_ = [("batch", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("new_tokens", _i32),
                 ("head_dim", _i32), ("num_pages", _i32), ("page_size", _i32), ("table_width", _i32),
-                ("num_meta_pages", _i32)]
+                ("num_meta_pages", _i32), ("sub_pages", _i32)]
 
 
 class QsaAttrs(ctypes.Structure):
     _fields_ = [("scale", _f32), ("policy", _i32), ("sink_pages", _i32), ("recent_pages", _i32),
-                ("group_reduce", _i32)]
+                ("group_reduce", _i32), ("sub_page_size", _i32), ("candidate_share", _f32)]
 
 
 class QsaColdDims(ctypes.Structure):
@@ -50,7 +50,7 @@ class QsaColdDims(ctypes.Structure):
 
 FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
                     "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale",
-                    "output", "selected_pages", "error_flags")
+                    "key_sub_bounds", "output", "selected_pages", "error_flags")
 COLD_POINTERS = schema.COLD_INPUTS  # key_cache_int8, value_cache_int8, key_scale, value_scale
 
 
@@ -120,6 +120,9 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(p))
     lib.qsa_workspace_size.argtypes = [ctypes.POINTER(QsaDims)]
     lib.qsa_workspace_size.restype = ctypes.c_size_t
+    lib.qsa_workspace_kept.argtypes = [ctypes.POINTER(QsaDims), ctypes.POINTER(ctypes.c_size_t),
+                                       ctypes.POINTER(ctypes.c_size_t)]
+    lib.qsa_workspace_kept.restype = _i32
     lib.qsa_num_splits.argtypes = [ctypes.POINTER(QsaDims), _i32, _i32]
     lib.qsa_num_splits.restype = _i32
     lib.qsa_check.argtypes = [ctypes.POINTER(QsaForwardParams)]
@@ -135,11 +138,29 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     return lib
 
 
-def forward_dims(shapes: Mapping[str, Sequence[int]]) -> QsaDims:
-    """QsaDims from the input shapes by schema name (query, key, key_cache, key_min, page_table)."""
+def forward_dims(shapes: Mapping[str, Sequence[int] | None]) -> QsaDims:
+    """QsaDims from the input shapes by schema name (query, key, key_cache, key_min, page_table,
+    and key_sub_bounds when given: ``sub_pages`` = its r, else 0)."""
     B, H, S, D = shapes["query"]
     P, _, ps, _ = shapes["key_cache"]
-    return QsaDims(B, H, shapes["key"][1], S, D, P, ps, shapes["page_table"][1], shapes["key_min"][0])
+    return QsaDims(B, H, shapes["key"][1], S, D, P, ps, shapes["page_table"][1], shapes["key_min"][0],
+                   sub_bounds_rows(shapes))
+
+
+def sub_bounds_rows(shapes: Mapping[str, Sequence[int] | None]) -> int:
+    """r of ``key_sub_bounds [Ptot, Hkv, r, D]`` (0 when absent). Checks what the C side cannot
+    see (it gets r only): Ptot, Hkv and D agree with ``key_min`` and r divides ps.
+    Raises ValueError naming the input."""
+    shape = shapes.get("key_sub_bounds")
+    if shape is None:
+        return 0
+    Ptot, Hkv, D = shapes["key_min"]
+    ps = shapes["key_cache"][2]
+    shape = tuple(shape)
+    if len(shape) != 4 or shape[:2] != (Ptot, Hkv) or shape[3] != D or shape[2] < 1 or ps % shape[2]:
+        raise ValueError(f"key_sub_bounds must be [Ptot={Ptot}, Hkv={Hkv}, r, D={D}] with r dividing "
+                         f"ps={ps}, got {shape}")
+    return shape[2]
 
 
 def cold_dims(shapes: Mapping[str, Sequence[int] | None]) -> QsaColdDims:
@@ -171,10 +192,19 @@ def cold_dims(shapes: Mapping[str, Sequence[int] | None]) -> QsaColdDims:
 def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping[str, int | None], dtype: str,
                    attrs: schema.OpAttributes, *, num_splits: int = 0,
                    selected_pages_elem_size: int = 1) -> QsaForwardParams:
-    """Pack one ``qsa_forward`` call: dims and the cold tier from ``shapes``, device
-    addresses from ``pointers`` (both by schema name; absent = NULL). Touches no memory."""
+    """Pack one ``qsa_forward`` call: dims, the cold tier and the sub-page rows from ``shapes``,
+    device addresses from ``pointers`` (both by schema name; absent = NULL). Touches no memory.
+    Two-level attributes (``sub_page_size`` not 0 or ps) need ``key_sub_bounds`` with
+    ``r = ps / sub_page_size`` rows per page: ValueError otherwise."""
     p = QsaForwardParams()
     p.dims = forward_dims(shapes)
+    ps, sp = p.dims.page_size, attrs.sub_page_size
+    if sp not in (0, ps):
+        if ps % sp:
+            raise ValueError(f"sub_page_size {sp} must divide the page size {ps}")
+        if p.dims.sub_pages != ps // sp:
+            raise ValueError(f"two-level selection (sub_page_size {sp}) needs key_sub_bounds "
+                             f"[Ptot, Hkv, {ps // sp}, D], got {shapes.get('key_sub_bounds')}")
     p.cold = cold_dims(shapes)
     p.attrs = make_attrs(attrs)
     p.dtype = DTYPES[dtype]
@@ -187,7 +217,7 @@ def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping
 
 def make_attrs(attrs: schema.OpAttributes) -> QsaAttrs:
     return QsaAttrs(float(attrs.scale), POLICY_IDS[attrs.policy], attrs.sink_pages, attrs.recent_pages,
-                    GROUP_REDUCE_IDS[attrs.group_reduce])
+                    GROUP_REDUCE_IDS[attrs.group_reduce], attrs.sub_page_size, float(attrs.candidate_share))
 
 
 def append_params(shapes: Mapping[str, Sequence[int]], pointers: Mapping[str, int | None],

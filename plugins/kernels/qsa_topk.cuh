@@ -1,0 +1,151 @@
+// Block-wide pieces the two selection kernels share (qsa_select.cu: whole pages;
+// qsa_select_two_level.cu: candidate pages, then their sub-pages): the page-id
+// check, the Quest page score, and the radix top-K threshold.
+// Internal to plugins/kernels; one block of kSelectThreads per (sequence, KV head).
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "qsa_common.cuh"
+
+namespace qsa {
+
+constexpr int kSelectThreads = 256;
+constexpr int kMaxEptMeta = QSA_MAX_HEAD_DIM / 32;  // channels per lane when a warp covers D
+using SelectScan = cub::BlockScan<int, kSelectThreads>;
+
+// Larger float -> larger unsigned key; -0.0 was folded into +0.0 by the caller.
+// NaN gets the smallest key, below -inf: numpy's argsort(-score) puts NaN last,
+// so a NaN-scored page is kept only after every other one (lowest index first).
+__device__ __forceinline__ uint32_t order_key(float f) {
+    if (f != f) return 0u;
+    uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// max that propagates NaN, as numpy's maximum/max do (fmaxf drops it), so a NaN in a
+// page's metadata or the query gives that page a NaN score like the reference.
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+
+// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
+struct SelOut {
+    void* base;
+    size_t row;
+    bool wide;
+    __device__ void put(int i, bool v) const {
+        if (!base) return;
+        if (wide)
+            static_cast<int32_t*>(base)[row + i] = v;
+        else
+            static_cast<uint8_t*>(base)[row + i] = v;
+    }
+};
+
+// One block per sequence (the h == 0 one) flags its bad page ids and a full page table
+// (the numpy reference raises on both).
+__device__ __forceinline__ void check_page_ids(const QsaForwardParams& p, int b, int past, int n) {
+    const QsaDims& d = p.dims;
+    const int NP = d.table_width, ps = d.page_size;
+    if (threadIdx.x == 0 && (past + ps - 1) / ps > NP) raise_flag(p.error_flags, QSA_FLAG_TOO_MANY_PAGES);
+    const int64_t id_end = int64_t(d.num_pages) + (p.key_cache_int8 ? p.cold.num_pages : 0);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int page = p.page_table[size_t(b) * NP + i];
+        if (page < 0 || page >= id_end) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
+    }
+}
+
+// The group's combined Quest score sum_d max(q*lo, q*hi) of one bound pair held by the
+// warp (lane holds channels lane + 32 e); q_s is the group's [G, D] queries in fp32.
+// Every lane of the warp calls it and gets the same value.
+__device__ __forceinline__ float group_bound_score(const float* q_s, int G, int D, int group_reduce,
+                                                   const float (&lo)[kMaxEptMeta], const float (&hi)[kMaxEptMeta]) {
+    const int lane = threadIdx.x & 31;
+    float r = group_reduce == QSA_GROUP_REDUCE_MAX ? -INFINITY : 0.f;
+    for (int g = 0; g < G; ++g) {
+        float t = 0.f;
+#pragma unroll
+        for (int e = 0; e < kMaxEptMeta; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                const float qq = q_s[g * D + dd];
+                t += max_nan(qq * lo[e], qq * hi[e]);
+            }
+        }
+        t = warp_sum(t);
+        r = group_reduce == QSA_GROUP_REDUCE_MAX ? max_nan(r, t) : r + t;
+    }
+    return r;
+}
+
+// Quest scores of logical pages [begin, end) into scores[i], one warp per page.
+template <typename T>
+__device__ void query_aware_page_scores(const QsaForwardParams& p, const float* q_s, float* scores, int b, int h,
+                                        int begin, int end) {
+    const QsaDims& d = p.dims;
+    const int NP = d.table_width, D = d.head_dim, G = d.num_heads / d.num_kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const T* kmin = static_cast<const T*>(p.key_min);
+    const T* kmax = static_cast<const T*>(p.key_max);
+    for (int i = begin + warp; i < end; i += nwarps) {
+        const int page = p.page_table[size_t(b) * NP + i];
+        float lo[kMaxEptMeta], hi[kMaxEptMeta];
+        const bool ok = page >= 0 && page < d.num_meta_pages;
+        const size_t row = (size_t(ok ? page : 0) * d.num_kv_heads + h) * D;
+#pragma unroll
+        for (int e = 0; e < kMaxEptMeta; ++e) {
+            const int dd = lane + 32 * e;
+            lo[e] = (ok && dd < D) ? to_f(kmin[row + dd]) : 0.f;
+            hi[e] = (ok && dd < D) ? to_f(kmax[row + dd]) : 0.f;
+        }
+        const float r = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
+        if (lane == 0) scores[i] = ok ? r + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
+    }
+}
+
+// Shared state of one radix select.
+struct RadixShared {
+    uint32_t hist[256];
+    uint32_t prefix;
+    int krem;
+};
+
+// The order key `prefix` of the k-th best of scores[begin, end) (0 < k <= end - begin)
+// and `krem`, how many of the entries whose key equals it to take (the lowest indices
+// first). Kept = key > prefix, or key == prefix among the first krem of those.
+// A 4-pass 8-bit radix select on the float's order-preserving bits, O(n) per pass.
+// Every thread of the block calls it; it ends synchronised.
+__device__ inline void radix_threshold(const float* scores, int begin, int end, int k, RadixShared& sh,
+                                       uint32_t& prefix_out, int& krem_out) {
+    uint32_t prefix = 0, mask = 0;
+    int krem = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int j = threadIdx.x; j < 256; j += blockDim.x) sh.hist[j] = 0;
+        __syncthreads();
+        for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            const uint32_t key = order_key(scores[i]);
+            if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int cum = 0;
+            for (int bin = 255; bin >= 0; --bin) {
+                const int c = int(sh.hist[bin]);
+                if (cum + c >= krem) {
+                    sh.prefix = prefix | (uint32_t(bin) << shift);
+                    sh.krem = krem - cum;
+                    break;
+                }
+                cum += c;
+            }
+        }
+        __syncthreads();
+        prefix = sh.prefix;
+        krem = sh.krem;
+        mask |= 0xffu << shift;
+        __syncthreads();  // everyone has read sh.prefix/hist before the next pass rewrites them
+    }
+    prefix_out = prefix;
+    krem_out = krem;
+}
+
+}  // namespace qsa
