@@ -125,6 +125,9 @@ def test_int4_body_for_every_opset(rng, opset):
 
 
 def test_int4_prefill_and_two_level(rng):
+    # no cached page at all: every gather is empty (the first prefill of a batch)
+    _check4(make_mixed_case(CaseSpec((0, 0), 4, 2, 16, 16, 5, "float32", spare_pages=4), rng, 0.5,
+                            cold_format="int4", group_size=8), schema.OpAttributes(), "float32")
     _check4(make_mixed_case(CaseSpec((0, 7, 40, 16), 8, 2, 16, 16, 5, "float32"), rng, 0.6, cold_format="int4",
                             group_size=8), schema.OpAttributes(), "float32")
     spec = CaseSpec((70, 33, 120), 4, 2, 16, 16, 1, "float32", 32, sub_page_size=4)

@@ -3,8 +3,10 @@
 Formats (``COLD_FORMATS``), per (page, KV head) of ``[ps, D]`` values:
 
   ``int8``  int8 ``[ps, D]``, float32 scales (``ops/quantization.py``), |q| <= 127
-  ``int4``  uint8 ``[ps, D/2]``: channel ``2j`` in the low nibble of byte ``j``, ``2j+1`` in the
-            high one, each ``q + 8`` (offset binary, ``q`` in [-7, 7]); float16 scales
+  ``int4``  uint8 ``[ps, D/2]``: channel ``j`` in the low nibble of byte ``j``, ``j + D/2`` in
+            the high one, each ``q + 8`` (offset binary, ``q`` in [-7, 7]); float16 scales.
+            Halves, not neighbours: unpacking is a Concat of the two nibble planes
+            (no interleaving reshape in the ONNX body or the kernels).
 
 Scales ``[ps|1, C]`` with ``C`` dividing ``D``: channel ``c`` uses column
 ``c // (D / C)``, token ``t`` row ``t`` (or row 0). Granularity names which
@@ -36,20 +38,19 @@ FP16_TINY, FP16_MAX = float(np.finfo(np.float16).tiny), float(np.finfo(np.float1
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """``q [..., D]`` ints in [-8, 7] (D even) -> uint8 ``[..., D/2]`` (offset binary nibbles)."""
+    """``q [..., D]`` ints in [-8, 7] (D even) -> uint8 ``[..., D/2]`` (offset binary nibbles,
+    the first half of the channels low, the second half high)."""
     if q.shape[-1] % 2:
         raise ValueError(f"INT4 packing needs an even last dim, got {q.shape[-1]}")
     u = (np.asarray(q, np.int16) + 8).astype(np.uint8)
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8)
+    h = q.shape[-1] // 2
+    return (u[..., :h] | (u[..., h:] << 4)).astype(np.uint8)
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
     """uint8 ``[..., D/2]`` -> int8 ``[..., D]`` (inverse of :func:`pack_int4`)."""
     p = np.asarray(packed, np.uint8)
-    out = np.empty(p.shape[:-1] + (2 * p.shape[-1],), np.int8)
-    out[..., 0::2] = (p & 15).astype(np.int8) - 8
-    out[..., 1::2] = (p >> 4).astype(np.int8) - 8
-    return out
+    return np.concatenate([(p & 15).astype(np.int8) - 8, (p >> 4).astype(np.int8) - 8], axis=-1)
 
 
 def expand_scale(scale: np.ndarray, page_size: int, head_dim: int) -> np.ndarray:
