@@ -1,15 +1,18 @@
-"""Hot/cold mixed-precision KV pages (issue #6): KV bytes vs greedy top-1 agreement.
+"""Hot/cold mixed-precision KV pages (issues #6, #17): KV bytes vs greedy top-1 agreement.
 
-For each hot fraction (``--fractions``; 1.0 is the all-hot reference) the
-package runs ``--prompts`` held-out prompts of ``--context`` tokens through
-the engine (chunked prefill, then ``--decode`` greedy steps) with its INT8
-cold tier: pages the op rarely selects are demoted between steps.
+For each package (``--model``, repeatable: e.g. an ``--cold-pages int4`` and an
+``int8`` export of the same model, shown side by side) and each hot fraction
+(``--fractions``; 1.0 is the all-hot reference, run once on the first package)
+``--prompts`` held-out prompts of ``--context`` tokens go through the engine
+(chunked prefill, then ``--decode`` greedy steps) with the package's cold tier:
+pages the op rarely selects are demoted between steps.
 
 - KV bytes: per sequence, its live pages at its last step (hot pages at the
-  package's dtype, cold ones as INT8 + float32 scales + key_min/key_max),
-  summed, divided by the same pages all hot. The same page counts priced at
-  FP16 hot pages are reported too (a cold page is 0.60 of an FP16 page at
-  page size 16, so FP16 packages save less).
+  package's dtype, cold ones as INT8/INT4 values + scales + key_min/key_max),
+  summed, divided by the same pages all hot at the package's dtype - the
+  baseline is all-FP16 pages for an FP16 package (``--fp16``), all-FP32 for an
+  FP32 one, and the table says which. FP32 packages also get the same page
+  counts priced as FP16 pages (what an FP16 deployment would save).
 - Top-1 agreement: the fraction of generated positions whose greedy token
   equals the all-hot run's, teacher-forced on the all-hot continuation (the
   engine is fed the reference tokens, so one disagreement does not compound).
@@ -117,7 +120,9 @@ def run(package: ModelPackage, prompts, fraction: float, args, reference=None) -
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="package exported with --calibration (INT8 cold tier)")
+    ap.add_argument("--model", required=True, action="append",
+                    help="package with a cold tier (--cold-pages int4|int8 or --calibration); repeat to compare "
+                         "formats of one model (the first one's all-hot run is the reference)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--decode", type=int, default=16, help="greedy positions compared per prompt")
@@ -134,7 +139,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "mixed_precision.md"))
     args = ap.parse_args(argv)
 
-    package = ModelPackage.load(args.model)
+    packages = [ModelPackage.load(m) for m in args.model]
+    package = packages[0]
+    geometry = {(p.dtype, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim) for p in packages}
+    if len(geometry) > 1:
+        raise SystemExit(f"bench_mixed: the packages differ in dtype/page size/geometry {sorted(geometry)}")
     fractions = [float(f) for f in args.fractions.split(",")]
     if 1.0 not in fractions:
         fractions.insert(0, 1.0)
@@ -144,24 +153,31 @@ def main(argv=None) -> int:
     ref = run(package, prompts, 1.0, args)
     print(f"bench_mixed: hot 100% (reference): {ref['hot_pages']} pages, {ref['seconds']:.0f}s", file=sys.stderr,
           flush=True)
-    rows = [dict(ref, agreement=1.0, positions=len(prompts) * args.decode)]
-    for f in fractions:
-        if f != 1.0:
-            rows.append(run(package, prompts, f, args, reference=ref["tokens"]))
-            r = rows[-1]
-            print(f"bench_mixed: hot {f:.0%}: agreement {r['agreement']:.4f}, {r['cold_pages']} of "
-                  f"{r['hot_pages'] + r['cold_pages']} pages cold, {r['seconds']:.0f}s", file=sys.stderr, flush=True)
-
     dims = (package.page_size, package.num_layers, package.num_kv_heads, package.head_dim)
-    tiers = TierConfig(1, package.cold_tier["k_granularity"], package.cold_tier["v_granularity"])
-    price = {dt: (CacheConfig.page_bytes(*dims, dt), cold_page_bytes(tiers, *dims, dt))
-             for dt in ("float32", "float16")}
+    rows = [dict(ref, agreement=1.0, positions=len(prompts) * args.decode, cold_format="-", package=str(package.path))]
+    prices = {}
+    for pkg in packages:
+        fmt = pkg.cold_tier.get("cold_format", "int8")
+        tiers = TierConfig(1, pkg.cold_tier["k_granularity"], pkg.cold_tier["v_granularity"], cold_format=fmt,
+                           group_size=pkg.cold_tier.get("group_size", 0))
+        prices[fmt] = (tiers, {dt: (CacheConfig.page_bytes(*dims, dt), cold_page_bytes(tiers, *dims, dt))
+                               for dt in ("float32", "float16")})
+        for f in fractions:
+            if f != 1.0:
+                r = run(pkg, prompts, f, args, reference=ref["tokens"])
+                rows.append(dict(r, cold_format=fmt, package=str(pkg.path)))
+                print(f"bench_mixed: {fmt} hot {f:.0%}: agreement {r['agreement']:.4f}, {r['cold_pages']} of "
+                      f"{r['hot_pages'] + r['cold_pages']} pages cold, {r['seconds']:.0f}s", file=sys.stderr,
+                      flush=True)
+
     for r in rows:
         r.pop("tokens")
         total = r["hot_pages"] + r["cold_pages"]
+        price = prices.get(r["cold_format"], next(iter(prices.values())))[1]
         for dt, (hb, cb) in price.items():
             r[f"ratio_{dt}"] = (r["hot_pages"] * hb + r["cold_pages"] * cb) / (total * hb)
     own = f"ratio_{package.dtype}"
+    baseline = f"all pages hot at {package.dtype} (the packages' dtype)"
     ok = [r for r in rows if r["agreement"] >= args.min_agreement]
     chosen = min(ok, key=lambda r: r[own]) if ok else max(rows[1:] or rows, key=lambda r: r["agreement"])
     met = chosen[own] <= args.target_ratio and chosen["agreement"] >= args.min_agreement
@@ -174,25 +190,33 @@ def main(argv=None) -> int:
         f"Written by `{command}` ({platform.machine()}, {platform.python_version()}).",
         "",
         f"Model: {package.manifest.get('model_name', package.path.name)}, {package.dtype} hot pages, page size "
-        f"{package.page_size}, cold K per {tiers.k_granularity} / V per {tiers.v_granularity} scales "
-        f"({args.kv_scales}), "
-        f"token budget {package.token_budget}, {package.manifest['dense_layers']} dense layers. "
-        f"{len(prompts)} prompts x {args.context} tokens, {args.decode} teacher-forced greedy positions each "
+        f"{package.page_size}, cold tiers: "
+        + "; ".join(f"{fmt} (K per {t.k_granularity} / V per {t.v_granularity}"
+                    f"{f' in groups of {t.group_size} channels' if t.group_size else ''}, "
+                    f"{'float16' if fmt == 'int4' else 'float32'} scales)" for fmt, (t, _) in prices.items())
+        + f", {args.kv_scales} scales, token budget {package.token_budget}, {package.manifest['dense_layers']} dense "
+        f"layers. {len(prompts)} prompts x {args.context} tokens, {args.decode} teacher-forced greedy positions each "
         f"({len(prompts) * args.decode} per setting).",
         "",
-        f"| hot fraction | hot pages | cold pages | KV bytes / all-hot ({package.dtype}) | "
-        f"same pages, fp16 hot | top-1 agreement | seconds |",
-        "|---|---|---|---|---|---|---|",
+        f"Baseline of the KV bytes ratio: {baseline}. A cold page costs "
+        + ", ".join(f"{fmt} {p[package.dtype][1] / p[package.dtype][0]:.3f}" for fmt, (_, p) in prices.items())
+        + f" of a hot {package.dtype} page.",
+        "",
+        f"| cold format | hot fraction | hot pages | cold pages | KV bytes / all-{package.dtype} | "
+        + ("same pages, fp16 hot | " if package.dtype != "float16" else "") + "top-1 agreement | seconds |",
+        "|---|---|---|---|---|" + ("---|" if package.dtype != "float16" else "") + "---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['hot_fraction']:.0%} | {r['hot_pages']} | {r['cold_pages']} | {r[own]:.3f} | "
-                     f"{r['ratio_float16']:.3f} | {r['agreement']:.4f} | {r['seconds']:.0f} |")
-    lines += ["", f"Chosen setting (lowest bytes with agreement >= {args.min_agreement}): hot fraction "
-              f"{chosen['hot_fraction']:.0%}, KV bytes ratio {chosen[own]:.3f}, top-1 agreement "
-              f"{chosen['agreement']:.4f}. Target (ratio <= {args.target_ratio} at agreement >= "
+        fp16 = f"{r['ratio_float16']:.3f} | " if package.dtype != "float16" else ""
+        lines.append(f"| {r['cold_format']} | {r['hot_fraction']:.0%} | {r['hot_pages']} | {r['cold_pages']} | "
+                     f"{r[own]:.3f} | {fp16}{r['agreement']:.4f} | {r['seconds']:.0f} |")
+    lines += ["", f"Chosen setting (lowest bytes with agreement >= {args.min_agreement}): {chosen['cold_format']} "
+              f"hot fraction {chosen['hot_fraction']:.0%}, KV bytes ratio {chosen[own]:.3f} vs {baseline}, top-1 "
+              f"agreement {chosen['agreement']:.4f}. Target (ratio <= {args.target_ratio} at agreement >= "
               f"{args.min_agreement}): {'met' if met else 'NOT met'}.", ""]
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows, chosen=chosen, target_met=met,
+                                                        baseline=baseline,
                                                         prompts=len(prompts), context=args.context,
                                                         kv_scales=args.kv_scales,
                                                         decode=args.decode), indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Which INT8 scale granularity for cold KV pages: attention-output error per byte on SmolLM2.
+"""Which INT8 (or INT4) scale granularity for cold KV pages: attention-output error per byte on SmolLM2.
 
 Captures real queries/keys/values of SmolLM2 (transformers, CPU) on local
 text (this repository's docs and sources: no downloads), quantizes every full
@@ -8,6 +8,10 @@ page of the cache with each (K granularity, V granularity) of
 sink pages, recent ones included; the query's own token exact) with the unquantized one:
 relative error ``||o_q - o|| / ||o||`` per (layer, head, query), averaged.
 Bytes = int8 values + float32 scales per token and KV head (fp16 = 2 * D).
+``--bits 4``: the packed INT4 format (``ops/cold_codec.py``, float16 scales) with
+K per channel or per token, V per token in channel groups of ``--groups``
+(``token/32`` = one scale per token and 32 channels); writes
+``quant_granularity_int4.md``.
 
 Writes benchmarks/results/quant_granularity.md; the last line printed is
 ``RESULT best=<K>/<V> ...`` (lowest error among the Pareto-optimal choices).
@@ -25,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinyserve_trt.ops.quantization import GRANULARITIES, bytes_per_page, dequantize_page, quantize_pages  # noqa: E402
+from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: E402
+from tinyserve_trt.ops.quantization import GRANULARITIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,14 +44,19 @@ def local_texts(n: int) -> list[str]:
     return texts[:n]
 
 
-def fake_quant(x: np.ndarray, ps: int, granularity: str, hot_sinks: int = 0) -> np.ndarray:
+def codec_of(bits: int, name: str) -> ColdCodec:
+    """``channel`` / ``token`` / ``token/32`` ... as a codec whose K and V both use it."""
+    gran, _, group = name.partition("/")
+    return ColdCodec("int8" if bits == 8 else "int4", gran, gran, int(group or 0))
+
+
+def fake_quant(x: np.ndarray, ps: int, codec: ColdCodec, hot_sinks: int = 0) -> np.ndarray:
     """Quantize-dequantize the full pages of ``x [Hkv, T, D]`` after the first ``hot_sinks``
     (a partial tail stays exact)."""
     Hkv, T, D = x.shape
     n = T // ps
     pages = np.transpose(x[:, : n * ps].reshape(Hkv, n, ps, D), (1, 0, 2, 3))  # [n, Hkv, ps, D]
-    q, s = quantize_pages(pages, granularity)
-    deq = np.stack([dequantize_page(q[i], s[i]) for i in range(n)])
+    deq = codec.dequantize(*codec.quantize(pages, "k"))
     out = x.copy()
     out[:, hot_sinks * ps: n * ps] = np.transpose(deq, (1, 0, 2, 3)).reshape(Hkv, n * ps, D)[:, hot_sinks * ps:]
     return out
@@ -82,8 +92,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hot-sink-pages", type=int, default=1,
                     help="leading pages kept exact, as the runtime never demotes sinks (0: all cold)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "quant_granularity.md"))
+    ap.add_argument("--bits", type=int, choices=(8, 4), default=8)
+    ap.add_argument("--groups", default="16,32", help="--bits 4: channel groups of per-token scales")
+    ap.add_argument("--out", default=None, help="default results/quant_granularity[_int4].md")
     args = ap.parse_args(argv)
+    args.out = args.out or str(RESULTS / ("quant_granularity.md" if args.bits == 8 else "quant_granularity_int4.md"))
+    if args.bits == 8:
+        names = list(GRANULARITIES)
+    else:
+        names = ["channel", "token", "head"] + [f"{g}/{n}" for n in args.groups.split(",") for g in ("token", "head")]
 
     from tinyserve_trt.calibration.hf_source import HFSource
 
@@ -101,16 +118,15 @@ def main(argv=None) -> int:
           f"in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = {}  # (ps, kg, vg) -> list of errors; kg/vg None = exact
-    combos = [(kg, None) for kg in GRANULARITIES] + [(None, vg) for vg in GRANULARITIES] + \
-        list(itertools.product(GRANULARITIES, GRANULARITIES))
+    combos = [(kg, None) for kg in names] + [(None, vg) for vg in names] + list(itertools.product(names, names))
     for ps in page_sizes:
         for q, k, v in captures:
             T = k.shape[2]
             positions = list(range(T - args.queries, T))
             for layer in range(L):
                 ref = attention(q[layer], k[layer], v[layer], positions, scale)
-                kq = {g: fake_quant(k[layer], ps, g, args.hot_sink_pages) for g in GRANULARITIES}
-                vq = {g: fake_quant(v[layer], ps, g, args.hot_sink_pages) for g in GRANULARITIES}
+                kq = {g: fake_quant(k[layer], ps, codec_of(args.bits, g), args.hot_sink_pages) for g in names}
+                vq = {g: fake_quant(v[layer], ps, codec_of(args.bits, g), args.hot_sink_pages) for g in names}
                 for kg, vg in combos:
                     out = attention(q[layer], kq[kg] if kg else k[layer], vq[vg] if vg else v[layer], positions,
                                     scale)
@@ -118,15 +134,17 @@ def main(argv=None) -> int:
     print(f"measured in {time.perf_counter() - t0:.0f} s", flush=True)
 
     def nbytes(g, ps):  # per token and KV head
-        return 2 * D if g is None else bytes_per_page(g, 1, ps, D) / ps
+        return 2 * D if g is None else codec_of(args.bits, g).bytes_per_page("k", 1, ps, D) / ps
 
-    lines = ["# INT8 scale granularity for cold KV pages (SmolLM2-135M)", "",
-             f"`python benchmarks/quant_granularity.py` - {len(captures)} prompts of this repository's text, "
+    fmt = f"INT{args.bits}"
+    cmd = "python benchmarks/quant_granularity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"# {fmt} scale granularity for cold KV pages (SmolLM2-135M)", "",
+             f"`{cmd.strip()}` - {len(captures)} prompts of this repository's text, "
              f"{captures[0][1].shape[2]} tokens, {L} layers x {src.num_heads} query / {Hkv} KV heads, D={D}. "
              f"Every full page of the cache after the first {args.hot_sink_pages} (sinks stay hot) quantized, "
              f"including the recent ones (worst case), the last {args.queries} positions "
              "as queries; relative L2 error of the attention output per (layer, head, query).",
-             "Bytes per token and KV head include the float32 scales (fp16 hot: "
+             f"Bytes per token and KV head include the {'float32' if args.bits == 8 else 'float16'} scales (fp16 hot: "
              f"{2 * D} B for K and {2 * D} for V).", ""]
     best = None
     for ps in page_sizes:
@@ -149,7 +167,7 @@ def main(argv=None) -> int:
         if ps == page_sizes[0]:
             best, cheapest = lo, cheap
     lines += ["K-only / V-only rows (the other in fp16) separate the two errors. "
-              "Pareto = no other INT8 pair is at most as many bytes with a lower mean error.", ""]
+              f"Pareto = no other {fmt} pair is at most as many bytes with a lower mean error.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -104,14 +104,16 @@ def write_calibration(path: Path, manifest: dict, hot_fraction: float = 0.5, **f
     return CalibrationArtifact(**kw).save(path)
 
 
-def build_cold_package(source: Path, manifest: dict, root: Path, **calibration_fields) -> Path:
-    """The package of ``source`` (exported as :func:`build_package` does) with an INT8 cold tier
-    from a tiny calibration artifact."""
+def build_cold_package(source: Path, manifest: dict, root: Path, cold_format: str = "int8",
+                       **calibration_fields) -> Path:
+    """The package of ``source`` (exported as :func:`build_package` does) with a cold tier of
+    ``cold_format`` from a tiny calibration artifact."""
     from tinyserve_trt.export.config import ExportConfig
     from tinyserve_trt.export.pipeline import export_model
 
     cal = write_calibration(root / "calibration.json", manifest, **calibration_fields)
-    pkg = root / "cold-pkg"
+    pkg = root / ("cold-pkg" if cold_format == "int8" else f"cold-pkg-{cold_format}")
     export_model(source, pkg, ExportConfig(page_size=manifest["page_size"], token_budget=manifest["token_budget"],
-                                           dense_layers=manifest["dense_layers"], calibration=str(cal)), quiet=True)
+                                           dense_layers=manifest["dense_layers"], calibration=str(cal),
+                                           cold_format=cold_format), quiet=True)
     return pkg

@@ -105,18 +105,21 @@ def page_valid_tokens(case: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: float = 0.5,
-                    k_granularity: str = "channel", v_granularity: str = "token") -> dict[str, np.ndarray]:
-    """:func:`make_case`, then a random subset of pool pages moved to the INT8 cold tier.
+                    k_granularity: str = "channel", v_granularity: str = "token", cold_format: str = "int8",
+                    group_size: int = 0) -> dict[str, np.ndarray]:
+    """:func:`make_case`, then a random subset of pool pages moved to the cold tier
+    (``cold_format`` int8, or int4 packed with float16 scales per ``group_size`` channels).
 
     Hot pages keep ids ``[0, P)``, cold ones get ``[P, P + Pcold)`` (both tiers
-    hold at least one page). Cold pages are quantized with ``ops.quantization``
+    hold at least one page). Cold pages are quantized with ``ops.cold_codec``
     from their valid tokens, and their ``key_min``/``key_max`` are recomputed
     from the DEQUANTIZED keys: metadata must bound what the op attends, and
     rounding can move a key up to scale/2 past the original extremes. So are
     their ``key_sub_bounds`` when ``spec.sub_page_size`` is set.
     """
-    from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: PLC0415 (cases only)
+    from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: PLC0415 (cases only)
 
+    codec = ColdCodec(cold_format, k_granularity, v_granularity, group_size)
     case = make_case(spec, rng)
     valid = page_valid_tokens(case)
     Ptot = case["key_cache"].shape[0]
@@ -135,10 +138,10 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     sub = case["key_sub_bounds"][old_of_new].copy() if spec.sub_page_size else None
     kq, vq, ks, vs = [], [], [], []
     for i, old in enumerate(cold_old):
-        qk, sk = quantize_page(case["key_cache"][old], k_granularity, int(valid[old]))
-        qv, sv = quantize_page(case["value_cache"][old], v_granularity, int(valid[old]))
+        qk, sk = codec.quantize(case["key_cache"][old], "k", int(valid[old]))
+        qv, sv = codec.quantize(case["value_cache"][old], "v", int(valid[old]))
         kq.append(qk), ks.append(sk), vq.append(qv), vs.append(sv)
-        deq = dequantize_page(qk, sk, dt)
+        deq = codec.dequantize(qk, sk, dt)
         new = hot_old.size + i
         for h in range(deq.shape[0]):
             key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
@@ -158,13 +161,14 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
 def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The all-hot equivalent of a mixed case: cold pages dequantized into the float pools,
     same page ids, no cold inputs. The op must give the same result on both."""
-    from tinyserve_trt.ops.quantization import dequantize_page  # noqa: PLC0415
+    from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: PLC0415
 
     dt = case["key_cache"].dtype
+    codec = ColdCodec("int4" if case["key_cache_int8"].dtype == np.uint8 else "int8")
     out = {k: v for k, v in case.items() if k not in ("key_cache_int8", "value_cache_int8",
                                                        "key_scale", "value_scale")}
-    cold_k = np.stack([dequantize_page(q, s, dt) for q, s in zip(case["key_cache_int8"], case["key_scale"])])
-    cold_v = np.stack([dequantize_page(q, s, dt) for q, s in zip(case["value_cache_int8"], case["value_scale"])])
+    cold_k = codec.dequantize(case["key_cache_int8"], case["key_scale"], dt)
+    cold_v = codec.dequantize(case["value_cache_int8"], case["value_scale"], dt)
     out["key_cache"] = np.concatenate([case["key_cache"], cold_k])
     out["value_cache"] = np.concatenate([case["value_cache"], cold_v])
     return out

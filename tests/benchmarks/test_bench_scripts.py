@@ -69,16 +69,22 @@ def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
     root = tiny_root / "bench-mixed"
     root.mkdir(exist_ok=True)
     pkg = build_cold_package(llama[0], llama[2], root)
+    pkg4 = build_cold_package(llama[0], llama[2], root, cold_format="int4")
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(f"prompt number {i} " * 8 for i in range(3)))
     out = tmp_path / "mixed.md"
-    assert load("bench_mixed").main(["--model", str(pkg), "--data", str(data), "--prompts", "3", "--context", "48",
+    assert load("bench_mixed").main(["--model", str(pkg4), "--model", str(pkg), "--data", str(data), "--prompts", "3",
+                                     "--context", "48",
                                      "--decode", "4", "--fractions", "1.0,0.25", "--batch", "2", "--threads", "1",
                                      "--check-integrity", "--out", str(out)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     m = re.fullmatch(r"RESULT kv_bytes_ratio=(\d+\.\d+) top1_agreement=(\d+\.\d+)", last)
     assert m and float(m.group(1)) < 1.0
-    assert "| 25% |" in out.read_text() and out.with_suffix(".json").is_file()
+    text = out.read_text()
+    assert "| int4 | 25% |" in text and "| int8 | 25% |" in text and "Baseline of the KV bytes ratio: all pages hot" in text
+    rows = {r["cold_format"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    if rows["int4"]["cold_pages"] == rows["int8"]["cold_pages"] > 0:
+        assert rows["int4"]["ratio_float32"] < rows["int8"]["ratio_float32"]
 
 
 def test_quality_sweep_variants_parse_and_reject():

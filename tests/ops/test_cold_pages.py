@@ -2,6 +2,7 @@
 the op on the dequantized all-hot cache."""
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -75,3 +76,69 @@ def test_cold_inputs_need_the_int8_overload():
         make_node(names, ["o"])
     with pytest.raises(ValueError, match="needs all"):
         make_node(names[:12], ["o"], cold_pages=True)
+
+
+# ---- INT4 cold pages (issue #17): packed nibbles, float16 scales per channel group -----------------------------
+
+def run_mixed4(case, attrs, dtype, opset=schema.OPSET):
+    key = (attrs, dtype, "int4", opset)
+    if key not in _SESSIONS:
+        model = make_op_model(dtype, attrs, cold_pages=True, cold_format="int4", opset=opset)
+        _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return _SESSIONS[key].run(None, {n: case[n] for n in schema.node_input_names(True, attrs.two_level) if n})
+
+
+def _check4(case, attrs, dtype, opset=schema.OPSET):
+    assert case["key_cache_int8"].dtype == np.uint8 and case["key_scale"].dtype == np.float16
+    out, sel = run_mixed4(case, attrs, dtype, opset)
+    ref, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    tol = schema.TOLERANCES[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **tol)
+    np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+    hot_out, hot_sel = run_op(dequantized_case(case), attrs, dtype)
+    np.testing.assert_allclose(out.astype(np.float64), hot_out.astype(np.float64), **tol)
+    np.testing.assert_array_equal(sel.sum(-1), hot_sel.sum(-1))
+
+
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+@pytest.mark.parametrize("granularity,group", [(("channel", "token"), 8), (("channel", "token"), 0),
+                                               (("head", "head"), 4)])
+def test_int4_decode_matches_reference(rng, dtype, granularity, group):
+    lens = tuple(int(x) for x in rng.integers(1, 16 * 10, 3))
+    for budget_pages in (2, 0):
+        spec = CaseSpec(lens, 8, 2, 16, 16, 1, dtype, budget_pages * 16)
+        case = make_mixed_case(spec, rng, float(rng.uniform(0.2, 0.8)), *granularity, cold_format="int4",
+                               group_size=group)
+        _check4(case, schema.OpAttributes(sink_pages=int(rng.integers(0, 2))), dtype)
+
+
+@pytest.mark.parametrize("opset", [17, 18, 23])
+def test_int4_body_for_every_opset(rng, opset):
+    """Opset 17 unpacks with a lookup Gather, 18+ with BitwiseAnd/BitShift: both are the reference."""
+    spec = CaseSpec((70, 33, 120), 6, 2, 16, 8, 1, "float32", 24)
+    case = make_mixed_case(spec, rng, 0.5, cold_format="int4", group_size=8)
+    _check4(case, schema.OpAttributes(), "float32", opset)
+    model = make_op_model("float32", schema.OpAttributes(), cold_pages=True, cold_format="int4", opset=opset)
+    onnx.checker.check_model(model, full_check=True)
+    ops = {n.op_type for f in model.functions for n in f.node}
+    assert ("BitwiseAnd" in ops) == (opset >= 18)
+
+
+def test_int4_prefill_and_two_level(rng):
+    # no cached page at all: every gather is empty (the first prefill of a batch)
+    _check4(make_mixed_case(CaseSpec((0, 0), 4, 2, 16, 16, 5, "float32", spare_pages=4), rng, 0.5,
+                            cold_format="int4", group_size=8), schema.OpAttributes(), "float32")
+    _check4(make_mixed_case(CaseSpec((0, 7, 40, 16), 8, 2, 16, 16, 5, "float32"), rng, 0.6, cold_format="int4",
+                            group_size=8), schema.OpAttributes(), "float32")
+    spec = CaseSpec((70, 33, 120), 4, 2, 16, 16, 1, "float32", 32, sub_page_size=4)
+    case = make_mixed_case(spec, rng, 0.5, cold_format="int4", group_size=4)
+    _check4(case, schema.OpAttributes(sub_page_size=4), "float32")
+
+
+def test_int4_overload_name():
+    names = list(schema.node_input_names(cold_pages=True))
+    assert make_node(names, ["o"], cold_pages=True, cold_format="int4").overload == "query_aware_int4"
+    assert schema.overload_cold_format("query_aware_sum_int4") == "int4"
+    assert schema.overload_cold_format("query_aware") is None
+    with pytest.raises(ValueError, match="cold_format"):
+        schema.OpAttributes().function_overload(True, "int2")

@@ -126,3 +126,39 @@ def test_engine_loop_shape_with_a_small_hot_tier():
         steps += 1
         assert steps < 2000
     assert max_live > pool.num_hot  # the live context did not fit the hot tier alone
+
+
+def test_promotion_only_into_room_under_the_target_and_bounded():
+    """Cold pages that become hot again (decayed hits) return when the hot count is below target,
+    most hit first, at most max_promotions per step; integrity holds both ways."""
+    pool, seqs = pool_with_sequences([40, 40])  # 10 full pages each
+    cfg = HotnessConfig(hot_fraction=0.5, sink_pages=1, recent_pages=1, max_promotions=2, promote_hits=1.0)
+    policy = HotnessPolicy(cfg, pool.num_pages)
+    assert len(policy.rebalance(pool, seqs)) == 10 and len(pool.hot_pages()) == 10
+    cold = pool.cold_pages()
+    assert policy.plan_promotions(pool) == []  # at the target: no room
+    for p in seqs[1]:  # the second sequence ends: its pages are freed, leaving room under the target
+        pool.decref(p)
+    pool.check_integrity([seqs[0]], check_data=True)
+    live_cold = [p for p in cold if p in seqs[0]]
+    table = np.array([seqs[0]])
+    sel = np.zeros((1, 1, 1, len(seqs[0])), bool)
+    hot_again = live_cold[:3]
+    sel[..., [seqs[0].index(p) for p in hot_again]] = True
+    policy.observe(sel, table, np.array([len(seqs[0])]))
+    planned = policy.plan_promotions(pool)
+    assert len(planned) == 2 and set(planned) <= set(hot_again)  # bounded by max_promotions, only hit pages
+    assert policy.promote(pool) == planned and all(pool.is_hot(p) for p in planned)
+    pool.check_integrity([seqs[0]], check_data=True)
+    target = policy.target_hot(len(pool.hot_pages()) + len(pool.cold_pages()))
+    for _ in range(5):
+        policy.observe(sel, table, np.array([len(seqs[0])]))
+        policy.promote(pool)
+        assert len(pool.hot_pages()) <= max(target, 10)
+    assert all(pool.is_hot(p) for p in hot_again)
+    assert not any(pool.is_hot(p) for p in set(live_cold) - set(hot_again))  # never selected: stays cold
+    pool.check_integrity([seqs[0]], check_data=True)
+    with pytest.raises(ValueError, match="max_promotions"):
+        HotnessConfig(max_promotions=-1)
+    with pytest.raises(ValueError, match="promote_hits"):
+        HotnessConfig(promote_hits=0)

@@ -149,7 +149,7 @@ def test_static_scales_need_a_calibrated_package(llama, tmp_path):
 
     pkg = tmp_path / "pkg"
     export_model(llama[0], pkg, ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True,
-                                             validate=False), quiet=True)
+                                             validate=False, cold_format="int8"), quiet=True)
     with pytest.raises(ValueError, match="static KV scales need a package exported with --calibration"):
         LLM(pkg, kv_scales="static")
     assert LLM(pkg).engine.pool.tiers.scales == "dynamic"

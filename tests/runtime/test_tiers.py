@@ -141,18 +141,20 @@ def test_the_op_reads_a_tiered_pool(rng, dtype):
 
 
 # alloc/write/demote listed twice: pages must be allocated and filled before they can be demoted
-OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "write", "write", "demote", "demote", "decref",
-                                          "incref", "cache", "uncache", "copy"]), st.integers(0, 1 << 16)),
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "write", "write", "demote", "demote", "promote",
+                                          "decref", "incref", "cache", "uncache", "copy"]), st.integers(0, 1 << 16)),
                min_size=20, max_size=80)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 1, 2]))
-def test_random_operations_keep_integrity(ops, granularity, sub_page_size):
-    """Two-level pools (sub_page_size > 0) too: check_data recomputes every live page's sub-page codes."""
+@given(OPS, st.sampled_from(["channel", "token", "head"]), st.sampled_from([("int8", 0), ("int4", 0), ("int4", 4)]),
+       st.sampled_from([0, 1, 2]))
+def test_random_operations_keep_integrity(ops, granularity, fmt, sub_page_size):
+    """INT8 and INT4 cold tiers; two-level pools (sub_page_size > 0) too: check_data recomputes
+    every live page's sub-page codes."""
     rng = np.random.default_rng(0)
     pool = make_pool(hot=5, cold=3, sub_page_size=sub_page_size, k_granularity=granularity,
-                     v_granularity=granularity)
+                     v_granularity=granularity, cold_format=fmt[0], group_size=fmt[1])
     holders: list[list[int]] = []  # each holder references one page
     for op, x in ops:
         live = [h[0] for h in holders]
@@ -168,6 +170,12 @@ def test_random_operations_keep_integrity(ops, granularity, sub_page_size):
             elif op == "demote" and live:
                 full = [p for p in live if pool.is_hot(p) and pool.num_valid(0)[pool.physical(p)] == PS]
                 pool.demote((full or live)[x % len(full or live)])
+            elif op == "promote" and (pool.cold_pages() or live):
+                cands = pool.cold_pages() or live  # a hot or free page: ValueError
+                page = cands[x % len(cands)]
+                keys = pool.dequantized_keys(1, page).copy() if pool.physical(page) >= 0 else None
+                pool.promote(page)
+                assert pool.is_hot(page) and np.array_equal(pool.dequantized_keys(1, page), keys)
             elif op == "decref" and holders:
                 pool.decref(holders.pop(x % len(holders))[0])
             elif op == "incref":
@@ -274,3 +282,59 @@ def test_host_storage_addresses_physical_tiers_and_checks_them():
         store.write_tokens(0, np.array([8]), k[:1], k[:1], np.array([2]), np.array([1]))  # a cold slot
     with pytest.raises(ValueError, match="outside"):
         store.copy_page(0, 2)  # copies land in hot pages only
+
+
+@pytest.mark.parametrize("fmt", [("int8", 0), ("int4", 4)])
+def test_promotion_round_trip(rng, fmt):
+    """demote -> promote: the handle stays, the keys are the dequantized ones, both slot lists balance."""
+    pool = make_pool(hot=3, cold=2, cold_format=fmt[0], group_size=fmt[1])
+    a, b = pool.allocate(2)
+    fill(pool, a, rng), fill(pool, b, rng)
+    original = pool.dequantized_keys(0, a).copy()
+    pool.demote(a)
+    cold = pool.dequantized_keys(0, a).copy()
+    assert 0 < np.abs(cold - original).max() <= np.abs(original).max() / (7 if fmt[0] == "int4" else 127)
+    old, new = pool.promote(a)
+    assert old >= pool.num_hot > new and pool.is_hot(a) and pool.num_cold_free == 2
+    np.testing.assert_array_equal(pool.dequantized_keys(0, a), cold)  # exact reads of what was stored
+    pool.check_integrity([[a], [b]], check_data=True)
+    pool.demote(a)  # and back again
+    pool.check_integrity([[a], [b]], check_data=True)
+    with pytest.raises(ValueError, match="already hot"):
+        pool.promote(b)
+    (c,) = pool.allocate(1)
+    (d,) = pool.allocate(1)  # takes the last hot slot
+    with pytest.raises(OutOfPagesError, match="no free hot slot"):
+        pool.promote(a)
+    pool.decref(a)
+    with pytest.raises(ValueError, match="free"):
+        pool.promote(a)
+    pool.check_integrity([[b], [c], [d]], check_data=True)
+
+
+def test_int4_pool_is_what_the_op_reads(rng):
+    """A tiered INT4 pool's cache inputs run the _int4 overload in ORT equal to the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = make_pool(hot=8, cold=6, cold_format="int4", group_size=4)
+    assert pool.k_pages_int8(0).dtype == np.uint8 and pool.k_pages_int8(0).shape[-1] == D // 2
+    lens = (14, 9)
+    pages = [pool.allocate(-(-n // PS)) for n in lens]
+    for seq, n in zip(pages, lens):
+        for j, p in enumerate(seq):
+            fill(pool, p, rng, n=min(PS, n - j * PS))
+    for p in (pages[0][0], pages[0][2], pages[1][1]):
+        pool.demote(p)
+    pool.check_integrity(pages, check_data=True)
+    table = np.array([seq + [seq[0]] * (4 - len(seq)) for seq in pages])
+    feeds = dict(pool.cache_inputs(0), page_table=pool.physical_table(table),
+                 past_lens=np.array(lens, np.int32), token_budget=np.array([8, 0], np.int32),
+                 query=rng.standard_normal((2, 4, 1, D)).astype(np.float32),
+                 key=rng.standard_normal((2, H, 1, D)).astype(np.float32),
+                 value=rng.standard_normal((2, H, 1, D)).astype(np.float32))
+    ref, _ = sparse_attention_ref(**feeds, attrs=schema.OpAttributes())
+    model = make_op_model("float32", schema.OpAttributes(), cold_pages=True, cold_format="int4")
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, _ = sess.run(None, {n: feeds[n] for n in schema.node_input_names(cold_pages=True)})
+    np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])

@@ -1,4 +1,4 @@
-"""The INT8 cold tier's configs, shared by export, calibration and the runtime.
+"""The cold tier's configs (INT8 or INT4 pages), shared by export, calibration and the runtime.
 
 ``TierConfig`` sizes and quantizes the cold pool (``runtime.tiers.pool.TieredPagePool``),
 ``HotnessConfig`` says which pages stay hot (``runtime.tiers.hotness.HotnessPolicy``);
@@ -15,16 +15,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyserve_trt.ops.quantization import GRANULARITIES, bytes_per_page
+from tinyserve_trt.ops.cold_codec import COLD_FORMATS, ColdCodec
+from tinyserve_trt.ops.quantization import GRANULARITIES
 
 SCALES = ("dynamic", "static")
+# Channels per V (per-token) scale of INT4 pages: on SmolLM2 (benchmarks/results/
+# quant_granularity_int4.md, page 16) K per channel / V per token in groups of 16 has the lowest
+# attention error of the pairs measured (0.125 vs 0.131 at 32, 0.138 ungrouped) for 6 more bytes
+# per token and KV head; K's error dominates either way.
+INT4_GROUP_SIZE = 16
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    """The cold INT8 tier.
+    """The cold tier.
 
-    num_cold_pages: cold slots (``Pcold >= 1``: the op's ``_int8`` overload needs one).
+    num_cold_pages: cold slots (``Pcold >= 1``: the op's ``_int8``/``_int4`` overload needs one).
+    cold_format: ``int8`` or ``int4`` (``ops.cold_codec``: two values per byte, float16 scales).
+    group_size: int4 only - channels per ``token``/``head`` scale (0 = the whole head dim).
     k_granularity / v_granularity: scale granularity (``ops.quantization.GRANULARITIES``);
     per channel for K and per token for V is KIVI's choice, see
     ``benchmarks/results/quant_granularity.md`` for SmolLM2.
@@ -36,6 +44,8 @@ class TierConfig:
     k_granularity: str = "channel"
     v_granularity: str = "token"
     scales: str = "dynamic"
+    cold_format: str = "int8"
+    group_size: int = 0
 
     def __post_init__(self):
         if not isinstance(self.num_cold_pages, int) or isinstance(self.num_cold_pages, bool) \
@@ -46,14 +56,23 @@ class TierConfig:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
         if self.scales not in SCALES:
             raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
+        if self.cold_format not in COLD_FORMATS:
+            raise ValueError(f"cold_format must be one of {COLD_FORMATS}, got {self.cold_format!r}")
+        if self.scales == "static" and self.cold_format != "int8":
+            raise ValueError("static (calibrated) scales are implemented for int8 cold pages only")
+        self.codec  # validates group_size
+
+    @property
+    def codec(self) -> ColdCodec:
+        """How a cold page is stored (``ops.cold_codec``)."""
+        return ColdCodec(self.cold_format, self.k_granularity, self.v_granularity, self.group_size)
 
 
 def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                     dtype: str = "float16") -> int:
-    """Bytes one cold page costs over all layers: int8 K/V, their float32 scales, and
+    """Bytes one cold page costs over all layers: int8 (or packed int4) K/V, their scales, and
     key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
-    kv = sum(bytes_per_page(g, num_kv_heads, page_size, head_dim) for g in (tiers.k_granularity,
-                                                                            tiers.v_granularity))
+    kv = sum(tiers.codec.bytes_per_page(w, num_kv_heads, page_size, head_dim) for w in ("k", "v"))
     return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
 
 
@@ -64,6 +83,9 @@ class HotnessConfig:
     (at least the op's ``sink_pages`` / ``recent_pages``: the op reads them every step).
     hot_fraction: target share of live pages kept hot, in [0, 1]; None = no fraction target.
     max_hot_pages: target hot page count; None = no count target. One of the two is required.
+    promote_hits: a cold page whose decayed hit count (selections summed over layers and KV
+    heads) reaches this returns to the hot tier when the hot count is below the target.
+    max_promotions: promotions per rebalance at most (bounded work between steps; 0 = never).
     """
 
     decay: float = 0.9
@@ -71,6 +93,8 @@ class HotnessConfig:
     recent_pages: int = 2
     hot_fraction: float | None = 0.5
     max_hot_pages: int | None = None
+    promote_hits: float = 1.0
+    max_promotions: int = 8
 
     def __post_init__(self):
         if not isinstance(self.decay, (int, float)) or not 0.0 < self.decay <= 1.0:
@@ -89,3 +113,24 @@ class HotnessConfig:
         if self.max_hot_pages is not None and (not isinstance(self.max_hot_pages, int)
                                                or self.max_hot_pages < 0):
             raise ValueError(f"max_hot_pages must be an int >= 0, got {self.max_hot_pages!r}")
+        if not isinstance(self.promote_hits, (int, float)) or not self.promote_hits > 0:
+            raise ValueError(f"promote_hits must be > 0, got {self.promote_hits!r}")
+        if not isinstance(self.max_promotions, int) or isinstance(self.max_promotions, bool) \
+                or self.max_promotions < 0:
+            raise ValueError(f"max_promotions must be an int >= 0, got {self.max_promotions!r}")
+
+
+def tier_codec(cold_tier: dict) -> ColdCodec:
+    """The codec of a manifest's ``cold_tier`` section (one written before INT4 is int8)."""
+    return ColdCodec(cold_tier.get("cold_format", "int8"), cold_tier["k_granularity"], cold_tier["v_granularity"],
+                     cold_tier.get("group_size", 0))
+
+
+def unused_cold_inputs(cold_tier: dict, num_kv_heads: int, page_size: int, head_dim: int) -> dict:
+    """One zero cold page per cold input (``ops.schema.COLD_INPUTS`` names), for a cold-tier
+    model run over a plain pool: page ids stay below the hot pool's size, so the op never
+    reads it, but its cold overload needs ``Pcold >= 1`` of the right types."""
+    c = tier_codec(cold_tier)
+    q = np.zeros((1, *c.pool_shape(num_kv_heads, page_size, head_dim)), c.storage_dtype)
+    k, v = (np.ones((1, *c.scale_shape(w, num_kv_heads, page_size, head_dim)), c.scale_dtype) for w in "kv")
+    return dict(key_cache_int8=q, value_cache_int8=q.copy(), key_scale=k, value_scale=v)

@@ -76,10 +76,12 @@ class PackageIO:
 
 @dataclass(frozen=True)
 class ColdTier:
-    """The INT8 cold tier the model was exported with (``tinyserve-export --calibration``
-    or ``--cold-pages``): scale granularities and the hot/cold policy defaults
-    (``contracts.cold_tier.TierConfig`` / ``HotnessConfig`` fields), and ``calibration``:
-    where they came from (``file`` in the package, model, ...), None for defaults."""
+    """The cold tier the model was exported with (``tinyserve-export --calibration``
+    or ``--cold-pages int8|int4``): ``cold_format`` (the op overload's and the cold inputs'
+    types; a manifest without it is int8), scale granularities and ``group_size``, the
+    hot/cold policy defaults (``contracts.cold_tier.TierConfig`` / ``HotnessConfig``
+    fields), and ``calibration``: where they came from (``file`` in the package, model,
+    ...), None for defaults."""
 
     k_granularity: str
     v_granularity: str
@@ -89,10 +91,13 @@ class ColdTier:
     decay: float
     inputs: list = field(default_factory=lambda: list(COLD_ROLES))
     calibration: dict | None = None
+    cold_format: str = "int8"
+    group_size: int = 0
 
     def __post_init__(self):
         try:
-            TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity)
+            TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity,
+                       cold_format=self.cold_format, group_size=self.group_size)
             HotnessConfig(decay=self.decay, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
                           hot_fraction=self.hot_fraction)
         except ValueError as e:

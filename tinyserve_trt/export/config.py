@@ -30,11 +30,15 @@ class ExportConfig:
     backend: str = "ort"
     validate_tolerance: float | None = None  # max |logit diff|; None: 1e-4 fp32, 5e-2 fp16 pages
     last_token_logits: bool = True
-    # INT8 cold pages (issue #6): the op's ``_int8`` overload and the cold-pool inputs per
-    # layer. ``calibration`` (a tinyserve-calibrate artifact) implies ``cold_pages`` and
-    # supplies the scale granularities and the hot/cold policy parameters.
+    # Cold pages (issues #6, #17): the op's ``_int8``/``_int4`` overload and the cold-pool
+    # inputs per layer. ``calibration`` (a tinyserve-calibrate artifact) implies ``cold_pages``
+    # and supplies the scale granularities and the hot/cold policy parameters. ``cold_format``
+    # None = int4 for the ort backend: at page size 16 an FP16 package's INT8 cold page still
+    # costs 0.60 of a hot one (INT4: 0.34), so INT8 cannot reach 0.55 of all-FP16 KV bytes
+    # (docs/mixed_precision.md); int8 for trt, whose CUDA kernels dequantize INT8 only.
     cold_pages: bool = False
     calibration: str | None = None
+    cold_format: str | None = None
     # Two-level selection (issue #15): sparse layers re-rank the candidate pages' sub-pages of
     # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
     # None: the default (``resolved_sub_page_size``).
@@ -58,12 +62,21 @@ class ExportConfig:
         if self.sub_page_size and self.resolved_page_size() % self.sub_page_size:
             raise ValueError(f"sub_page_size must divide the page size {self.resolved_page_size()}, "
                              f"got {self.sub_page_size}")
+        if self.cold_format is not None and self.cold_format not in schema.COLD_FORMATS:
+            raise ValueError(f"cold_format must be one of {schema.COLD_FORMATS}, got {self.cold_format!r}")
+        if self.backend == "trt" and self.cold_format == "int4":
+            raise ValueError("int4 cold pages are not in the CUDA kernels yet: use --cold-pages int8 with --backend trt")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
 
     @property
     def has_cold_tier(self) -> bool:
         return self.cold_pages or self.calibration is not None
+
+    @property
+    def resolved_cold_format(self) -> str:
+        """``cold_format``, or the backend's default (int4 for ort, int8 for trt)."""
+        return self.cold_format or ("int8" if self.backend == "trt" else "int4")
 
     def tolerance(self) -> float:
         """FP16 pages round K/V to 11 significant bits; SmolLM2's logits then move by

@@ -10,8 +10,9 @@ Per layer ``i`` the source's ``past_key_values.{i}.*`` inputs and
 
 With a cold tier (issue #6) each layer's node is the ``<policy>_int8`` overload
 and also takes ``key_cache_int8.{i}``, ``value_cache_int8.{i}``
-``[num_cold_pages, Hkv, page_size, D]`` int8 and ``key_scale.{i}``,
-``value_scale.{i}`` ``[num_cold_pages, Hkv, ps|1, D|1]`` float32 (the shape of
+``[num_cold_pages, Hkv, page_size, D]`` int8 (int4: ``_int4``, uint8 ``[.., D/2]``) and
+``key_scale.{i}``, ``value_scale.{i}`` ``[num_cold_pages, Hkv, ps|1, D|1]`` float32
+(int4: float16 ``[.., C]``; ``ops.cold_codec``) (the shape of
 the granularity); ``key_min``/``key_max`` then cover both tiers
 (``[total_pages, Hkv, D]``).
 """
@@ -24,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..ops import schema
-from ..ops.quantization import scale_shape
+from ..ops.cold_codec import ColdCodec
 from .errors import UnsupportedError
 from .graph_walk import consumers
 from .rules.base import AttentionMatch
@@ -68,19 +69,20 @@ def _named_output(graph: ir.Graph, anchor: ir.Node, value: ir.Value, name: str, 
     return node.outputs[0]
 
 
-def _cold_inputs(graph: ir.Graph, i: int, hkv: int, page_size: int, d: int, cold: tuple[str, str]) -> list[ir.Value]:
+def _cold_inputs(graph: ir.Graph, i: int, hkv: int, page_size: int, d: int, cold: ColdCodec) -> list[ir.Value]:
     """``key_cache_int8``, ``value_cache_int8``, ``key_scale``, ``value_scale`` of layer ``i``
-    (``schema.COLD_INPUTS`` order); ``cold`` = (K, V) scale granularity."""
-    pools = [_input(graph, f"{n}.{i}", ir.DataType.INT8, ["num_cold_pages", hkv, page_size, d])
-             for n in schema.COLD_INPUTS[:2]]
-    scales = [_input(graph, f"{n}.{i}", ir.DataType.FLOAT, ["num_cold_pages", *scale_shape(g, hkv, page_size, d)])
-              for n, g in zip(schema.COLD_INPUTS[2:], cold)]
+    (``schema.COLD_INPUTS`` order) in ``cold``'s format (element types ``schema.COLD_DTYPES``)."""
+    types = [ir.DataType.from_numpy(np.dtype(t)) for t in schema.COLD_DTYPES[cold.cold_format]]
+    pools = [_input(graph, f"{n}.{i}", t, ["num_cold_pages", *cold.pool_shape(hkv, page_size, d)])
+             for n, t in zip(schema.COLD_INPUTS[:2], types[:2])]
+    scales = [_input(graph, f"{n}.{i}", t, ["num_cold_pages", *cold.scale_shape(w, hkv, page_size, d)])
+              for n, t, w in zip(schema.COLD_INPUTS[2:], types[2:], "kv")]
     return pools + scales
 
 
 def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: int, dtype: ir.DataType,
-            last_token_logits: bool = True, cold: tuple[str, str] | None = None) -> PagedIO:
-    """``cold``: (K, V) scale granularity of an INT8 cold tier, None for hot pages only."""
+            last_token_logits: bool = True, cold: ColdCodec | None = None) -> PagedIO:
+    """``cold``: the cold tier's codec (format, granularities), None for hot pages only."""
     g = model.graph
     paged = PagedIO()
     page_table = _input(g, PAGE_TABLE, ir.DataType.INT32, ["batch", "max_pages"])
@@ -113,7 +115,8 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in,
                                       *sub_in],
                      attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
-                     overload=plan.attrs.function_overload(cold_pages=bool(cold)), num_outputs=2,
+                     overload=plan.attrs.function_overload(bool(cold), cold.cold_format if cold else "int8"),
+                     num_outputs=2,
                      name=f"tinyserve_attention_{i}")
         op.outputs[0].name = f"attention_output.{i}"
         g.insert_before(anchor, op)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from .. import __version__
 from ..contracts.calibration import ArtifactError, CalibrationArtifact
-from ..contracts.cold_tier import HotnessConfig, TierConfig
+from ..contracts.cold_tier import INT4_GROUP_SIZE, HotnessConfig, TierConfig, tier_codec
 from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
@@ -89,7 +89,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
     cold_tier = _cold_tier(config, artifact, len(plans), dims) if config.has_cold_tier else None
-    cold = (cold_tier.k_granularity, cold_tier.v_granularity) if cold_tier else None
+    cold = tier_codec(asdict(cold_tier)) if cold_tier else None
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -129,7 +129,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
             validation.update(model_max_abs_logit_diff=figure, ort_graph_max_abs_logit_diff=ort_figure)
             figure = validation["max_abs_logit_diff"] = max(figure, ort_figure)  # the one checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
-            validation["pages"] = "all hot (the cold-tier inputs hold one unused INT8 page)"
+            validation["pages"] = f"all hot (the cold-tier inputs hold one unused {cold.cold_format.upper()} page)"
         manifest = replace(manifest, validation=validation)
         times["validate"] = time.perf_counter() - t0
         if not figure <= config.tolerance():
@@ -178,7 +178,9 @@ def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_l
                       token_budget=artifact.token_budget, num_prompts=artifact.num_prompts,
                       evaluation=artifact.evaluation)
     # the op reads its own sinks / recent pages every step: never demote fewer than it keeps
-    return ColdTier(inputs=list(schema.COLD_INPUTS), k_granularity=grans[0], v_granularity=grans[1],
+    fmt = config.resolved_cold_format
+    return ColdTier(inputs=list(schema.COLD_INPUTS), cold_format=fmt,
+                    group_size=INT4_GROUP_SIZE if fmt == "int4" else 0, k_granularity=grans[0], v_granularity=grans[1],
                     hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
                     recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..ops import schema
 from ..ops.fine_bounds import page_sub_bounds
-from ..ops.quantization import scale_shape
+from ..contracts.cold_tier import unused_cold_inputs
 from ..ops.reference import page_min_max
 
 
@@ -41,11 +41,7 @@ class PagedState:
         self.sp = sub_page_size  # > 0: also the compact sub-page bounds of two-level layers
         self.cold = None
         if cold_tier:  # one cold page nobody uses: ids stay < num_pages, so the op reads the hot pools only
-            grans = (cold_tier["k_granularity"], cold_tier["v_granularity"])
-            q8 = np.zeros((1, kv_heads, page_size, head_dim), np.int8)
-            self.cold = dict(zip(schema.COLD_INPUTS, [q8, q8] + [np.ones((1, *scale_shape(g, kv_heads, page_size,
-                                                                                            head_dim)), np.float32)
-                                                                  for g in grans]))
+            self.cold = unused_cold_inputs(cold_tier, kv_heads, page_size, head_dim)
         shape = (num_pages, kv_heads, page_size, head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(layers)]

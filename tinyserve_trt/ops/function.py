@@ -6,8 +6,8 @@ ONNX Runtime runs it natively; TensorRT ignores it and imports the plugin
 ``scale``, ``sink_pages`` and ``recent_pages`` are attribute references, so
 layers with different values share a body.
 
-Cold pages (overload ``<policy>_int8``): a page id ``>= P`` reads the INT8 pools
-and multiplies by its scale. Both pools must hold at least one page
+Cold pages (overload ``<policy>_int8`` / ``_int4``): a page id ``>= P`` reads the
+cold pools and multiplies by its scale (INT4: unpacked first, ``ops/int4_onnx.py``). Both pools must hold at least one page
 (``P >= 1`` and ``Pcold >= 1``: the clipped gathers need a row to read); a
 tiered pool always has both, and a cache with no cold pages uses the plain
 overload.
@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 
 from . import schema
 from .graph_builder import GraphBuilder
+from .int4_onnx import dequantize_int4_rows
 from .policies import OnnxScoreContext, get_policy
 from .two_level_onnx import two_level_selection
 
@@ -41,7 +42,8 @@ def _attr_protos() -> list[onnx.AttributeProto]:
     return [helper.make_attribute(a.name, a.default) for a in schema.ATTRIBUTES]
 
 
-def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: int = schema.OPSET) -> onnx.FunctionProto:
+def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: int = schema.OPSET,
+                  cold_format: str = "int8") -> onnx.FunctionProto:
     """The FunctionProto for the overload that ``attrs`` (and the page tiers) select.
 
     ``opset`` is the model's ai.onnx version: a function must import the same
@@ -93,7 +95,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     pt64 = b.op("Cast", pt, to=I64)
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
-    def gather_rows(pool, ids, sub=None):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
+    def gather_rows(pool, ids, sub=None, cast=True):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
         row = b.op("Add", b.op("Mul", ids, Hkv), h_idx)
         if sub is None:
             rows = b.op("Reshape", pool, b.cat(i64(-1), b.dim(pool, 2, 4)))
@@ -103,7 +105,8 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             ra = b.op("Max", b.op("Div", b.op("Mul", a, r), ps), one)  # r, or 1 when a == 1
             rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Div", a, ra), b.dim(pool, 3)))  # [N*Hkv*ra, a/ra, c]
             row = b.op("Add", b.op("Mul", row, ra), b.op("Div", b.op("Mul", j, ra), r))
-        return b.op("Cast", b.op("Gather", rows, row, axis=0), to=F)
+        rows = b.op("Gather", rows, row, axis=0)
+        return b.op("Cast", rows, to=F) if cast else rows
 
     def gather_pages(cache, phys, sub=None):  # phys [B, Hkv, K] -> [B, Hkv, K*(ps|sp), D] float32
         if not cold_pages:
@@ -116,7 +119,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             is_cold = b.op("GreaterOrEqual", phys, P)
             hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)), sub)
             cold_id = b.op("Max", b.op("Sub", phys, P), zero)
-            cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale
+            if cold_format == "int4":  # packed nibbles, float16 scales per channel group: ops/int4_onnx.py
+                cold = dequantize_int4_rows(b, gather_rows, q8, sc, cold_id, sub)
+            else:
+                cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale
             pages = b.op("Where", b.unsqueeze(is_cold, [3, 4]), cold, hot)
         return b.op("Reshape", pages, b.cat(B, Hkv, i64(-1), D))
 
@@ -202,7 +208,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     fn = helper.make_function(
         schema.DOMAIN, schema.OP_TYPE, list(schema.INPUT_NAMES), list(schema.OUTPUT_NAMES), b.nodes,
         [helper.make_opsetid("", opset)], attributes=[],
-        overload=attrs.function_overload(cold_pages),
+        overload=attrs.function_overload(cold_pages, cold_format),
     )
     fn.attribute_proto.extend(_attr_protos())
     fn.doc_string = f"{schema.OP_TYPE} v{schema.VERSION}, policy={attrs.policy}, group_reduce={attrs.group_reduce}"

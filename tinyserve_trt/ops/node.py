@@ -18,7 +18,7 @@ _NP_TO_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "in
 
 
 def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes | None = None,
-              name: str | None = None, cold_pages: bool = False) -> onnx.NodeProto:
+              name: str | None = None, cold_pages: bool = False, cold_format: str = "int8") -> onnx.NodeProto:
     """One op node. ``inputs``/``outputs`` follow ``schema.INPUTS``/``OUTPUTS`` order
     (``schema.node_input_names``); trailing optional ones may be omitted, and "" skips an
     optional one. Two-level attributes (``sub_page_size`` > 0) need ``key_sub_bounds``."""
@@ -42,7 +42,7 @@ def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes 
         # ORT inlines a function only when the node names every output; unused ones are just dropped.
         outputs = list(outputs) + [f"{outputs[0]}_{o}" for o in schema.OUTPUT_NAMES[len(outputs):]]
     node = helper.make_node(schema.OP_TYPE, inputs, outputs, name=name, domain=schema.DOMAIN,
-                            overload=attrs.function_overload(cold_pages), **attrs.as_dict(),
+                            overload=attrs.function_overload(cold_pages, cold_format), **attrs.as_dict(),
                             **schema.PLUGIN_ATTRIBUTES)
     return node
 
@@ -56,8 +56,9 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         if (node.domain, node.op_type, node.overload) in have:
             continue
         attrs = node_attributes(node)
-        cold = node.overload.endswith("int8")
-        model.functions.append(make_function(attrs, cold_pages=cold, opset=onnx_opset(model)))
+        cold = schema.overload_cold_format(node.overload)
+        model.functions.append(make_function(attrs, cold_pages=cold is not None, opset=onnx_opset(model),
+                                             cold_format=cold or "int8"))
         have.add((node.domain, node.op_type, node.overload))
     if not any(o.domain == schema.DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(schema.DOMAIN, schema.VERSION))
@@ -79,10 +80,12 @@ def node_attributes(node: onnx.NodeProto) -> schema.OpAttributes:
 
 
 def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = None, head_dim: int | None = None,
-                  with_selected: bool = True, cold_pages: bool = False) -> onnx.ModelProto:
+                  with_selected: bool = True, cold_pages: bool = False, cold_format: str = "int8",
+                  opset: int = schema.OPSET) -> onnx.ModelProto:
     """A model holding one op node, every input a graph input (tests, benchmarks).
 
-    ``cold_pages``: the node also takes the INT8 cold-page inputs (the ``_int8`` overload);
+    ``cold_pages``: the node also takes the cold-page inputs of ``cold_format`` (the
+    ``_int8`` / ``_int4`` overload; int4 pools are uint8 ``[.., D/2]``, scales float16);
     two-level ``attrs`` add ``key_sub_bounds``. Feed it ``schema.node_input_names(...)``."""
     if dtype not in schema.FLOAT_TYPES:
         raise ValueError(f"dtype must be one of {schema.FLOAT_TYPES}, got {dtype!r}")
@@ -92,14 +95,19 @@ def make_op_model(dtype: str = "float32", attrs: schema.OpAttributes | None = No
     required = [by_name[n] for n in names if n]
     outputs = schema.OUTPUTS if with_selected else schema.OUTPUTS[:1]
 
+    cold_types = dict(zip(schema.COLD_INPUTS, schema.COLD_DTYPES[cold_format]))
+
     def vi(spec):
-        t = _NP_TO_ONNX[dtype if spec.dtype == "T" else spec.dtype]
+        t = _NP_TO_ONNX[dtype if spec.dtype == "T" else cold_types.get(spec.name, spec.dtype)]
         shape = [head_dim if (d == "D" and head_dim) else d for d in spec.shape]
+        if spec.name in schema.COLD_INPUTS and cold_format != "int8":
+            shape = [*shape[:3], None]  # packed values [.., D/2], scales [.., C]
         return helper.make_tensor_value_info(spec.name, t, shape)
 
-    node = make_node(list(names), [s.name for s in outputs], attrs, name="qsa", cold_pages=cold_pages)
+    node = make_node(list(names), [s.name for s in outputs], attrs, name="qsa", cold_pages=cold_pages,
+                     cold_format=cold_format)
     graph = helper.make_graph([node], "query_aware_sparse_attention", [vi(s) for s in required],
                               [vi(s) for s in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", schema.OPSET)], ir_version=10)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     return attach_functions(model)
 

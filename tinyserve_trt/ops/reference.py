@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fine_bounds, schema
+from .cold_codec import ColdCodec
 from .policies import get_policy, reduce_group, select_pages
 from .two_level import select_sub_pages
 
@@ -17,7 +18,8 @@ from .two_level import select_sub_pages
 def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarray, np.ndarray]:
     """K and V ``[ps, D]`` (float64) of one physical page, dequantizing cold pages.
 
-    Page ids below the hot pool size are hot; the rest index the INT8 pools.
+    Page ids below the hot pool size are hot; the rest index the cold pools, INT8
+    or - uint8 pools - packed INT4 (``cold_codec``: the format is the pools' dtype).
     """
     hot = caches["key_cache"].shape[0]
     if page_id < hot:
@@ -26,10 +28,9 @@ def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarr
     if caches.get("key_cache_int8") is None:
         raise ValueError(f"page id {page_id} is past the hot pool ({hot} pages) and no cold pool was given")
     c = page_id - hot
-    ks = np.broadcast_to(caches["key_scale"][c, kv_head], caches["key_cache_int8"].shape[2:])
-    vs = np.broadcast_to(caches["value_scale"][c, kv_head], caches["value_cache_int8"].shape[2:])
-    return (caches["key_cache_int8"][c, kv_head].astype(np.float64) * ks,
-            caches["value_cache_int8"][c, kv_head].astype(np.float64) * vs)
+    codec = ColdCodec("int4" if caches["key_cache_int8"].dtype == np.uint8 else "int8")
+    return tuple(codec.dequantize(caches[f"{n}_cache_int8"][c, kv_head], caches[f"{n}_scale"][c, kv_head],
+                                  np.float64) for n in ("key", "value"))
 
 
 def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key_max, page_table, past_lens,

@@ -83,10 +83,12 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("token_budget", ("B",), "int32",
                "Decode token budget per sequence: keep budget // ps pages; 0 or >= context = dense."),
     TensorSpec("key_cache_int8", ("Pcold", "Hkv", "ps", "D"), "int8",
-               "Cold key pages (page ids P .. P+Pcold-1), quantized.", optional=True),
+               "Cold key pages (page ids P .. P+Pcold-1), quantized; the int4 format packs two values "
+               "per byte: uint8 [Pcold, Hkv, ps, D/2] (COLD_FORMATS, ops/cold_codec.py).", optional=True),
     TensorSpec("value_cache_int8", ("Pcold", "Hkv", "ps", "D"), "int8", "Cold value pages.", optional=True),
     TensorSpec("key_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
-               "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale).", optional=True),
+               "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale); int4: float16 "
+               "[Pcold, Hkv, ps|1, C], channel c scaled by column c // (D / C).", optional=True),
     TensorSpec("value_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
                "Dequantization scale of cold values.", optional=True),
     TensorSpec("key_sub_bounds", ("Ptot", "Hkv", "r", "D"), "uint8",
@@ -134,6 +136,10 @@ OUTPUT_NAMES = tuple(t.name for t in OUTPUTS)
 NUM_REQUIRED_INPUTS = sum(not t.optional for t in INPUTS)
 COLD_INPUTS = tuple(t.name for t in INPUTS if t.name.endswith(("_int8", "_scale")))
 TWO_LEVEL_INPUTS = ("key_sub_bounds",)
+# Cold-page formats: the element types of COLD_INPUTS and the last dims of the pools and scales
+# (int4: two values per byte, float16 scales per channel group; ops/cold_codec.py is the rule).
+COLD_FORMATS = ("int8", "int4")
+COLD_DTYPES = {"int8": ("int8", "int8", "float32", "float32"), "int4": ("uint8", "uint8", "float16", "float16")}
 NUM_TIERED_INPUTS = NUM_REQUIRED_INPUTS + len(COLD_INPUTS)  # a single-level node's most inputs
 # Two-level selection re-ranks sub-pages by the policy's bound of q.k; only this policy has one.
 TWO_LEVEL_POLICIES = ("query_aware",)
@@ -185,21 +191,30 @@ class OpAttributes:
     def as_dict(self) -> dict:
         return {a.name: getattr(self, a.name) for a in ATTRIBUTES}
 
-    def function_overload(self, cold_pages: bool = False) -> str:
+    def function_overload(self, cold_pages: bool = False, cold_format: str = "int8") -> str:
         """The ONNX function overload implementing these attributes.
 
         One body per (policy, page tiers): the policy changes the graph, not just
         a constant, so each gets its own body; ORT picks it by the node's
-        ``overload`` field, TensorRT by op type + ``plugin_namespace``.
+        ``overload`` field, TensorRT by op type + ``plugin_namespace``. The cold
+        tier's format (``COLD_FORMATS``) is the last part: ``query_aware_int4``.
         """
+        if cold_format not in COLD_FORMATS:
+            raise ValueError(f"cold_format must be one of {COLD_FORMATS}, got {cold_format!r}")
         parts = [self.policy]
         if self.group_reduce != attribute("group_reduce").default:
             parts.append(self.group_reduce)
         if self.two_level:
             parts.append("two_level")
         if cold_pages:
-            parts.append("int8")
+            parts.append(cold_format)
         return "_".join(parts)
+
+
+def overload_cold_format(overload: str) -> str | None:
+    """The cold format an overload name ends with (``..._int4``), or None for a plain one."""
+    last = overload.rsplit("_", 1)[-1]
+    return last if last in COLD_FORMATS else None
 
 
 def resolve_scale(scale: float, head_dim: int) -> float:

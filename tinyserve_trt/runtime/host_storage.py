@@ -2,9 +2,10 @@
 
 Per layer, by physical id (see ``kv_storage``): hot K/V ``[num_hot, Hkv, ps, D]``
 in the pool dtype, key min/max ``[num_hot + num_cold, Hkv, D]``, and with a cold
-tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales; with two-level
-selection uint8 ``key_sub_bounds [num_hot + num_cold, Hkv, r, D]``. Quantization is
-``ops.quantization``'s and the sub-page codes ``ops.fine_bounds``', so the op's
+tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales, or packed int4
+``[num_cold, Hkv, ps, D/2]`` uint8 with float16 scales; with two-level selection
+uint8 ``key_sub_bounds [num_hot + num_cold, Hkv, r, D]``. Quantization is
+``ops.cold_codec``'s and the sub-page codes ``ops.fine_bounds``', so the op's
 reference reads exactly what was stored.
 Arrays are ``np.zeros``: pages never written are never resident.
 """
@@ -13,24 +14,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
-from tinyserve_trt.ops.quantization import (dequantize_page, quantize_page, quantize_page_static,
-                                            scale_shape)
 from tinyserve_trt.runtime.kv_storage import KVStorage
 
 
 class HostKVStorage(KVStorage):
-    """Numpy page storage; ``granularities``/``static_scales`` as in :class:`KVStorage`."""
+    """Numpy page storage; ``granularities``/``static_scales`` as in :class:`KVStorage`;
+    ``codec``: the cold format (default: int8 with ``granularities``)."""
 
     def __init__(self, num_layers: int, num_hot: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype, num_cold: int = 0, granularities: tuple[str, str] | None = None,
-                 static_scales: tuple[np.ndarray, np.ndarray] | None = None, sub_page_size: int = 0):
+                 static_scales: tuple[np.ndarray, np.ndarray] | None = None, codec: ColdCodec | None = None,
+                 sub_page_size: int = 0):
+        if codec is not None:
+            granularities = (codec.k_granularity, codec.v_granularity)
         if (num_cold > 0) != (granularities is not None):
             raise ValueError("a cold tier needs both num_cold > 0 and its scale granularities")
         self.num_layers, self.num_hot, self.num_cold = num_layers, num_hot, num_cold
         self.num_kv_heads, self.page_size, self.head_dim = num_kv_heads, page_size, head_dim
         self.granularities, self.static_scales = granularities, static_scales
         self.sub_page_size = self.check_sub_page_size(sub_page_size)
+        self.codec = codec or (ColdCodec("int8", *granularities) if granularities else None)
         dtype = np.dtype(dtype)
         L, h, p, d = num_layers, num_kv_heads, page_size, head_dim
         self._k = np.zeros((L, num_hot, h, p, d), dtype)
@@ -40,10 +45,12 @@ class HostKVStorage(KVStorage):
         if sub_page_size:
             self._sub = np.zeros((L, num_hot + num_cold, h, p // sub_page_size, d), np.uint8)
         if granularities:
-            self._kq = np.zeros((L, num_cold, h, p, d), np.int8)
-            self._vq = np.zeros((L, num_cold, h, p, d), np.int8)
-            self._ks = np.ones((L, num_cold) + scale_shape(granularities[0], h, p, d), np.float32)
-            self._vs = np.ones((L, num_cold) + scale_shape(granularities[1], h, p, d), np.float32)
+            c = self.codec
+            zero = 8 if c.cold_format == "int4" else 0  # int4: nibbles hold q + 8
+            self._kq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
+            self._vq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
+            self._ks = np.ones((L, num_cold) + c.scale_shape("k", h, p, d), c.scale_dtype)
+            self._vs = np.ones((L, num_cold) + c.scale_shape("v", h, p, d), c.scale_dtype)
 
     @property
     def dtype(self) -> np.dtype:
@@ -75,7 +82,7 @@ class HostKVStorage(KVStorage):
         if page < self.num_hot:
             return self._k[layer, page]
         c = page - self.num_hot
-        return dequantize_page(self._kq[layer, c], self._ks[layer, c], self.dtype)
+        return self.codec.dequantize(self._kq[layer, c], self._ks[layer, c], self.dtype)
 
     # ---- data moves -------------------------------------------------------------
     def reset_pages(self, pages: np.ndarray) -> None:
@@ -99,9 +106,8 @@ class HostKVStorage(KVStorage):
             self._k[:, dst], self._v[:, dst] = self._k[:, src], self._v[:, src]
         else:
             c = src - self.num_hot
-            for layer in range(self.num_layers):
-                self._k[layer, dst] = dequantize_page(self._kq[layer, c], self._ks[layer, c], self.dtype)
-                self._v[layer, dst] = dequantize_page(self._vq[layer, c], self._vs[layer, c], self.dtype)
+            self._k[:, dst] = self.codec.dequantize(self._kq[:, c], self._ks[:, c], self.dtype)
+            self._v[:, dst] = self.codec.dequantize(self._vq[:, c], self._vs[:, c], self.dtype)
         for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
 
@@ -111,15 +117,10 @@ class HostKVStorage(KVStorage):
         self.check_range("demoted", hot, 0, self.num_hot)
         self.check_range("cold", cold, self.num_hot, self.num_hot + self.num_cold)
         c = cold - self.num_hot
-        kg, vg = self.granularities
         for layer in range(self.num_layers):
-            if self.static_scales is not None:
-                ks, vs = (s[layer] for s in self.static_scales)
-                self._kq[layer, c], self._ks[layer, c] = quantize_page_static(self._k[layer, hot], ks)
-                self._vq[layer, c], self._vs[layer, c] = quantize_page_static(self._v[layer, hot], vs)
-            else:
-                self._kq[layer, c], self._ks[layer, c] = quantize_page(self._k[layer, hot], kg)
-                self._vq[layer, c], self._vs[layer, c] = quantize_page(self._v[layer, hot], vg)
+            ks, vs = (None, None) if self.static_scales is None else (s[layer] for s in self.static_scales)
+            self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
+            self._vq[layer, c], self._vs[layer, c] = self.codec.quantize(self._v[layer, hot], "v", scale=vs)
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
 

@@ -7,8 +7,9 @@ op's ``page_table`` holds), with the op's tensors by schema name::
 
   key_cache, value_cache            [num_hot, Hkv, ps, D]         hot pages, pool dtype
   key_min, key_max                  [num_hot + num_cold, Hkv, D]  every physical page
-  key_cache_int8, value_cache_int8  [num_cold, Hkv, ps, D]        int8      (cold tier only)
-  key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (cold tier only)
+  key_cache_int8, value_cache_int8  [num_cold, Hkv, ps, D]        int8      (cold tier only;
+                                    int4: [num_cold, Hkv, ps, D/2] uint8, two values per byte)
+  key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (int4: float16 [.., C])
   key_sub_bounds                    [num_hot + num_cold, Hkv, r, D] uint8   (two-level only)
 
 Physical ids ``[0, num_hot)`` are hot, ``[num_hot, num_hot + num_cold)`` cold.
@@ -55,6 +56,7 @@ class KVStorage(ABC):
     page_size: int
     head_dim: int
     granularities: tuple[str, str] | None
+    codec: object | None  # ops.cold_codec.ColdCodec
     static_scales: tuple[np.ndarray, np.ndarray] | None
     sub_page_size: int = 0
 

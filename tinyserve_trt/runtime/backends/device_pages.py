@@ -86,6 +86,9 @@ class DevicePages(KVStorage):
 
         self._torch, self.dtype, self.device, self.stream = torch, dtype, device, stream
         host = pool.storage
+        if cold_tier and cold_tier.get("cold_format", "int8") != "int8":
+            raise ValueError(f"{cold_tier['cold_format']} cold pages are not implemented on GPU backends yet (device "
+                             "pages and the CUDA kernels hold INT8): export with --cold-pages int8")
         if host.num_cold and cold_tier is None:
             raise ValueError("a tiered page pool needs a package with a cold tier (exported with --calibration)")
         self.num_layers, self.num_kv_heads, self.page_size, self.head_dim = (

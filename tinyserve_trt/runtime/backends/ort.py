@@ -199,11 +199,8 @@ def _kind_of(providers: list) -> str:
 
 
 def _unused_cold_tier(package) -> dict[str, np.ndarray]:
-    """One zero INT8 page per cold input, for a cold-tier package over a plain pool
+    """One zero cold page per cold input, for a cold-tier package over a plain pool
     (page ids stay below the hot pool's size, so the op never reads it)."""
-    from tinyserve_trt.ops.quantization import scale_shape
+    from tinyserve_trt.contracts.cold_tier import unused_cold_inputs
 
-    tier, hkv, ps, d = package.cold_tier, package.num_kv_heads, package.page_size, package.head_dim
-    q8 = np.zeros((1, hkv, ps, d), np.int8)
-    scales = [np.ones((1, *scale_shape(tier[g], hkv, ps, d)), np.float32) for g in ("k_granularity", "v_granularity")]
-    return dict(key_cache_int8=q8, value_cache_int8=q8.copy(), key_scale=scales[0], value_scale=scales[1])
+    return unused_cold_inputs(package.cold_tier, package.num_kv_heads, package.page_size, package.head_dim)

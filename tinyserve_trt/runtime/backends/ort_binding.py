@@ -30,7 +30,8 @@ from tinyserve_trt.runtime.backends.device_pages import DevicePages
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
 _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-              "tensor(float16)": np.float16, "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
+              "tensor(float16)": np.float16, "tensor(bool)": np.bool_, "tensor(int8)": np.int8,
+              "tensor(uint8)": np.uint8}
 
 
 def kernel_writer_available() -> bool:

@@ -12,9 +12,14 @@ shared by many sequences (a common prefix) counts the hits of all of them.
 partial page; among the rest, the least hit go cold until the hot count
 meets the target (``hot_fraction`` of live pages and/or ``max_hot_pages``).
 Protected pages stay hot even when that exceeds the target. The policy only
-decides; :meth:`rebalance` asks the pool to demote. Cold pages are not
-promoted back (they are read through dequantization at the same cost per
-token, only more cheaply in bytes).
+decides; :meth:`rebalance` asks the pool to demote.
+
+:meth:`plan_promotions`: when the hot count is below the target (sequences
+ended, pages were freed), the most hit cold pages whose decayed hits reach
+``promote_hits`` return to the hot tier (exact reads again for the pages the
+op keeps selecting), at most ``max_promotions`` per step and only into room
+under the target - never past it, so a promotion is not undone by the next
+demotion, and the allocation headroom ``Tiering`` sized stays free.
 """
 
 from __future__ import annotations
@@ -90,6 +95,24 @@ class HotnessPolicy:
         cands = [p for p in hot if p not in keep and pool.is_full(p)]
         cands.sort(key=lambda p: (self.hits[p], p))
         return cands[:excess]
+
+    def plan_promotions(self, pool: TieredPagePool) -> list[int]:
+        """Cold handles to promote, most hit first: room under the target, free hot slots and
+        ``max_promotions`` bound the count. Does not modify the pool."""
+        hot, cold = pool.hot_pages(), pool.cold_pages()
+        room = min(self.target_hot(len(hot) + len(cold)) - len(hot), pool.num_hot_free, self.config.max_promotions)
+        if room <= 0 or not cold:
+            return []
+        cands = [p for p in cold if self.hits[p] >= self.config.promote_hits]
+        cands.sort(key=lambda p: (-self.hits[p], p))
+        return cands[:room]
+
+    def promote(self, pool: TieredPagePool) -> list[int]:
+        """Promote :meth:`plan_promotions`' pages; returns them."""
+        done = self.plan_promotions(pool)
+        for page in done:
+            pool.promote(page)
+        return done
 
     def rebalance(self, pool: TieredPagePool, holders: Iterable[Sequence[int]]) -> list[int]:
         """Demote :meth:`plan`'s pages (stopping when the cold tier is full); returns those demoted."""

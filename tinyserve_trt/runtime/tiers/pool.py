@@ -1,12 +1,12 @@
-"""TieredPagePool: a PagePool whose pages live in a hot float tier or a cold INT8 tier.
+"""TieredPagePool: a PagePool whose pages live in a hot float tier or a cold INT8/INT4 tier.
 
 Page ids the scheduler, the prefix cache and sequences hold are *handles*
 ``[0, num_hot + num_cold)``; each handle in use (or evictable) is bound to one
 physical slot, which the op addresses (``schema.INPUTS``):
 
   hot   physical ids ``[0, P)``           K/V in ``k_pages``/``v_pages`` (pool dtype)
-  cold  physical ids ``[P, P + Pcold)``   int8 in ``k_pages_int8``/``v_pages_int8``,
-                                          float32 scales ``[Pcold, Hkv, ps|1, D|1]``
+  cold  physical ids ``[P, P + Pcold)``   int8 (or packed int4) in ``k_pages_int8``/``v_pages_int8``,
+                                          scales ``[Pcold, Hkv, ps|1, C]`` (``ops.cold_codec``)
 
 The data lives in the pool's ``KVStorage`` (``runtime/kv_storage.py``), which
 quantizes on :meth:`TieredPagePool.demote`; this class binds handles to slots.
@@ -22,8 +22,10 @@ by physical id, the same id as the K/V page, ``Ptot`` rows. A cold page's min/ma
 dequantized keys (what the op attends; see ``docs/op.md``).
 
 New pages are always hot; writes go to hot pages only, and only full pages
-are demoted, so a cold page is immutable. ``hotness.py`` decides which pages
-to demote; this class only does it.
+are demoted, so a cold page is immutable. :meth:`TieredPagePool.promote` moves a
+cold page back into a free hot slot (dequantized; its min/max already describe
+those keys). ``hotness.py`` decides which pages to demote and promote; this
+class only does it.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ class TieredPagePool(PagePool):
             layer_page_scales(arr, gran, num_layers, num_kv_heads, config.page_size, head_dim)
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
-                                num_cold=cold, granularities=(tiers.k_granularity, tiers.v_granularity),
-                                static_scales=page_scales, sub_page_size=config.sub_page_size)
+                                num_cold=cold, static_scales=page_scales, codec=tiers.codec,
+                                sub_page_size=config.sub_page_size)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
         self.num_hot, self.num_cold = hot, cold
@@ -212,6 +214,25 @@ class TieredPagePool(PagePool):
         self._num_valid[:, new] = self._num_valid[:, old]
         self._phys[page] = new
         self._free_hot.append(old)
+        return old, new
+
+    def promote(self, page: int) -> tuple[int, int]:
+        """Dequantize cold page ``page`` into a free hot slot and free its cold slot; the
+        handle stays. Never evicts: promotion only uses room there is. Returns (old, new)
+        physical ids. Raises ValueError for a free or hot page and OutOfPagesError when no
+        hot slot is free."""
+        old = int(self._phys[page])
+        if old < 0:
+            raise ValueError(f"page {page} is free")
+        if old < self.num_hot:
+            raise ValueError(f"page {page} is already hot")
+        if not self._free_hot:
+            raise OutOfPagesError(f"no free hot slot to promote page {page} into")
+        new = self._free_hot.popleft()
+        self.storage.copy_page(old, new)  # dequantizes; min/max of the cold page describe these keys
+        self._num_valid[:, new] = self._num_valid[:, old]
+        self._phys[page] = new
+        self._free_cold.append(old)
         return old, new
 
     def dequantized_keys(self, layer: int, page: int) -> np.ndarray:

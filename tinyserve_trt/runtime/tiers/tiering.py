@@ -48,14 +48,15 @@ class Tiering:
             math.ceil(config.max_tokens_per_step / ps) + config.max_batch
         num_hot = max(1, min(n, target + headroom))
         self.tiers = TierConfig(num_cold_pages=max(1, n - target), k_granularity=tier["k_granularity"],
-                                v_granularity=tier["v_granularity"], scales=config.kv_scales)
+                                v_granularity=tier["v_granularity"], scales=config.kv_scales,
+                                cold_format=tier.get("cold_format", "int8"), group_size=tier.get("group_size", 0))
         dims = (package.num_layers, package.num_kv_heads, package.head_dim)
         static = _static_scales(package) if config.kv_scales == "static" else None
         self.pool = TieredPagePool(replace(cache, num_pages=num_hot), self.tiers, *dims, static_scales=static)
         self.policy = HotnessPolicy(self.hot_config, self.pool.num_pages)
         self.hot_page_bytes = CacheConfig.page_bytes(ps, *dims, cache.dtype)
         self.cold_page_bytes = cold_page_bytes(self.tiers, ps, *dims, cache.dtype)
-        self.demoted = 0
+        self.demoted = self.promoted = 0
         self.peak = dict(kv_bytes=0, kv_bytes_all_hot=0)
 
     def observe(self, batch, selected_pages: list[np.ndarray] | None, layers: list[int]) -> None:
@@ -69,9 +70,12 @@ class Tiering:
         self.policy.observe(sel, batch.page_table, in_use)
 
     def rebalance(self, holders: list[list[int]]) -> list[int]:
-        """Demote what the policy plans (between steps); returns the demoted handles."""
+        """Demote what the policy plans (between steps), else promote into the room under the
+        target; returns the demoted handles."""
         done = self.policy.rebalance(self.pool, holders)
         self.demoted += len(done)
+        if not done:
+            self.promoted += len(self.policy.promote(self.pool))
         now = self.kv_bytes()
         for key in self.peak:
             self.peak[key] = max(self.peak[key], now[key])
@@ -88,6 +92,7 @@ class Tiering:
         return dict(hot_fraction=self.hot_config.hot_fraction, kv_scales=self.tiers.scales, hot_slots=pool.num_hot,
                     cold_slots=pool.num_cold,
                     pages_hot=len(pool.hot_pages()), pages_cold=len(pool.cold_pages()), pages_demoted=self.demoted,
+                    pages_promoted=self.promoted, cold_format=self.tiers.cold_format,
                     **self.kv_bytes(), peak_kv_bytes=self.peak["kv_bytes"],
                     peak_kv_bytes_all_hot=self.peak["kv_bytes_all_hot"])
 

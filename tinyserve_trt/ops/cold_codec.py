@@ -1,0 +1,159 @@
+"""ColdCodec: how a cold KV page is stored - INT8 or packed INT4 - and the one dequantization rule.
+
+Formats (``COLD_FORMATS``), per (page, KV head) of ``[ps, D]`` values:
+
+  ``int8``  int8 ``[ps, D]``, float32 scales (``ops/quantization.py``), |q| <= 127
+  ``int4``  uint8 ``[ps, D/2]``: channel ``j`` in the low nibble of byte ``j``, ``j + D/2`` in
+            the high one, each ``q + 8`` (offset binary, ``q`` in [-7, 7]); float16 scales.
+            Halves, not neighbours: unpacking is a Concat of the two nibble planes
+            (no interleaving reshape in the ONNX body or the kernels).
+
+Scales ``[ps|1, C]`` with ``C`` dividing ``D``: channel ``c`` uses column
+``c // (D / C)``, token ``t`` row ``t`` (or row 0). Granularity names which
+axes one scale spans (``quantization.GRANULARITIES``) and ``group_size`` how many
+channels a ``token``/``head`` scale covers (0 = all ``D``)::
+
+  channel  [1, D]              one scale per channel over the page's tokens (K, KIVI)
+  token    [ps, D/group]       one per token and channel group (V, KIVI)
+  head     [1, D/group]        one per channel group over the page
+
+INT8 takes ``group_size`` 0 only (its scales stay ``[ps|1, D|1]``, what the
+CUDA kernels read). Symmetric: ``scale = absmax / qmax`` of the group (1 when
+all zero; INT4 scales are rounded to float16, then clamped to float16's
+normal range), ``q = clip(rint(x / scale), -qmax, qmax)``, so
+``|x - q * scale| <= scale / 2`` for values inside ``qmax * scale``.
+Pure numpy; does not modify its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .quantization import GRANULARITIES
+from .schema import COLD_FORMATS
+QMAX = {"int8": 127, "int4": 7}
+FP16_TINY, FP16_MAX = float(np.finfo(np.float16).tiny), float(np.finfo(np.float16).max)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """``q [..., D]`` ints in [-8, 7] (D even) -> uint8 ``[..., D/2]`` (offset binary nibbles,
+    the first half of the channels low, the second half high)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"INT4 packing needs an even last dim, got {q.shape[-1]}")
+    u = (np.asarray(q, np.int16) + 8).astype(np.uint8)
+    h = q.shape[-1] // 2
+    return (u[..., :h] | (u[..., h:] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., D/2]`` -> int8 ``[..., D]`` (inverse of :func:`pack_int4`)."""
+    p = np.asarray(packed, np.uint8)
+    return np.concatenate([(p & 15).astype(np.int8) - 8, (p >> 4).astype(np.int8) - 8], axis=-1)
+
+
+def expand_scale(scale: np.ndarray, page_size: int, head_dim: int) -> np.ndarray:
+    """Scales ``[..., ps|1, C]`` -> ``[..., ps, D]`` by the rule above (float32)."""
+    s = np.asarray(scale, np.float32)
+    C = s.shape[-1]
+    if head_dim % C:
+        raise ValueError(f"a scale's last dim {C} must divide the head dim {head_dim}")
+    s = np.repeat(s, head_dim // C, axis=-1)
+    return np.broadcast_to(s, s.shape[:-2] + (page_size, head_dim))
+
+
+@dataclass(frozen=True)
+class ColdCodec:
+    """One cold format with the K and V scale granularities (``TierConfig`` carries the same fields)."""
+
+    cold_format: str = "int8"
+    k_granularity: str = "channel"
+    v_granularity: str = "token"
+    group_size: int = 0
+
+    def __post_init__(self):
+        if self.cold_format not in COLD_FORMATS:
+            raise ValueError(f"cold_format must be one of {COLD_FORMATS}, got {self.cold_format!r}")
+        for name in ("k_granularity", "v_granularity"):
+            if getattr(self, name) not in GRANULARITIES:
+                raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
+            raise ValueError(f"group_size must be an int >= 0 (0 = the whole head dim), got {self.group_size!r}")
+        if self.cold_format == "int8" and self.group_size:
+            raise ValueError("group_size applies to int4 cold pages only (int8 scales are [ps|1, D|1])")
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(f"group_size must be a power of two, got {self.group_size}")
+
+    @property
+    def qmax(self) -> int:
+        return QMAX[self.cold_format]
+
+    @property
+    def storage_dtype(self):
+        return np.int8 if self.cold_format == "int8" else np.uint8
+
+    @property
+    def scale_dtype(self):
+        return np.float32 if self.cold_format == "int8" else np.float16
+
+    def granularity(self, which: str) -> str:
+        return {"k": self.k_granularity, "v": self.v_granularity}[which]
+
+    def pool_shape(self, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int, int]:
+        """One cold page's stored values: ``[Hkv, ps, D]`` (int8) or ``[Hkv, ps, D/2]`` (int4)."""
+        if self.cold_format == "int4" and head_dim % 2:
+            raise ValueError(f"int4 cold pages need an even head dim, got {head_dim}")
+        return (num_kv_heads, page_size, head_dim // (2 if self.cold_format == "int4" else 1))
+
+    def scale_shape(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int, int]:
+        """One page's ``which`` ("k"/"v") scales ``[Hkv, ps|1, C]``."""
+        g = self.granularity(which)
+        group = self.group_size or head_dim
+        if head_dim % group:
+            raise ValueError(f"group_size {group} must divide the head dim {head_dim}")
+        if g == "channel":
+            return (num_kv_heads, 1, head_dim)
+        return (num_kv_heads, page_size if g == "token" else 1, head_dim // group)
+
+    def bytes_per_page(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> int:
+        """Bytes of one page's K (or V) cold storage: values + scales."""
+        n = int(np.prod(self.pool_shape(num_kv_heads, page_size, head_dim)))
+        return n + np.dtype(self.scale_dtype).itemsize * int(np.prod(self.scale_shape(which, num_kv_heads,
+                                                                                      page_size, head_dim)))
+
+    # ---- quantize / dequantize ----------------------------------------------------
+    def quantize(self, x: np.ndarray, which: str, valid: int | None = None,
+                 scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pages ``x [..., Hkv, ps, D]`` -> ``(values, scales [..., Hkv, ps|1, C])``.
+
+        Scales come from the first ``valid`` tokens (a partial page's tail must not
+        widen them), or are the given (calibrated) ``scale``, whose clip is the point."""
+        x = np.asarray(x)
+        Hkv, ps, D = x.shape[-3:]
+        shape = self.scale_shape(which, Hkv, ps, D)
+        xf = x.astype(np.float64)
+        if scale is None:
+            absx = np.abs(xf)
+            if valid is not None:
+                absx[..., int(valid):, :] = 0.0
+            C = shape[2]
+            grouped = absx.reshape(absx.shape[:-1] + (C, D // C))
+            amax = grouped.max(axis=-1)  # [..., Hkv, ps, C]
+            if shape[1] == 1:
+                amax = amax.max(axis=-2, keepdims=True)
+            s = np.where(amax > 0, amax / self.qmax, 1.0)
+            if self.cold_format == "int4":
+                s = np.clip(s, FP16_TINY, FP16_MAX)
+            scale = s.astype(self.scale_dtype)
+        scale = np.asarray(scale, self.scale_dtype)
+        full = expand_scale(scale, ps, D).astype(np.float64)  # divide by the stored scale: the bound holds for it
+        q = np.clip(np.rint(xf / full), -self.qmax, self.qmax)
+        q = q.astype(np.int8) if self.cold_format == "int8" else pack_int4(q)
+        return q, scale.copy()
+
+    def dequantize(self, values: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+        """``values [..., Hkv, ps, D|D/2]``, ``scale [..., Hkv, ps|1, C]`` -> ``[..., Hkv, ps, D]``
+        in ``dtype`` (math in float32, as the op)."""
+        q = unpack_int4(values) if self.cold_format == "int4" else np.asarray(values)
+        return (q.astype(np.float32) * expand_scale(scale, q.shape[-2], q.shape[-1])).astype(dtype)
