@@ -130,4 +130,4 @@ def test_bench_page_size_smoke(llama, tmp_path, capsys):
                                          "--out", str(out)]) == 0
     assert re.fullmatch(r"RESULT sparse_step_ratio=\d+\.\d+", capsys.readouterr().out.strip().splitlines()[-1])
     table = out.read_text()
-    assert "page 8 sparse ms" in table and "page 4 sparse ms" in table and "| 40 | 2 |" in table
+    assert "page 8->4 sparse ms" in table and "page 4 sparse ms" in table and "| 40 | 2 |" in table  # 8: two-level default
