@@ -66,6 +66,10 @@ fi
 
 run_step "validate grid + time vs torch SDPA" $T_GRID $PY benchmarks/gpu_check.py "${MODE[@]}" "$@"
 
+# ORT with the pages on the GPU (issue #20): CUDA EP vs CPU EP, greedy ids and per-step transfer
+# bytes; the script itself says "skipped: ..." (exit 0) without onnxruntime-gpu or a GPU.
+run_step "ORT CUDA EP: device pages vs CPU EP" 120 $PY benchmarks/gpu_check_ort.py --provider cuda
+
 step "report"
 if [ -f "$REPORT" ]; then cat "$REPORT"; else echo "no report at $REPORT"; fi
 
