@@ -2,11 +2,13 @@
 
 TensorRT refuses to build when a dynamic input has no range, and inputs that share an
 ONNX dim name must get overlapping ranges (and equal values at run time). Checked on
-the tiny LLaMA packages, with and without the INT8 cold tier, against the ONNX inputs
-themselves - no TensorRT needed.
+the tiny LLaMA packages, with and without the INT8 cold tier, and two-level (its sparse
+layers' ``key_sub_bounds``), against the ONNX inputs themselves - no TensorRT needed.
 """
 
 from __future__ import annotations
+
+import json
 
 import onnx
 import pytest
@@ -15,12 +17,23 @@ from tinyserve_trt.export.config import ExportConfig
 from tinyserve_trt.contracts.engine_profiles import engine_profiles
 
 
+@pytest.fixture(scope="module")
+def llama_two_level(tmp_path_factory):
+    """(source, two-level package, manifest): pages of 8, sub-pages of 4, layer 0 dense."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.tiny_models import build_package
+
+    src, pkg = build_package("llama", tmp_path_factory.mktemp("two_level_trt"), page_size=8, sub_page_size=4)
+    return src, pkg, json.loads((pkg / "tinyserve.json").read_text())
+
+
 def _inputs(pkg):
     model = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
     return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_cold"])
+@pytest.mark.parametrize("which", ["llama", "llama_cold", "llama_two_level"])
 def test_every_dynamic_input_has_a_consistent_range(request, which):
     _, pkg, manifest = request.getfixturevalue(which)
     profiles, limits = engine_profiles(manifest, manifest["max_context"])
@@ -49,6 +62,15 @@ def test_every_dynamic_input_has_a_consistent_range(request, which):
         assert rows == hot + cold and limits["max_cold_pages"] == cold  # metadata rows cover both tiers
     else:
         assert limits["max_cold_pages"] == 0
+    subs = [layer.get("key_sub_bounds") for layer in manifest["io"]["layers"]]
+    if which == "llama_two_level":
+        assert subs[0] is None and all(subs[1:])  # the dense layer takes no codes
+        for layer in manifest["io"]["layers"][1:]:
+            lo, opt, hi = profiles[layer["key_sub_bounds"]]
+            assert [s[0] for s in (lo, opt, hi)] == [s[0] for s in profiles[layer["key_min"]]]
+            assert hi[2] == manifest["page_size"] // manifest["sub_page_size"] == 2
+    else:
+        assert not any(subs)
 
 
 def test_a_cold_tier_can_be_exported_for_tensorrt():

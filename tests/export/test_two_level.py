@@ -90,7 +90,7 @@ def test_config_and_cli_refuse_bad_sub_pages(capsys):
 
 def test_two_level_is_the_default_where_the_op_supports_it():
     """The measured default (config.DEFAULT_PAGE_SIZE -> DEFAULT_SUB_PAGE_SIZE, issue #15) for ORT
-    packages of query_aware; other policies and TensorRT packages stay single level; `auto` picks it."""
+    and TensorRT packages of query_aware; other policies stay single level; `auto` picks it."""
     from tinyserve_trt.export import config as export_config
 
     d = ExportConfig()
@@ -100,7 +100,8 @@ def test_two_level_is_the_default_where_the_op_supports_it():
     assert ExportConfig(page_size="auto", max_context=65536).resolved_page_size() == ps
     assert ExportConfig(page_size="auto", max_context=65536, sub_page_size=0).resolved_page_size() == 64
     assert ExportConfig(policy="window").resolved_sub_page_size() == 0
-    assert ExportConfig(backend="trt").resolved_sub_page_size() == 0
+    assert ExportConfig(backend="trt").resolved_sub_page_size() == sp
+    assert ExportConfig(backend="trt").layer_attributes(5, 0.1).sub_page_size == sp
     assert ExportConfig(page_size=sp).resolved_sub_page_size() == 0  # pages no larger than a sub-page
     args = cli.parser().parse_args(["m.onnx"])
     assert cli._config(args).resolved_sub_page_size() == sp

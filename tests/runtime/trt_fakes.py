@@ -3,7 +3,10 @@
 The fake engine computes a toy model from the bytes at the addresses bound to its
 context: K/V from (token, position, layer), logits from the row's cached keys read
 through the page table (cold pages, physical ids >= P, dequantized from the bound
-INT8 pools, as the op). A fake "graph" records the ``execute_async_v3`` calls made
+INT8 pools, as the op). A two-level fake (``sub_page_size``) also takes
+``key_sub_bounds.{i}`` on its sparse layers (not layer 0, dense) and checks, each step,
+that the codes bound there for the pages a row reads are ``ops.fine_bounds``' of the
+bound keys and min/max (``FakeEngine.sub_checks``). A fake "graph" records the ``execute_async_v3`` calls made
 during capture and re-runs them on replay. ``fake_backend`` builds a TrtBackend on
 them over a plain or a tiered pool; ``greedy`` drives it with a real Scheduler.
 """
@@ -28,20 +31,22 @@ from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
 
 LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 3, 4, 16, 48
-NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8}
+NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8, "UINT8": np.uint8}
 COLD_TIER = dict(k_granularity="channel", v_granularity="token")
 
 # ---- a stand-in TensorRT ------------------------------------------------------------
 _capturing: list = []  # the fake CUDAGraph being captured, if any
 
 
-def _spec(cold: bool = False) -> dict[str, tuple[str, str]]:
+def _spec(cold: bool = False, two_level: bool = False) -> dict[str, tuple[str, str]]:
     spec = {n: ("INPUT", "INT32") for n in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget")}
     spec["logits_index"] = ("INPUT", "INT64")
     for i in range(LAYERS):
         spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in HOT_ROLES})
         if cold:
             spec.update({f"{r}.{i}": ("INPUT", "INT8" if r.endswith("int8") else "FLOAT") for r in COLD_ROLES})
+        if two_level and i > 0:  # layer 0 is dense: single level, no fine bounds
+            spec[f"key_sub_bounds.{i}"] = ("INPUT", "UINT8")
         spec.update({f"new_key.{i}": ("OUTPUT", "FLOAT"), f"new_value.{i}": ("OUTPUT", "FLOAT"),
                      f"selected_pages.{i}": ("OUTPUT", "INT32")})
     spec["logits"] = ("OUTPUT", "FLOAT")
@@ -51,10 +56,11 @@ def _spec(cold: bool = False) -> dict[str, tuple[str, str]]:
 class FakeEngine:
     device_memory_size_v2 = 4096
 
-    def __init__(self, capturable: bool = True, cold: bool = False):
-        self.spec, self.capturable, self.contexts = _spec(cold), capturable, []
+    def __init__(self, capturable: bool = True, cold: bool = False, two_level: bool = False):
+        self.spec, self.capturable, self.contexts = _spec(cold, two_level), capturable, []
         self.names = list(self.spec)
         self.last_context = None  # per row: the sum the toy model read from the cache
+        self.sub_checks = [0, 0]  # (pages whose bound codes were checked, of them stale)
 
     num_io_tensors = property(lambda self: len(self.names))
 
@@ -133,10 +139,30 @@ class FakeContext:
             for b in range(b_rows):  # never reads a page-table column past past_lens
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()
+            if f"key_sub_bounds.{layer}" in self.engine.spec:
+                self._check_sub_bounds(layer, table, past)
         self.engine.last_context = context
         rows = np.arange(b_rows)
         phase = ids[rows, last] + 0.1 * pos[rows, last] + 1e-3 * context
         self._view("logits")[...] = np.cos(0.37 * np.arange(VOCAB) * (1 + phase[:, None]))[:, None, :]
+
+
+    def _check_sub_bounds(self, layer, table, past):
+        """Count the pages (hot, read by a row before this step's append) whose bound codes
+        differ from ``ops.fine_bounds``' codes of the bound keys and min/max."""
+        from tinyserve_trt.ops.fine_bounds import page_sub_bounds
+
+        codes, cache = self._view(f"key_sub_bounds.{layer}"), self._view(f"key_cache.{layer}")
+        kmin, kmax = self._view(f"key_min.{layer}"), self._view(f"key_max.{layer}")
+        sub = PAGE_SIZE // codes.shape[2]
+        for b in range(len(past)):
+            for j in range(-(-int(past[b]) // PAGE_SIZE)):
+                p = table[b, j]
+                if p >= cache.shape[0]:
+                    continue
+                want = page_sub_bounds(cache[p], sub, kmin[p], kmax[p], min(PAGE_SIZE, past[b] - j * PAGE_SIZE))
+                self.engine.sub_checks[0] += 1
+                self.engine.sub_checks[1] += int(not np.array_equal(codes[p], want))
 
 
 class FakeCudaGraph:
@@ -217,7 +243,8 @@ def _fake_append(lib, shapes, pointers, dtype, stream=0):
 
 @pytest.fixture
 def fake_backend(monkeypatch, tmp_path):
-    """backend(cuda_graphs=..., capturable=..., tiered=..., **limits) -> (TrtBackend on fakes, its pool)."""
+    """backend(cuda_graphs=..., capturable=..., tiered=..., sub_page_size=..., **limits) -> (TrtBackend on
+    fakes, its pool). ``sub_page_size``: a two-level package (layer 1 sparse, ``key_sub_bounds.1``)."""
     (tmp_path / "model.plan").write_bytes(b"fake")
     layers = [{r: f"{r}.{i}" for r in (*HOT_ROLES, *COLD_ROLES, "new_key", "new_value", "selected_pages")}
               for i in range(LAYERS)]
@@ -231,16 +258,20 @@ def fake_backend(monkeypatch, tmp_path):
     monkeypatch.setattr("tinyserve_trt.cuda.library.load", lambda path=None: "fake-lib")
     _appended.clear()
 
-    def make(cuda_graphs=True, capturable=True, tiered=False, **limits):
+    def make(cuda_graphs=True, capturable=True, tiered=False, sub_page_size=0, **limits):
         """``limits``: extra ``manifest["engine"]`` entries (max_pool_pages, max_cold_pages)."""
-        engine = FakeEngine(capturable, cold=tiered)
+        engine = FakeEngine(capturable, cold=tiered, two_level=bool(sub_page_size))
+        for i, names in enumerate(layers):
+            names.pop("key_sub_bounds", None)
+            if sub_page_size and i > 0:
+                names["key_sub_bounds"] = f"key_sub_bounds.{i}"
         package.cold_tier = COLD_TIER if tiered else None
         package.manifest = {"engine": {"file": "model.plan", "max_batch": 8, "max_pages": 16, **limits}}
         trt = types.SimpleNamespace(
             Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
             ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))
         monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda: trt)
-        cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32")
+        cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32", sub_page_size=sub_page_size)
         pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **COLD_TIER), LAYERS, HEADS, DIM) if tiered \
             else PagePool(cache, LAYERS, HEADS, DIM)
         with monkeypatch.context() as m:

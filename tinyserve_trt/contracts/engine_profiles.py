@@ -19,6 +19,7 @@ def engine_profiles(manifest: dict, max_context: int) -> tuple[dict[str, tuple],
     cover ``max_context``; the hot page pools (and key_min/key_max) hold up to twice
     what ``BATCH[2]`` sequences of ``max_context`` need - room for prefix-cached
     pages - and a cold tier as many INT8 pages again (its metadata rows are hot + cold).
+    A two-level package's ``key_sub_bounds`` (sparse layers only) has key_min's rows.
     """
     io, ps = manifest["io"], manifest["page_size"]
     hkv, d = manifest["num_kv_heads"], manifest["head_dim"]
@@ -26,6 +27,7 @@ def engine_profiles(manifest: dict, max_context: int) -> tuple[dict[str, tuple],
     batch, chunk = BATCH, NEW_TOKENS
     pool = (1, batch[1] * max_pages, 2 * batch[2] * max_pages)
     cold = manifest.get("cold_tier")
+    sub = manifest.get("sub_page_size") or 0
     rows = tuple(2 * n for n in pool) if cold else pool  # key_min/key_max: P (+ Pcold) rows
     inputs = io["inputs"]
     profiles = {inputs["input_ids"]: tuple((b, t) for b, t in zip(batch, chunk)),
@@ -40,6 +42,8 @@ def engine_profiles(manifest: dict, max_context: int) -> tuple[dict[str, tuple],
             profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)
         for role in ("key_min", "key_max"):
             profiles[names[role]] = tuple((n, hkv, d) for n in rows)
+        if sub and "key_sub_bounds" in names:
+            profiles[names["key_sub_bounds"]] = tuple((n, hkv, ps // sub, d) for n in rows)
         if cold:
             for role in ("key_cache_int8", "value_cache_int8"):
                 profiles[names[role]] = tuple((n, hkv, ps, d) for n in pool)

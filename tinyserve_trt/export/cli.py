@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-page-size", type=int, default=None,
                    help="two-level selection: re-rank the candidate pages' sub-pages of this many tokens "
                         "(0 = single level; docs/op.md); default "
-                        f"{DEFAULTS.resolved_sub_page_size()} for ORT packages of query_aware, else 0")
+                        f"{DEFAULTS.resolved_sub_page_size()} for query_aware, else 0")
     p.add_argument("--candidate-share", type=float, default=DEFAULTS.candidate_share,
                    help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "

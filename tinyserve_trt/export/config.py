@@ -10,8 +10,8 @@ from ..ops import schema
 BACKENDS = ("ort", "trt")
 # The default selection (issue #15), chosen by benchmarks/quality_sweep.py at budget 1024 on two
 # texts (benchmarks/results/analysis.md, "Two-level default"): the cheapest setting within 2% of
-# dense perplexity on both. Two-level is the default of ONNX Runtime packages with a two-level
-# policy; TensorRT packages stay single level until the plugin's select kernel has its second stage.
+# dense perplexity on both. Two-level is the default of every package with a two-level policy
+# (ONNX Runtime and TensorRT: the plugin takes key_sub_bounds, the engine profile covers it).
 DEFAULT_PAGE_SIZE = 32
 DEFAULT_SUB_PAGE_SIZE = 4
 
@@ -86,11 +86,11 @@ class ExportConfig:
         return 5e-2 if self.fp16 else 1e-4
 
     def _default_two_level(self) -> bool:
-        return self.sub_page_size is None and self.policy in schema.TWO_LEVEL_POLICIES and self.backend == "ort"
+        return self.sub_page_size is None and self.policy in schema.TWO_LEVEL_POLICIES
 
     def resolved_sub_page_size(self) -> int:
         """The sub-page size the sparse layers use: ``sub_page_size``, or by default
-        ``DEFAULT_SUB_PAGE_SIZE`` for an ORT package of a two-level policy when it divides
+        ``DEFAULT_SUB_PAGE_SIZE`` for a package of a two-level policy when it divides
         the page size (and is smaller); 0 (single level) otherwise."""
         if self.sub_page_size is not None:
             return self.sub_page_size

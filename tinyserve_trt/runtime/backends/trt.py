@@ -14,6 +14,10 @@ INT8 cold tier (issue #6): over a ``TieredPagePool`` the engine's cold inputs
 the pool's physical table, and the pool's demotions quantize on the device,
 batched per step (``DevicePages.flush``).
 
+Two-level packages (issue #15): each sparse layer's ``key_sub_bounds.{i}`` is bound
+to DevicePages' uint8 codes like the other pools; the pool re-encodes the codes of the
+pages a step wrote after the append (``PagePool.note_device_writes``), on the host.
+
 Decode steps (one new token per row) replay a CUDA graph: the batch is padded
 to a bucket shape ``[B, W]`` (``graph_buckets.DecodeBuckets``) and each bucket,
 on first use, gets its own execution context (TensorRT ties a captured graph to
@@ -95,8 +99,12 @@ class TrtBackend(Backend):
         return self._graphs is not None
 
     def _bind_pages(self, context) -> None:
+        """Every layer's pool tensors by address, under the package's name for each role it
+        has (a two-level package's dense layers take no ``key_sub_bounds``)."""
         for names, tensors in zip(self.package.layers, self.pages.layers):
             for role in self.pages.roles:
+                if role not in names:
+                    continue
                 t = tensors[role]
                 context.set_input_shape(names[role], tuple(t.shape))
                 context.set_tensor_address(names[role], t.data_ptr())
