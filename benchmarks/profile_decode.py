@@ -123,7 +123,8 @@ def ours_feeds(package: ModelPackage, context: int, batch: int, budget: int, see
         feeds[names["key_min"]] = keys.min(axis=2)
         feeds[names["key_max"]] = keys.max(axis=2)
         if "key_sub_bounds" in names:
-            feeds[names["key_sub_bounds"]] = rng.integers(0, 256, (pool, hkv, 4, d)).astype(np.uint8)
+            r = ps // package.sub_page_size  # sub-pages per page
+            feeds[names["key_sub_bounds"]] = rng.integers(0, 256, (pool, hkv, r, d)).astype(np.uint8)
     return feeds
 
 
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
             feeds = {"ours": ours_feeds(package, context, args.batch, args.budget)}
             paths = {"ours": labelled}
             if before is not None:
-                paths["before"], feeds["before"] = before, feeds["ours"]
+                paths["before"], feeds["before"] = before, ours_feeds(old, context, args.batch, args.budget)
             if args.genai_model is not None:
                 paths["genai"] = args.genai_model / "model.onnx"
                 feeds["genai"] = genai_feeds(session(paths["genai"], args.threads), context, args.batch)
