@@ -21,7 +21,7 @@ def test_bench_scale_smoke(llama, tmp_path, capsys):
                                      "--max-batch", "4", "--threads", "1", "--num-cpus", "2",
                                      "--out", str(out)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    m = re.fullmatch(r"RESULT hit_rate_prefix=(\d\.\d+) hit_rate_default=(\d\.\d+) tok_s_2v1=\d+\.\d+", last)
+    m = re.fullmatch(r"RESULT hit_rate_prefix=(\d\.\d+) hit_rate_default=(\d\.\d+) tok_s_2v1=\d+\.\d+ ttft_warm_over_cold=\d+\.\d+", last)
     assert m
     data = json.loads(out.with_suffix(".json").read_text())
     rows = {(r["routing"], r["replicas"]): r for r in data["rows"]}
@@ -31,4 +31,9 @@ def test_bench_scale_smoke(llama, tmp_path, capsys):
     # measured request reuses its system prompt's pages (most of its prompt)
     assert rows["prefix", 2]["prefix_hit_rate"] > 0.5 and rows["prefix", 1]["prefix_hit_rate"] > 0.5
     assert len(rows["prefix", 2]["prompt_tokens_by_replica"]) == 2
-    assert "| prefix | 2 | 6 |" in out.read_text()
+    assert "| prefix | 2 | 1 | 6 |" in out.read_text()
+    # warm-up: the system prompts prefilled on their owners, so each prefix's first request
+    # reuses them; without warm-up the first request of each prefix has nothing to reuse
+    cold, warm = data["warmup"]
+    assert (cold["warmup"], warm["warmup"]) == (False, True) and cold["requests"] == warm["requests"] == 2
+    assert warm["prefix_hit_rate"] > 0.5 > cold["prefix_hit_rate"]
