@@ -60,6 +60,7 @@ def test_engine_kv_and_selections_match_the_hf_source(engine_source, hf_dir, lla
         == (4, 16, 1, 0)
     hf = HFSource(str(hf_dir), page_size=4, token_budget=16, decode_steps=4,
                   attrs=schema.OpAttributes(sink_pages=manifest["sink_pages"], recent_pages=manifest["recent_pages"]))
+    assert engine_source.max_context == manifest["max_context"]  # the CLI cuts prompts to it
     a, b = engine_source.observe(PROMPT), hf.observe(PROMPT)
     assert a.keys.shape == b.keys.shape == (2, 2, len(PROMPT), 16)
     np.testing.assert_allclose(a.keys, b.keys, rtol=1e-4, atol=1e-4)

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # not a model directory / package, unknown source
         fail(f"cannot load {args.model_dir} ({kind} source): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     try:
-        ids = [source.tokenize(t)[: cfg.max_tokens] for t in prompts[: args.samples + args.heldout]]
+        limit = min(cfg.max_tokens, source.max_context or cfg.max_tokens)
+        ids = [source.tokenize(t)[:limit] for t in prompts[: args.samples + args.heldout]]
     except (OSError, ValueError) as e:  # e.g. a package without tokenizer.json
         fail(f"cannot tokenize the prompts: {str(e).splitlines()[0]}")
     short = [i for i, x in enumerate(ids) if len(x) < 2]

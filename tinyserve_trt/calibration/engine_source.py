@@ -53,6 +53,7 @@ class EngineSource(ObservationSource):
         self.package = package
         self.num_layers, self.num_kv_heads, self.head_dim = package.num_layers, package.num_kv_heads, package.head_dim
         self.page_size = package.page_size
+        self.max_context = package.max_context
         self.token_budget = package.token_budget if token_budget is None else token_budget
         self.decode_steps = decode_steps
         self.engine = Engine(package, EngineConfig(backend=backend, token_budget=self.token_budget, max_batch=1,

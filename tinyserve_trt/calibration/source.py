@@ -52,6 +52,7 @@ class ObservationSource(ABC):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    max_context: int | None = None  # longest token sequence it runs (None: no limit); prompts are cut to it
 
     def op_settings(self) -> dict:
         """``CalibrationConfig`` fields the source fixes (``page_size``, ``token_budget``,
