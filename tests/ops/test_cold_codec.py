@@ -53,7 +53,8 @@ def test_int8_codec_is_the_int8_quantizer(x, granularity):
 TINY_PAGES = hnp.arrays(
     np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8])),
     elements=st.one_of(st.just(0.0), st.floats(-2.0 ** -123, 2.0 ** -123, width=32, allow_subnormal=True),
-                       st.sampled_from([float(np.float32(v)) for v in (1e-44, -1e-44, 1.4e-45, 3e-39, np.finfo(np.float32).tiny)])))
+                       st.sampled_from([float(np.float32(v))
+                                        for v in (1e-44, -1e-44, 1.4e-45, 3e-39, np.finfo(np.float32).tiny)])))
 
 
 def _assert_tiny_round_trip(x, q, scale, deq, scale_dtype, valid):
