@@ -1,4 +1,4 @@
-"""Hot/cold mixed-precision KV pages (issues #6, #17): KV bytes vs greedy top-1 agreement.
+"""Hot/cold mixed-precision KV pages (issues #6, #17): KV bytes vs greedy top-1 agreement and perplexity.
 
 For each package (``--model``, repeatable: e.g. an ``--cold-pages int4`` and an
 ``int8`` export of the same model, shown side by side) and each hot fraction
@@ -13,13 +13,23 @@ pages the op rarely selects are demoted between steps.
   baseline is all-FP16 pages for an FP16 package (``--fp16``), all-FP32 for an
   FP32 one, and the table says which. FP32 packages also get the same page
   counts priced as FP16 pages (what an FP16 deployment would save).
-- Top-1 agreement: the fraction of generated positions whose greedy token
-  equals the all-hot run's, teacher-forced on the all-hot continuation (the
-  engine is fed the reference tokens, so one disagreement does not compound).
+- Top-1 agreement: the fraction of scored positions whose greedy token
+  equals the all-hot run's at the same position, every run teacher-forced on
+  the same tokens (so one disagreement does not compound).
+- Perplexity: ``exp`` of the mean negative log-likelihood of the forced tokens
+  over the scored positions, and its ratio to the all-hot run's.
 
 Prompts: ``--data`` (JSON Lines ``text``/``prompt`` or plain lines), else the
 Python standard library's source files in sorted order (text the calibration,
-done on this repository's docs, never saw), each cut to ``--context`` tokens.
+done on this repository's docs, never saw), each cut to ``--context`` tokens;
+the forced tokens are the all-hot run's greedy continuation (``--decode`` of
+them, the first predicted by the prefill), so its perplexity is the model's
+confidence in its own continuation. ``--text FILE`` (or ``--text hamlet``:
+``benchmarks/quality.py``'s default text) instead cuts one long text into
+``--prompts`` consecutive windows of ``--context`` tokens and forces the text
+itself, as ``quality.py`` scores it: the first ``context - decode - 1`` tokens
+are prefilled, the last ``--decode`` positions are scored decode steps - a
+real perplexity of the text.
 Writes ``benchmarks/results/mixed_precision.md`` + ``.json``; the LAST line is
 ``RESULT kv_bytes_ratio=<r> top1_agreement=<a>`` at the chosen setting: the
 lowest ratio whose agreement meets ``--min-agreement``, else the best agreement.
@@ -46,6 +56,7 @@ from tinyserve_trt.runtime.sampling import SampleOutput  # noqa: E402
 from tinyserve_trt.runtime.tiers import TierConfig, cold_page_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+HAMLET = "hamlet"  # --text: the default text of benchmarks/quality.py
 
 
 def load_prompts(package: ModelPackage, n: int, context: int, data: str | None) -> list[list[int]]:
@@ -67,36 +78,79 @@ def load_prompts(package: ModelPackage, n: int, context: int, data: str | None) 
     raise SystemExit(f"bench_mixed: only {len(prompts)} prompts of {context} tokens found (wanted {n})")
 
 
-class TeacherForcer:
-    """A sampler that feeds the reference tokens and counts where greedy would agree."""
+def text_windows(package: ModelPackage, n: int, context: int, decode: int,
+                 text: str) -> tuple[list[list[int]], dict[str, list[int]]]:
+    """``n`` consecutive ``context``-token windows of one long text: (prompts = each window's first
+    ``context - decode - 1`` tokens, request -> the rest, forced: the first is the prefill's
+    (unscored) prediction, then ``decode`` scored decode steps)."""
+    from tinyserve_dev.evaluation.texts import default_text_path, read_text
 
-    def __init__(self, reference: dict[str, list[int]]):
-        self.reference, self.agree, self.total = reference, 0, 0
+    if decode < 1 or context < decode + 2:
+        raise SystemExit(f"bench_mixed: --context {context} must exceed --decode {decode} + 1 with --text")
+    try:
+        path = default_text_path() if text == HAMLET else Path(text)
+        ids = package.encode(read_text(path))
+    except OSError as e:
+        raise SystemExit(f"bench_mixed: cannot read --text {text}: {e}") from None
+    if len(ids) < n * context:
+        raise SystemExit(f"bench_mixed: {path} is {len(ids)} tokens: {len(ids) // context} windows of {context} "
+                         f"(wanted --prompts {n})")
+    windows = [ids[i * context:(i + 1) * context] for i in range(n)]
+    cut = context - decode - 1
+    return [w[:cut] for w in windows], {f"p{i}": w[cut:] for i, w in enumerate(windows)}
+
+
+def nll(logits: np.ndarray, token: int) -> float:
+    """Negative log-likelihood of ``token`` under ``logits [vocab]`` (float64 log-sum-exp)."""
+    row = np.asarray(logits, np.float64)
+    top = row.max()
+    return float(top + np.log(np.exp(row - top).sum()) - row[token])
+
+
+class TeacherForcer:
+    """A sampler that feeds the forced tokens (request -> tokens; None: greedy's own choice)
+    and records, per request and sampled position, greedy's choice and the fed token's NLL."""
+
+    def __init__(self, forced: dict[str, list[int]] | None = None):
+        self.forced = forced
+        self.greedy: dict[str, list[int]] = {}
+        self.nll: dict[str, list[float]] = {}
 
     def __call__(self, logits, seqs, active=None) -> SampleOutput:
         tokens = np.full(len(seqs), -1, np.int64)
         for i, seq in enumerate(seqs):
             if active is not None and not active[i]:
                 continue
-            want = self.reference[seq.request_id][seq.num_output_tokens]
-            self.agree += int(np.argmax(logits[i]) == want)
-            self.total += 1
+            best = int(np.argmax(logits[i]))
+            want = best if self.forced is None else self.forced[seq.request_id][seq.num_output_tokens]
+            self.greedy.setdefault(seq.request_id, []).append(best)
+            self.nll.setdefault(seq.request_id, []).append(nll(logits[i], want))
             tokens[i] = want
         return SampleOutput(tokens)
 
 
-def run(package: ModelPackage, prompts, fraction: float, args, reference=None) -> dict:
-    """One hot fraction over all prompts; returns tokens (reference run), agreement and page counts."""
+def score(run: dict, reference: dict, skip: int) -> dict:
+    """Top-1 agreement with ``reference``'s greedy choices and perplexity of the forced tokens over
+    the scored positions (each request's sampled positions after the first ``skip``)."""
+    agree = [a == b for rid, g in run["greedy"].items() for a, b in zip(g[skip:], reference["greedy"][rid][skip:])]
+    nlls = [x for v in run["nll"].values() for x in v[skip:]]
+    ref_nlls = [x for v in reference["nll"].values() for x in v[skip:]]
+    ppl, ref_ppl = float(np.exp(np.mean(nlls))), float(np.exp(np.mean(ref_nlls)))
+    return dict(agreement=float(np.mean(agree)), positions=len(agree), nll_mean=float(np.mean(nlls)),
+                perplexity=ppl, ppl_ratio=ppl / ref_ppl)
+
+
+def run(package: ModelPackage, prompts, fraction: float, args, forced=None, max_tokens=None) -> dict:
+    """One hot fraction over all prompts, teacher-forced on ``forced`` (request -> tokens; None:
+    greedy's own); returns the fed tokens, greedy's choices and NLLs per request, page counts."""
     config = EngineConfig(hot_fraction=fraction, prefix_sharing=False, max_batch=args.batch, kv_scales=args.kv_scales,
                           prefill_chunk=args.prefill_chunk, max_tokens_per_step=args.prefill_chunk * args.batch,
                           max_seq_len=args.context + args.decode, threads=args.threads)
     engine = Engine(package, config)
     if engine.tiering is None:
         raise SystemExit(f"bench_mixed: {package.path} has no cold tier (export it with --calibration)")
-    forcer = None if reference is None else TeacherForcer(reference)
-    if forcer is not None:
-        engine.sampler = forcer
-    params = SamplingParams(temperature=0, max_tokens=args.decode, ignore_eos=True)
+    forcer = engine.sampler = TeacherForcer(forced)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens or args.decode, ignore_eos=True)
     seqs = [engine.add_request(f"p{i}", p, params) for i, p in enumerate(prompts)]
     last = {}  # request -> (hot, cold) pages after its latest step
     t0 = time.perf_counter()
@@ -113,9 +167,8 @@ def run(package: ModelPackage, prompts, fraction: float, args, reference=None) -
     stats = engine.stats()
     engine.close()
     return dict(hot_fraction=fraction, tokens={s.request_id: s.output_token_ids for s in seqs}, hot_pages=hot,
-                cold_pages=cold, demoted=stats["pages_demoted"], seconds=seconds,
-                agreement=None if forcer is None else forcer.agree / forcer.total,
-                positions=None if forcer is None else forcer.total)
+                cold_pages=cold, demoted=stats["pages_demoted"], seconds=seconds, greedy=forcer.greedy,
+                nll=forcer.nll)
 
 
 def main(argv=None) -> int:
@@ -124,10 +177,13 @@ def main(argv=None) -> int:
                     help="package with a cold tier (--cold-pages int4|int8 or --calibration); repeat to compare "
                          "formats of one model (the first one's all-hot run is the reference)")
     ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
-    ap.add_argument("--decode", type=int, default=16, help="greedy positions compared per prompt")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens (with --text: window tokens)")
+    ap.add_argument("--decode", type=int, default=16, help="positions scored per prompt")
     ap.add_argument("--fractions", default="1.0,0.5,0.25,0.1", help="hot fractions; 1.0 is the reference")
-    ap.add_argument("--data", help="prompts file (default: Python stdlib sources)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--data", help="prompts file (default: Python stdlib sources)")
+    src.add_argument("--text", metavar="FILE", help=f"one long plain text cut into --prompts windows of --context "
+                     f"tokens, the text forced ('{HAMLET}': Hamlet, benchmarks/quality.py's default text)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
@@ -147,14 +203,19 @@ def main(argv=None) -> int:
     fractions = [float(f) for f in args.fractions.split(",")]
     if 1.0 not in fractions:
         fractions.insert(0, 1.0)
-    prompts = load_prompts(package, args.prompts, args.context, args.data)
+    if args.text:
+        prompts, forced = text_windows(package, args.prompts, args.context, args.decode, args.text)
+        skip, max_tokens = 1, args.decode + 1  # the prefill's prediction is fed, not scored
+    else:
+        prompts, forced, skip, max_tokens = load_prompts(package, args.prompts, args.context, args.data), None, 0, None
     print(f"bench_mixed: {len(prompts)} prompts x {args.context} tokens, {args.decode} positions each, "
           f"hot fractions {fractions}", file=sys.stderr, flush=True)
-    ref = run(package, prompts, 1.0, args)
+    ref = run(package, prompts, 1.0, args, forced, max_tokens)
+    forced = forced or ref["tokens"]  # prompts: the all-hot greedy continuation
     print(f"bench_mixed: hot 100% (reference): {ref['hot_pages']} pages, {ref['seconds']:.0f}s", file=sys.stderr,
           flush=True)
     dims = (package.page_size, package.num_layers, package.num_kv_heads, package.head_dim)
-    rows = [dict(ref, agreement=1.0, positions=len(prompts) * args.decode, cold_format="-", package=str(package.path))]
+    rows = [dict(ref, **score(ref, ref, skip), cold_format="-", package=str(package.path))]
     prices = {}
     for pkg in packages:
         fmt = pkg.cold_tier.get("cold_format", "int8")
@@ -164,14 +225,17 @@ def main(argv=None) -> int:
                                for dt in ("float32", "float16")})
         for f in fractions:
             if f != 1.0:
-                r = run(pkg, prompts, f, args, reference=ref["tokens"])
+                r = run(pkg, prompts, f, args, forced, max_tokens)
+                r.update(score(r, ref, skip))
                 rows.append(dict(r, cold_format=fmt, package=str(pkg.path)))
-                print(f"bench_mixed: {fmt} hot {f:.0%}: agreement {r['agreement']:.4f}, {r['cold_pages']} of "
+                print(f"bench_mixed: {fmt} hot {f:.0%}: agreement {r['agreement']:.4f}, perplexity "
+                      f"{r['perplexity']:.4f} ({r['ppl_ratio']:.4f} x all-hot), {r['cold_pages']} of "
                       f"{r['hot_pages'] + r['cold_pages']} pages cold, {r['seconds']:.0f}s", file=sys.stderr,
                       flush=True)
 
     for r in rows:
-        r.pop("tokens")
+        for key in ("tokens", "greedy", "nll"):
+            r.pop(key)
         total = r["hot_pages"] + r["cold_pages"]
         price = prices.get(r["cold_format"], next(iter(prices.values())))[1]
         for dt, (hb, cb) in price.items():
@@ -195,21 +259,26 @@ def main(argv=None) -> int:
                     f"{f' in groups of {t.group_size} channels' if t.group_size else ''}, "
                     f"{'float16' if fmt == 'int4' else 'float32'} scales)" for fmt, (t, _) in prices.items())
         + f", {args.kv_scales} scales, token budget {package.token_budget}, {package.manifest['dense_layers']} dense "
-        f"layers. {len(prompts)} prompts x {args.context} tokens, {args.decode} teacher-forced greedy positions each "
-        f"({len(prompts) * args.decode} per setting).",
+        f"layers. " + (f"{len(prompts)} consecutive windows of {args.context} tokens of {args.text}, the last "
+                       f"{args.decode} positions of each scored, teacher-forced on the text"
+                       if args.text else f"{len(prompts)} prompts x {args.context} tokens, {args.decode} positions "
+                       "each teacher-forced on the all-hot greedy continuation")
+        + f" ({len(prompts) * args.decode} per setting). Perplexity: exp of the mean NLL of the forced tokens.",
         "",
         f"Baseline of the KV bytes ratio: {baseline}. A cold page costs "
         + ", ".join(f"{fmt} {p[package.dtype][1] / p[package.dtype][0]:.3f}" for fmt, (_, p) in prices.items())
         + f" of a hot {package.dtype} page.",
         "",
         f"| cold format | hot fraction | hot pages | cold pages | KV bytes / all-{package.dtype} | "
-        + ("same pages, fp16 hot | " if package.dtype != "float16" else "") + "top-1 agreement | seconds |",
-        "|---|---|---|---|---|" + ("---|" if package.dtype != "float16" else "") + "---|---|",
+        + ("same pages, fp16 hot | " if package.dtype != "float16" else "")
+        + "top-1 agreement | perplexity | ppl / all-hot | seconds |",
+        "|---|---|---|---|---|" + ("---|" if package.dtype != "float16" else "") + "---|---|---|---|",
     ]
     for r in rows:
         fp16 = f"{r['ratio_float16']:.3f} | " if package.dtype != "float16" else ""
         lines.append(f"| {r['cold_format']} | {r['hot_fraction']:.0%} | {r['hot_pages']} | {r['cold_pages']} | "
-                     f"{r[own]:.3f} | {fp16}{r['agreement']:.4f} | {r['seconds']:.0f} |")
+                     f"{r[own]:.3f} | {fp16}{r['agreement']:.4f} | {r['perplexity']:.4f} | {r['ppl_ratio']:.4f} | "
+                     f"{r['seconds']:.0f} |")
     lines += ["", f"Chosen setting (lowest bytes with agreement >= {args.min_agreement}): {chosen['cold_format']} "
               f"hot fraction {chosen['hot_fraction']:.0%}, KV bytes ratio {chosen[own]:.3f} vs {baseline}, top-1 "
               f"agreement {chosen['agreement']:.4f}. Target (ratio <= {args.target_ratio} at agreement >= "
@@ -217,7 +286,7 @@ def main(argv=None) -> int:
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(dict(command=command, rows=rows, chosen=chosen, target_met=met,
                                                         baseline=baseline,
-                                                        prompts=len(prompts), context=args.context,
+                                                        prompts=len(prompts), context=args.context, text=args.text,
                                                         kv_scales=args.kv_scales,
                                                         decode=args.decode), indent=2) + "\n")
     print("\n".join(lines))

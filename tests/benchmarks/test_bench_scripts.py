@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -85,6 +86,73 @@ def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
     rows = {r["cold_format"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     if rows["int4"]["cold_pages"] == rows["int8"]["cold_pages"] > 0:
         assert rows["int4"]["ratio_float32"] < rows["int8"]["ratio_float32"]
+
+
+def test_bench_mixed_nll_and_score():
+    mixed = load("bench_mixed")
+    logits = np.array([2.0, 0.5, -1.0, 3.0], np.float32)
+    logp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert abs(mixed.nll(logits, 1) + logp[1]) < 1e-12
+    assert abs(mixed.nll(np.array([1000.0, 0.0]), 1) - 1000.0) < 1e-9  # no overflow
+    ref = dict(greedy={"a": [1, 2, 3], "b": [4, 5, 6]}, nll={"a": [9.0, 1.0, 1.0], "b": [9.0, 2.0, 2.0]})
+    run = dict(greedy={"a": [0, 2, 0], "b": [4, 5, 6]}, nll={"a": [0.0, 2.0, 2.0], "b": [0.0, 2.0, 2.0]})
+    got = mixed.score(run, ref, skip=1)  # the first sampled position of each request is not scored
+    assert got["positions"] == 4 and got["agreement"] == 0.75
+    assert abs(got["perplexity"] - np.exp(2.0)) < 1e-12 and abs(got["ppl_ratio"] - np.exp(2.0 - 1.5)) < 1e-12
+
+
+def _original_nll(source, source_io: dict, window: list[int], scored: int) -> list[float]:
+    """NLL of the last ``scored`` tokens of ``window`` under the ORIGINAL export, one dense forward."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    ids = np.asarray([window[:-1]], np.int64)
+    feeds = {source_io["input_ids"]: ids,
+             **{n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in source_io["past_inputs"]}}
+    if source_io.get("attention_mask"):
+        feeds[source_io["attention_mask"]] = np.ones_like(ids)
+    if source_io.get("position_ids"):
+        feeds[source_io["position_ids"]] = np.arange(ids.shape[1], dtype=np.int64)[None]
+    names = [o.name for o in sess.get_outputs()]
+    logits = dict(zip(names, sess.run(None, feeds)))[source_io["logits"]][0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    n = len(window)
+    return [-logp[t - 1, window[t]] for t in range(n - scored, n)]
+
+
+def test_bench_mixed_text_perplexity(tiny_root, llama, tmp_path, capsys):
+    """--text: consecutive windows, the text forced; the all-hot perplexity equals the original export's
+    on the same scored tokens (contexts within the token budget: the op attends densely)."""
+    from tests.tiny_models import build_cold_package
+
+    src, _, manifest = llama
+    root = tiny_root / "bench-mixed-text"
+    root.mkdir(exist_ok=True)
+    pkg = build_cold_package(src, manifest, root)
+    text = tmp_path / "long.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 2)
+    out = tmp_path / "mixed.md"
+    mixed = load("bench_mixed")
+    args = ["--model", str(pkg), "--text", str(text), "--prompts", "3", "--context", "16", "--decode", "6",
+            "--fractions", "1.0,0.25", "--batch", "2", "--threads", "1", "--check-integrity", "--out", str(out)]
+    assert mixed.main(args) == 0
+    capsys.readouterr()
+    record = json.loads(out.with_suffix(".json").read_text())
+    ref, low = record["rows"]
+    assert (ref["hot_fraction"], ref["ppl_ratio"], ref["agreement"], ref["positions"]) == (1.0, 1.0, 1.0, 18)
+    assert low["hot_fraction"] == 0.25 and low["positions"] == 18 and low["cold_pages"] > 0
+    assert low["ppl_ratio"] == pytest.approx(low["perplexity"] / ref["perplexity"])
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    ids = ModelPackage.load(pkg).encode(text.read_text())
+    nlls = [x for i in range(3) for x in _original_nll(src, manifest["source_io"], ids[16 * i:16 * (i + 1)], 6)]
+    assert ref["perplexity"] == pytest.approx(float(np.exp(np.mean(nlls))), rel=1e-4)
+    table = out.read_text()
+    assert "| perplexity | ppl / all-hot |" in table and "consecutive windows of 16 tokens" in table
+    with pytest.raises(SystemExit, match="windows of 16"):
+        mixed.main([*args[:4], "--prompts", "50", *args[6:]])
 
 
 def test_quality_sweep_variants_parse_and_reject():

@@ -41,14 +41,59 @@ def test_int4_error_is_at_most_half_a_scale(x, granularity, group, data):
 @settings(max_examples=100, deadline=None)
 @given(PAGES, st.sampled_from(["channel", "token", "head"]))
 def test_int8_codec_is_the_int8_quantizer(x, granularity):
-    # the INT8 float32 scale absmax/127 underflows to 0 for |x| < ~1e-36 (INT4 clamps its float16 scale)
-    x = np.where(np.abs(x) < 1e-30, 0, x).astype(np.float32)
     codec = ColdCodec("int8", granularity, granularity)
     q, s = codec.quantize(x, "v", x.shape[1] - 1 if x.shape[1] > 1 else None)
     q2, s2 = quantization.quantize_page(x, granularity, x.shape[1] - 1 if x.shape[1] > 1 else None)
     np.testing.assert_array_equal(q, q2)
     np.testing.assert_array_equal(s, s2)
     np.testing.assert_array_equal(codec.dequantize(q, s), quantization.dequantize_page(q2, s2))
+
+
+# Tiny and subnormal float32 pages: absmax / qmax underflows to 0 or a denormal unless clamped.
+TINY_PAGES = hnp.arrays(
+    np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8])),
+    elements=st.one_of(st.just(0.0), st.floats(-2.0 ** -123, 2.0 ** -123, width=32, allow_subnormal=True),
+                       st.sampled_from([float(np.float32(v))
+                                        for v in (1e-44, -1e-44, 1.4e-45, 3e-39, np.finfo(np.float32).tiny)])))
+
+
+def _assert_tiny_round_trip(x, q, scale, deq, scale_dtype, valid):
+    info = np.finfo(scale_dtype)
+    assert scale.dtype == scale_dtype and np.all(np.isfinite(scale))
+    assert np.all(scale >= info.tiny), "a scale is 0 or denormal"
+    assert np.all(np.isfinite(deq))
+    bound = expand_scale(scale, x.shape[1], x.shape[2]).astype(np.float64) / 2
+    err = np.abs(x.astype(np.float64) - deq.astype(np.float64))
+    assert np.all(err[:, :valid] <= bound[:, :valid])
+
+
+@settings(max_examples=300, deadline=None)
+@given(TINY_PAGES, st.sampled_from(["channel", "token", "head"]), st.data())
+def test_int8_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, data):
+    valid = data.draw(st.integers(1, x.shape[1]))
+    for q, scale in (quantization.quantize_page(x, granularity, valid),
+                     ColdCodec("int8", granularity, granularity).quantize(x, "k", valid)):
+        _assert_tiny_round_trip(x, q, scale, quantization.dequantize_page(q, scale), np.float32, valid)
+    q, scale = quantization.quantize_pages(x[None], granularity)  # the batched (full page) path
+    _assert_tiny_round_trip(x, q[0], scale[0], quantization.dequantize_page(q[0], scale[0]), np.float32, x.shape[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(TINY_PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]), st.data())
+def test_int4_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, group, data):
+    valid = data.draw(st.integers(1, x.shape[1]))
+    codec = ColdCodec("int4", granularity, granularity, group)
+    q, scale = codec.quantize(x, "v", valid)
+    _assert_tiny_round_trip(x, q, scale, codec.dequantize(q, scale), np.float16, valid)
+
+
+def test_tiny_absmax_scale_is_clamped_not_zero():
+    x = np.zeros((1, 1, 2), np.float32)
+    x[0, 0, 0] = 1e-44  # / 127 is below float32's smallest denormal: the unclamped scale is 0
+    q, scale = quantization.quantize_page(x, "head")
+    assert scale.item() == np.finfo(np.float32).tiny and q[0, 0, 0] == 0
+    assert quantization.group_scale(np.array([0.0, 1e-44, 1e300]), 127).tolist() == [
+        1.0, float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)]
 
 
 def test_bytes_and_shapes():

@@ -9,7 +9,8 @@ apply (``contracts/calibration.py``, shared with export and the runtime): the
 runtime loads the artifact and builds its ``TierConfig`` / ``HotnessConfig``
 from it; it never observes.
 
-Pure numpy here; torch/transformers are imported by the ``hf`` source's factory.
+Pure numpy here; torch/transformers are imported by the ``hf`` source's factory, the
+runtime and onnxruntime by the ``engine`` source's (``engine_source.py``).
 """
 
 from tinyserve_trt.contracts.calibration import CalibrationArtifact

@@ -1,9 +1,11 @@
-"""``tinyserve-calibrate MODEL_DIR --data FILE [--samples N] [-o calibration.json]``.
+"""``tinyserve-calibrate MODEL --data FILE [--samples N] [-o calibration.json]``.
 
 Reads prompts (JSON Lines with a ``text`` or ``prompt`` field, or plain text
 with one prompt per non-empty line), observes the first ``--samples`` of
 them, evaluates on the next ``--heldout``, and writes the artifact
-(``-o`` JSON + ``.npz`` beside it). Exit 2 with one line on bad input.
+(``-o`` JSON + ``.npz`` beside it). MODEL is a tinyserve package (observed
+through the runtime: the ``engine`` source) or a Hugging Face model directory
+(torch: ``hf``); ``--source`` forces one. Exit 2 with one line on bad input.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from tinyserve_trt.calibration.observe import CalibrationConfig, calibrate
+from tinyserve_trt.calibration.source import detect_source, make_source, source_names
 
 _DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
 
@@ -51,19 +54,26 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tinyserve-calibrate", description=__doc__.split("\n\n")[1].strip())
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (transformers)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="a tinyserve package (tinyserve-export's output: observed through the runtime) or a "
+                        "Hugging Face model directory (transformers, torch)")
     p.add_argument("--data", required=True, metavar="FILE", help="prompts: .jsonl (text/prompt) or text lines")
     p.add_argument("--samples", type=int, default=16, metavar="N", help="calibration prompts (default 16)")
     p.add_argument("--heldout", type=int, default=4, metavar="N", help="held-out prompts for the report (default 4)")
     p.add_argument("-o", "--output", default="calibration.json", help="artifact path (default calibration.json)")
-    p.add_argument("--page-size", type=int, default=_DEFAULTS["page_size"])
-    p.add_argument("--token-budget", type=int, default=_DEFAULTS["token_budget"])
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"a package's own (fixed at export); HF default {_DEFAULTS['page_size']}")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help=f"decode budget observed under (default: a package's, HF {_DEFAULTS['token_budget']})")
     p.add_argument("--decode-steps", type=int, default=_DEFAULTS["decode_steps"])
     p.add_argument("--hot-fraction", type=float, default=_DEFAULTS["hot_fraction"])
     p.add_argument("--k-granularity", default=_DEFAULTS["k_granularity"])
     p.add_argument("--v-granularity", default=_DEFAULTS["v_granularity"])
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS["max_tokens"])
-    p.add_argument("--source", default="hf", help="model runner (registry in calibration/source.py)")
+    p.add_argument("--source", default=None,
+                   help="model runner (registry in calibration/source.py): engine for a package, hf for a Hugging "
+                        "Face directory; default: picked from MODEL")
+    p.add_argument("--threads", type=int, default=None, help="engine source: ONNX Runtime intra-op threads")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -81,38 +91,51 @@ def _progress(quiet: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    def fail(msg: str):
+        parser.exit(2, f"tinyserve-calibrate: error: {msg}\n")
+
     try:
         if args.samples < 1 or args.heldout < 0:
             raise DataError("--samples must be >= 1 and --heldout >= 0")
-        cfg = CalibrationConfig(page_size=args.page_size, token_budget=args.token_budget,
-                                decode_steps=args.decode_steps, hot_fraction=args.hot_fraction,
+        fixed = {k: v for k, v in (("page_size", args.page_size), ("token_budget", args.token_budget)) if v is not None}
+        cfg = CalibrationConfig(decode_steps=args.decode_steps, hot_fraction=args.hot_fraction,
                                 k_granularity=args.k_granularity, v_granularity=args.v_granularity,
-                                max_tokens=args.max_tokens)
+                                max_tokens=args.max_tokens, **fixed)
+        if args.source is not None and args.source not in source_names():
+            raise ValueError(f"unknown calibration source {args.source!r}; choose from {source_names()}")
         prompts = read_prompts(args.data)
         if len(prompts) < args.samples + args.heldout:
             raise DataError(f"{args.data} holds {len(prompts)} prompts; --samples {args.samples} + "
                             f"--heldout {args.heldout} needed")
-        if not Path(args.model_dir).is_dir():
-            raise DataError(f"model directory {args.model_dir} does not exist")
+        kind = detect_source(args.model_dir) if args.source is None else args.source
     except ValueError as e:
-        parser.exit(2, f"tinyserve-calibrate: error: {e}\n")
+        fail(str(e))
 
-    from tinyserve_trt.calibration.source import make_source  # noqa: PLC0415 (imports torch)
-
+    options = dict(fixed, decode_steps=cfg.decode_steps)
+    if kind == "engine" and args.threads is not None:
+        options["threads"] = args.threads
     try:
-        source = make_source(args.source, args.model_dir, page_size=cfg.page_size, token_budget=cfg.token_budget,
-                             decode_steps=cfg.decode_steps)
-    except (OSError, ValueError) as e:  # not a model directory, unknown source
-        parser.exit(2, f"tinyserve-calibrate: error: cannot load {args.model_dir}: {str(e).splitlines()[0]}\n")
-    ids = [source.tokenize(t)[: cfg.max_tokens] for t in prompts[: args.samples + args.heldout]]
+        source = make_source(kind, args.model_dir, **options)
+        # the op settings the source observes under (a package's are fixed at export)
+        settings = source.op_settings()
+        cfg = replace(cfg, **settings, hot_recent_pages=max(cfg.hot_recent_pages, settings.get("recent_pages", 1)))
+    except (OSError, ValueError, RuntimeError) as e:  # not a model directory / package, unknown source
+        fail(f"cannot load {args.model_dir} ({kind} source): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    try:
+        limit = min(cfg.max_tokens, source.max_context or cfg.max_tokens)
+        ids = [source.tokenize(t)[:limit] for t in prompts[: args.samples + args.heldout]]
+    except (OSError, ValueError) as e:  # e.g. a package without tokenizer.json
+        fail(f"cannot tokenize the prompts: {str(e).splitlines()[0]}")
     short = [i for i, x in enumerate(ids) if len(x) < 2]
     if short:
-        parser.exit(2, f"tinyserve-calibrate: error: prompt {short[0] + 1} has fewer than 2 tokens\n")
+        fail(f"prompt {short[0] + 1} has fewer than 2 tokens")
     artifact = calibrate(source, ids[: args.samples], ids[args.samples:], cfg, model=str(args.model_dir),
                          progress=_progress(args.quiet))
     path = artifact.save(args.output)
     ev = artifact.evaluation
-    print(f"wrote {path} (+ {path.with_suffix('.npz').name})")
+    print(f"wrote {path} (+ {path.with_suffix('.npz').name}; {kind} source, page size {cfg.page_size}, "
+          f"token budget {cfg.token_budget})")
     if ev:
         print(f"held-out {ev['num_prompts']} prompts: {ev['cold_page_share']:.0%} of pages cold, "
               f"KV memory saved {ev['memory_saved']:.1%}, top-1 agreement {ev['top1_agreement']:.1%}, "

@@ -57,6 +57,10 @@ class HFSource(ObservationSource):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._attn = [layer.self_attn for layer in self.model.model.layers]
 
+    def op_settings(self) -> dict:
+        return dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=self.attrs.sink_pages,
+                    recent_pages=self.attrs.recent_pages)
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
 

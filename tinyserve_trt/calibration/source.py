@@ -7,8 +7,12 @@ logits with some pages' K/V replaced (fake-quantized). Registry + factory:
   hf      transformers ``AutoModelForCausalLM`` in torch (``hf_source.py``); the
           op is not in its graph, so selections are computed by the numpy
           reference policies on the captured queries and keys.
-  engine  TODO (issue #6 follow-up): the tinyserve runtime engine, whose op
-          reports ``selected_pages`` directly. Not implemented.
+  engine  a tinyserve package on the runtime's engine, ONNX Runtime backend
+          (``engine_source.py``); K/V read from its page pool, selections from
+          the op's ``selected_pages`` output.
+
+``detect_source`` picks one for a directory: a package (``tinyserve.json``) ->
+``engine``, a Hugging Face model directory (``config.json``) -> ``hf``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
 
 import numpy as np
+
+from tinyserve_trt.contracts.manifest import MANIFEST_FILE
 
 
 @dataclass
@@ -44,6 +52,13 @@ class ObservationSource(ABC):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    max_context: int | None = None  # longest token sequence it runs (None: no limit); prompts are cut to it
+
+    def op_settings(self) -> dict:
+        """``CalibrationConfig`` fields the source fixes (``page_size``, ``token_budget``,
+        ``sink_pages``, ``recent_pages``, ``kv_dtype``): the op settings its observations were made
+        under and the cache dtype it holds."""
+        return {}
 
     @abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -60,6 +75,8 @@ class ObservationSource(ABC):
 
 
 SOURCES: dict[str, Callable[..., ObservationSource]] = {}
+# built-in sources register when their module is imported (heavy imports: torch, onnxruntime)
+_MODULES = {"hf": "tinyserve_trt.calibration.hf_source", "engine": "tinyserve_trt.calibration.engine_source"}
 
 
 def register_source(name: str):
@@ -69,10 +86,28 @@ def register_source(name: str):
     return deco
 
 
+def source_names() -> list[str]:
+    return sorted(set(SOURCES) | set(_MODULES))
+
+
+def detect_source(model_dir) -> str:
+    """``engine`` for a tinyserve package, ``hf`` for a Hugging Face model directory;
+    ValueError (one line) for anything else."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory")
+    if (path / MANIFEST_FILE).is_file():
+        return "engine"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ValueError(f"{path} is neither a tinyserve package (no {MANIFEST_FILE}) nor a Hugging Face model "
+                     "directory (no config.json)")
+
+
 def make_source(name: str, model_dir: str, **kwargs) -> ObservationSource:
     """The source registered as ``name``; ValueError if unknown."""
-    if name == "hf" and "hf" not in SOURCES:
-        from tinyserve_trt.calibration import hf_source  # noqa: F401,PLC0415 (registers; imports torch)
+    if name in _MODULES and name not in SOURCES:
+        import_module(_MODULES[name])  # registers it
     if name not in SOURCES:
-        raise ValueError(f"unknown calibration source {name!r}; choose from {sorted(set(SOURCES) | {'hf'})}")
+        raise ValueError(f"unknown calibration source {name!r}; choose from {source_names()}")
     return SOURCES[name](model_dir, **kwargs)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
-from tinyserve_trt.ops.quantization import GRANULARITIES, QMAX
+from tinyserve_trt.ops.quantization import GRANULARITIES, QMAX, group_scale
 
 VERSION = 1
 
@@ -111,6 +111,6 @@ class CalibrationArtifact:
     def static_scales(self) -> tuple[np.ndarray, np.ndarray]:
         """Static per (layer, KV head, channel) key and per (layer, KV head) value scales,
         ``[L, Hkv, 1, D]`` and ``[L, Hkv, 1, 1]`` float32 (the pool uses dynamic scales today)."""
-        k = np.where(self.k_absmax > 0, self.k_absmax / QMAX, 1.0).astype(np.float32)[:, :, None, :]
-        v = np.where(self.v_absmax > 0, self.v_absmax / QMAX, 1.0).astype(np.float32)[:, :, None, None]
+        k = group_scale(self.k_absmax, QMAX)[:, :, None, :]
+        v = group_scale(self.v_absmax, QMAX)[:, :, None, None]
         return k, v

@@ -19,8 +19,9 @@ channels a ``token``/``head`` scale covers (0 = all ``D``)::
 
 INT8 takes ``group_size`` 0 only (its scales stay ``[ps|1, D|1]``, what the
 CUDA kernels read). Symmetric: ``scale = absmax / qmax`` of the group (1 when
-all zero; INT4 scales are rounded to float16, then clamped to float16's
-normal range), ``q = clip(rint(x / scale), -qmax, qmax)``, so
+all zero), clamped to the normal range of the scale's dtype (float32 for INT8,
+float16 for INT4: ``quantization.group_scale``, so a tiny absmax never gives a
+0 or denormal scale), ``q = clip(rint(x / scale), -qmax, qmax)``, so
 ``|x - q * scale| <= scale / 2`` for values inside ``qmax * scale``.
 Pure numpy; does not modify its inputs.
 """
@@ -31,10 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quantization import GRANULARITIES
+from .quantization import GRANULARITIES, group_scale
 from .schema import COLD_FORMATS
 QMAX = {"int8": 127, "int4": 7}
-FP16_TINY, FP16_MAX = float(np.finfo(np.float16).tiny), float(np.finfo(np.float16).max)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -142,10 +142,7 @@ class ColdCodec:
             amax = grouped.max(axis=-1)  # [..., Hkv, ps, C]
             if shape[1] == 1:
                 amax = amax.max(axis=-2, keepdims=True)
-            s = np.where(amax > 0, amax / self.qmax, 1.0)
-            if self.cold_format == "int4":
-                s = np.clip(s, FP16_TINY, FP16_MAX)
-            scale = s.astype(self.scale_dtype)
+            scale = group_scale(amax, self.qmax, self.scale_dtype)
         scale = np.asarray(scale, self.scale_dtype)
         full = expand_scale(scale, ps, D).astype(np.float64)  # divide by the stored scale: the bound holds for it
         q = np.clip(np.rint(xf / full), -self.qmax, self.qmax)

@@ -3,7 +3,9 @@
 A cold page stores ``q = clip(round(x / scale), -127, 127)`` as int8 and a float32
 ``scale`` broadcast over the page; the op dequantizes ``x' = q * scale``
 (``schema.INPUTS`` ``key_scale`` / ``value_scale``: ``[Pcold, Hkv, ps|1, D|1]``).
-The scale of a group is ``absmax / 127`` (1 for an all-zero group), so
+The scale of a group is ``absmax / 127`` (1 for an all-zero group), raised to
+float32's smallest normal number when it would fall below it (``group_scale``:
+``1e-44 / 127`` underflows to 0 or a denormal, and ``x / scale`` to inf/NaN), so
 ``|x - x'| <= scale / 2`` elementwise for the quantized (valid) tokens.
 
 Granularity = which axes one scale covers, per (page, KV head):
@@ -28,6 +30,17 @@ import numpy as np
 
 GRANULARITIES = ("head", "channel", "token")
 QMAX = 127  # symmetric: -128 is never produced, so negation is exact
+
+
+def group_scale(amax: np.ndarray, qmax: int, dtype=np.float32) -> np.ndarray:
+    """Scales ``absmax / qmax`` of groups with absolute maxima ``amax`` (>= 0), as ``dtype``:
+    1 for an all-zero group, otherwise clamped to ``dtype``'s normal range, so a scale is
+    never 0, a denormal or inf. Raising a tiny scale keeps ``|x| <= qmax * scale`` (no clip):
+    the bound ``|x - q * scale| <= scale / 2`` holds for it; the top clamp only bites for
+    values past ``qmax * finfo(dtype).max``."""
+    info = np.finfo(dtype)
+    amax = np.asarray(amax, np.float64)
+    return np.where(amax > 0, np.clip(amax / qmax, float(info.tiny), float(info.max)), 1.0).astype(dtype)
 
 
 def scale_shape(granularity: str, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int, int]:
@@ -63,7 +76,7 @@ def quantize_page(x: np.ndarray, granularity: str, valid: int | None = None) -> 
     absx = np.abs(xf)
     absx[:, valid:, :] = 0.0
     amax = absx.max(axis=_reduce_axes(granularity), keepdims=True)
-    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    scale = group_scale(amax, QMAX)
     # divide by the float32 scale actually stored, so the error bound holds for it
     q = np.clip(np.rint(xf / scale.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
     return q, scale
@@ -117,7 +130,7 @@ def quantize_pages(x: np.ndarray, granularity: str) -> tuple[np.ndarray, np.ndar
     axes = tuple(a + 1 for a in _reduce_axes(granularity))
     xf = x.astype(np.float64)
     amax = np.abs(xf).max(axis=axes, keepdims=True)
-    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    scale = group_scale(amax, QMAX)
     q = np.clip(np.rint(xf / scale.astype(np.float64)), -QMAX, QMAX).astype(np.int8)
     return q, scale
 

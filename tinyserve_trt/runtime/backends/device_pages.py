@@ -62,7 +62,8 @@ def quantize_pages(torch, x, granularity: str, scale=None):
     else:
         axes = tuple(a + 1 for a in _reduce_axes(granularity))  # of [N, Hkv, ps, D]: one scale's span
         amax = xf.abs().amax(dim=axes, keepdim=True)
-        scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).float()
+        tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)  # ops.quantization.group_scale
+        scale = torch.where(amax > 0, (amax / QMAX).clamp(tiny, big), torch.ones_like(amax)).float()
     q = torch.clamp(torch.round(xf / scale.double()), -QMAX, QMAX).to(torch.int8)
     return q, scale
 
