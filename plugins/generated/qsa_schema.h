@@ -43,6 +43,11 @@
 #define QSA_NUM_GROUP_REDUCTIONS 2
 #define QSA_GROUP_REDUCE_NAMES {"max", "sum"}
 
+/* Cold-page formats (schema.COLD_FORMATS order; ops/cold_codec.py is the rule). */
+#define QSA_COLD_FORMAT_INT8 0
+#define QSA_COLD_FORMAT_INT4 1
+#define QSA_NUM_COLD_FORMATS 2
+
 /* Attributes: name, type (0 int, 1 float, 2 string), default, range. */
 #define QSA_NUM_ATTRIBUTES 7
 #define QSA_ATTR_SCALE_INDEX 0
