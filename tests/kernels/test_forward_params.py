@@ -69,6 +69,12 @@ def test_int4_cold_dims(rng, k_gran, v_gran, group):
                                                      rng, 0.5)), "int8").format == 0
     with pytest.raises(ValueError, match="key_cache_int8"):  # packed pools read as int8
         library.cold_dims(_shapes(case), "int8")
+    # forward_params takes the format from the node's cold_format attribute unless told
+    pointers = {n: 0x1000 for n in case}
+    assert library.forward_params(_shapes(case), pointers, "float32",
+                                  schema.OpAttributes(cold_format="int4")).cold.format == 1
+    with pytest.raises(ValueError, match="key_cache_int8"):
+        library.forward_params(_shapes(case), pointers, "float32", schema.OpAttributes())
     Pc = case["key_cache_int8"].shape[0]
     with pytest.raises(ValueError, match="value_scale"):  # 3 columns do not divide 16 channels
         library.cold_dims({**_shapes(case), "value_scale": (Pc, Hkv, ps, 3)}, "int4")

@@ -202,10 +202,11 @@ def cold_dims(shapes: Mapping[str, Sequence[int] | None], cold_format: str = "in
 
 def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping[str, int | None], dtype: str,
                    attrs: schema.OpAttributes, *, num_splits: int = 0,
-                   selected_pages_elem_size: int = 1, cold_format: str = "int8") -> QsaForwardParams:
+                   selected_pages_elem_size: int = 1, cold_format: str | None = None) -> QsaForwardParams:
     """Pack one ``qsa_forward`` call: dims, the cold tier and the sub-page rows from ``shapes``,
     device addresses from ``pointers`` (both by schema name; absent = NULL); ``cold_format``
-    (``schema.COLD_FORMATS``) says how the cold inputs are stored. Touches no memory.
+    (``schema.COLD_FORMATS``; default: ``attrs.cold_format``) says how the cold inputs are
+    stored. Touches no memory.
     Two-level attributes (``sub_page_size`` not 0 or ps) need ``key_sub_bounds`` with
     ``r = ps / sub_page_size`` rows per page: ValueError otherwise."""
     p = QsaForwardParams()
@@ -217,7 +218,7 @@ def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping
         if p.dims.sub_pages != ps // sp:
             raise ValueError(f"two-level selection (sub_page_size {sp}) needs key_sub_bounds "
                              f"[Ptot, Hkv, {ps // sp}, D], got {shapes.get('key_sub_bounds')}")
-    p.cold = cold_dims(shapes, cold_format)
+    p.cold = cold_dims(shapes, attrs.cold_format if cold_format is None else cold_format)
     p.attrs = make_attrs(attrs)
     p.dtype = DTYPES[dtype]
     p.num_splits = num_splits
