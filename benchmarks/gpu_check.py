@@ -10,7 +10,7 @@ References (the numpy one is too slow for every sequence at 32K x 32):
   scores, output against the reference's attention over the kept pages;
 * torch on the GPU for every sequence when the budget is dense: fp32 softmax
   attention over the sequence's gathered K/V plus its new token.
-Mixed hot + INT8 cold pages (K per channel, V per token; half the pages cold):
+Mixed hot + INT8 and hot + INT4 cold pages (K per channel, V per token; half the pages cold):
 decode at a sparse and a dense budget and a 4-token prefill, 4 sequences up to
 2K tokens, every sequence against the numpy reference (which dequantizes cold
 pages itself) and against the reference on the dequantized all-hot cache.
@@ -26,6 +26,7 @@ medians; GB/s on the bytes our kernels actually load (kept K/V rows + page
 metadata) vs a measured device-to-device copy bandwidth.
 Two-level timing: decode at 8K, budget 1024, single-level vs two-level (random
 fine codes: timing only) at each batch and group of the grid.
+The checks live in ``gpu_check_grid.py``; this script times and reports.
 Writes a markdown table to --out (default benchmarks/results/gpu_<gpu>.md). Fails
 loudly (non-zero exit) on any mismatch.
 
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,178 +47,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tinyserve_dev.kernels.harness import ForwardCall, sparse_attention_gpu  # noqa: E402
-from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case,  # noqa: E402
-                                              kept_sub_pages_ref, selection_score_gap, sub_page_selection_gap,
-                                              units_mask)
-from tinyserve_trt.ops import schema, sparse_attention_ref  # noqa: E402
-from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case  # noqa: E402
-
-HKV, D, PS = 8, 128, 16
-DEV = "cuda"  # "cpu" with --emulated: the harness then keeps every buffer in host memory
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def make_gpu_case(torch, B, G, ctx, budget, seed):
-    """Inputs by schema name, on the GPU, fp16. Pages shuffled in the pool; exact min/max."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    H = HKV * G
-    past = [max(1, ctx - 1 - (b * 37) % max(1, ctx // 4)) for b in range(B)]
-    n = [-(-p // PS) for p in past]
-    NP = max(n)
-    P = sum(n)
-    kc = torch.randn(P, HKV, PS, D, device=DEV, generator=g, dtype=torch.float16)
-    kc *= (1 + 4 * (torch.rand(D, device=DEV, generator=g) < 0.1)).half()  # outlier channels
-    vc = torch.randn(P, HKV, PS, D, device=DEV, generator=g, dtype=torch.float16)
-    perm = torch.randperm(P, device=DEV, generator=g).int()
-    table = torch.zeros(B, NP, dtype=torch.int32, device=DEV)
-    kmin, kmax = kc.amin(dim=2), kc.amax(dim=2)
-    off = 0
-    for b in range(B):
-        table[b, : n[b]] = perm[off: off + n[b]]
-        table[b, n[b]:] = perm[off]  # padding: a valid id, ignored
-        valid = past[b] - (n[b] - 1) * PS
-        last = int(perm[off + n[b] - 1])
-        kmin[last], kmax[last] = kc[last, :, :valid].amin(dim=1), kc[last, :, :valid].amax(dim=1)
-        off += n[b]
-    return dict(query=torch.randn(B, H, 1, D, device=DEV, generator=g, dtype=torch.float16),
-                key=torch.randn(B, HKV, 1, D, device=DEV, generator=g, dtype=torch.float16),
-                value=torch.randn(B, HKV, 1, D, device=DEV, generator=g, dtype=torch.float16),
-                key_cache=kc, value_cache=vc, key_min=kmin, key_max=kmax, page_table=table,
-                past_lens=torch.tensor(past, dtype=torch.int32, device=DEV),
-                token_budget=torch.full((B,), budget, dtype=torch.int32, device=DEV))
-
-
-def numpy_subcase(case, b):
-    """Sequence b alone, with its pages gathered into a compact pool (numpy)."""
-    past = int(case["past_lens"][b])
-    n = -(-past // PS)
-    ids = case["page_table"][b, :n].long()
-    cpu = lambda t: t.cpu().numpy()  # noqa: E731
-    return dict(query=cpu(case["query"][b: b + 1]), key=cpu(case["key"][b: b + 1]),
-                value=cpu(case["value"][b: b + 1]), key_cache=cpu(case["key_cache"][ids]),
-                value_cache=cpu(case["value_cache"][ids]), key_min=cpu(case["key_min"][ids]),
-                key_max=cpu(case["key_max"][ids]), page_table=np.arange(n, dtype=np.int32)[None],
-                past_lens=np.array([past], np.int32), token_budget=cpu(case["token_budget"][b: b + 1]))
-
-
-def check_numpy(case, out, sel, b, attrs):
-    sub = numpy_subcase(case, b)
-    n = sub["page_table"].shape[1]
-    got_out = out[b: b + 1].float().cpu().numpy()
-    got_sel = sel[b: b + 1, :, :n].cpu().numpy()
-    _, ref_sel = sparse_attention_ref(**sub, attrs=attrs)
-    gap = selection_score_gap(sub, got_sel, ref_sel, attrs)
-    if gap > 1e-3:
-        raise AssertionError(f"sequence {b}: kept pages score worse than the reference's by {gap}")
-    want = attention_with_selection_ref(sub, got_sel, attrs)
-    np.testing.assert_allclose(got_out, want, err_msg=f"sequence {b} vs numpy", **schema.TOLERANCES["float16"])
-    return gap
-
-
-def check_torch_dense(torch, case, out):
-    """Every sequence against fp32 attention over its gathered K/V + new token (dense budget only)."""
-    B, H = case["query"].shape[:2]
-    G = H // HKV
-    worst = 0.0
-    for b in range(B):
-        past = int(case["past_lens"][b])
-        ids = case["page_table"][b, : -(-past // PS)].long()
-        k = case["key_cache"][ids].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :past].float()
-        v = case["value_cache"][ids].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :past].float()
-        k = torch.cat([k, case["key"][b, :, :1].float()], 1).repeat_interleave(G, 0)
-        v = torch.cat([v, case["value"][b, :, :1].float()], 1).repeat_interleave(G, 0)
-        q = case["query"][b, :, 0].float()  # [H, D]
-        p = torch.softmax(torch.einsum("hd,htd->ht", q, k) / D ** 0.5, -1)
-        ref = torch.einsum("ht,htd->hd", p, v)
-        got = out[b, :, 0].float()
-        tol = schema.TOLERANCES["float16"]
-        err = ((got - ref).abs() - tol["rtol"] * ref.abs()).max().item()
-        worst = max(worst, err)
-        if err > tol["atol"]:
-            raise AssertionError(f"sequence {b}: dense output off torch by {err + tol['atol']:.3g}")
-    return worst
-
-
-MIXED_LENS = (1000, 517, 2048, 33)
-
-
-def check_mixed(seed, lens=MIXED_LENS, kv_heads=HKV):
-    """Hot + INT8 cold pages on every sequence vs numpy; returns report rows. Raises on a mismatch."""
-    rng = np.random.default_rng(seed)
-    attrs, tol = schema.OpAttributes(), schema.TOLERANCES["float16"]
-    rows = []
-    for S, budget in ((1, 256), (1, 0), (4, 0)):
-        spec = CaseSpec(lens, kv_heads * 4, kv_heads, D, PS, S, "float16", budget)
-        case = make_mixed_case(spec, rng, 0.5, "channel", "token")
-        P = case["key_cache"].shape[0]
-        what = f"mixed S={S} budget={budget or 'dense'}"
-        out, sel = sparse_attention_gpu(**case, attrs=attrs)  # poisons outputs, checks selected_pages is written
-        if np.isnan(out).any():
-            raise AssertionError(f"{what}: NaN left in the output")
-        _, ref_sel = sparse_attention_ref(**case, attrs=attrs)
-        gap = selection_score_gap(case, sel, ref_sel, attrs) if S == 1 and budget else 0.0
-        if gap > 1e-3:
-            raise AssertionError(f"{what}: kept pages score worse than the reference's by {gap}")
-        if not (S == 1 and budget):
-            np.testing.assert_array_equal(sel, ref_sel, err_msg=what)
-        out64 = out.astype(np.float64)
-        np.testing.assert_allclose(out64, attention_with_selection_ref(case, sel, attrs), err_msg=what, **tol)
-        hot_ref = attention_with_selection_ref(dequantized_float32_case(case), sel, attrs)
-        np.testing.assert_allclose(out64, hot_ref, err_msg=f"{what} vs dequantized cache", **tol)
-        err = float(np.abs(out64 - hot_ref).max())
-        rows.append((S, budget or "dense", P, case["key_cache_int8"].shape[0], f"{gap:.1e}", f"{err:.1e}", "ok"))
-        log(f"ok {what}: {P} hot + {case['key_cache_int8'].shape[0]} cold pages, max err {err:.1e}")
-    return rows
-
-
-SP = 4  # two-level sub-page size
-TWO_LEVEL_ATTRS = schema.OpAttributes(sub_page_size=SP, candidate_share=0.5)
-TWO_LEVEL_LENS = (8190, 3001, 517, 33)
-
-
-def check_two_level(seed, lens=TWO_LEVEL_LENS, kv_heads=HKV, budget_sparse=1024):
-    """Two-level decode on every sequence vs the numpy rule; returns report rows. Raises on a mismatch."""
-    rng = np.random.default_rng(seed)
-    attrs, tol = TWO_LEVEL_ATTRS, schema.TOLERANCES["float16"]
-    rows = []
-    for cold, budget in ((False, SP), (False, budget_sparse), (False, 0), (True, budget_sparse)):
-        spec = CaseSpec(lens, kv_heads * 4, kv_heads, D, PS, 1, "float16", budget, sub_page_size=SP)
-        case = make_mixed_case(spec, rng, 0.5) if cold else make_case(spec, rng)
-        what = f"two-level budget={budget or 'dense'}{' hot+int8' if cold else ''}"
-        call = ForwardCall(**case, attrs=attrs)
-        call.launch()
-        call.dev.synchronize()
-        call.dev.check_flags(call.flags, what)
-        out = call.output.float().cpu().numpy().astype(np.float64)
-        if np.isnan(out).any():
-            raise AssertionError(f"{what}: NaN left in the output")
-        NP = case["page_table"].shape[1]
-        got = units_mask(call.kept_units(), NP * (PS // SP))
-        gap = sub_page_selection_gap(case, got, kept_sub_pages_ref(case, attrs), attrs)
-        if gap > 1e-3:
-            raise AssertionError(f"{what}: kept sub-pages score worse than the reference's by {gap}")
-        sel = call.selected.cpu().numpy().astype(bool)
-        np.testing.assert_array_equal(sel, got.reshape(*sel.shape, -1).any(-1), err_msg=f"{what} selected_pages")
-        want = attention_with_selection_ref(case, got, attrs)
-        np.testing.assert_allclose(out, want, err_msg=what, **tol)
-        err = float(np.abs(out - want).max())
-        kept = got.sum() / (len(lens) * kv_heads)
-        rows.append((budget or "dense", "hot + int8" if cold else "hot", f"{kept:.0f}", f"{gap:.1e}", f"{err:.1e}",
-                     "ok"))
-        log(f"ok {what}: sub-pages kept/(seq, KV head) {kept:.0f}, max err {err:.1e}")
-    return rows
+from gpu_check_grid import (HKV, MIXED_LENS, PS, SP, TWO_LEVEL_ATTRS, TWO_LEVEL_LENS, D,  # noqa: E402
+                            check_mixed, check_numpy, check_torch_dense, check_two_level, log, make_gpu_case)
+from tinyserve_dev.kernels.harness import ForwardCall  # noqa: E402
+from tinyserve_trt.ops import schema  # noqa: E402
 
 
 def time_two_level(torch, B, G, reps, budget=1024, ctx=8192, seed=99):
     """Decode at ctx: single-level vs two-level at the same budget (random fine codes: timing only)."""
-    case = make_gpu_case(torch, B, G, ctx, budget, seed)
+    case = make_gpu_case(torch, B, G, ctx, budget, seed)  # timing: on the GPU only
     P = case["key_cache"].shape[0]
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    case["key_sub_bounds"] = torch.randint(0, 256, (P, HKV, PS // SP, D), device=DEV, generator=g,
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    case["key_sub_bounds"] = torch.randint(0, 256, (P, HKV, PS // SP, D), device="cuda", generator=g,
                                            dtype=torch.uint8)
     single = ForwardCall(**case, attrs=schema.OpAttributes(), poison=False)
     two = ForwardCall(**case, attrs=TWO_LEVEL_ATTRS, poison=False)
@@ -256,7 +96,6 @@ def report_name(device: str) -> str:
 
 
 def main(argv=None):
-    global DEV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="report path (default benchmarks/results/gpu_<gpu>.md)")
     ap.add_argument("--emulated", action="store_true",
@@ -273,8 +112,8 @@ def main(argv=None):
 
     from tinyserve_trt.cuda import library
 
+    device = "cpu" if args.emulated else "cuda"  # the emulated library keeps every buffer in host memory
     if args.emulated:
-        DEV = "cpu"
         lib = library.use(library.library_path() if library.LIB_ENV in os.environ
                           else library.EMULATED_LIB)
         if not library.is_emulated(lib):
@@ -305,7 +144,7 @@ def main(argv=None):
         for G in ints(args.groups):
             for ctx in ints(args.contexts):
                 seed += 1
-                case = make_gpu_case(torch, B, G, ctx, 0, seed)
+                case = make_gpu_case(torch, B, G, ctx, 0, seed, device)
                 for budget in ints(args.budgets):
                     case["token_budget"].fill_(budget)
                     call = ForwardCall(**case, attrs=attrs)
@@ -378,12 +217,13 @@ def write_report(path, dev, torch_version, rows, timing, bw, mixed, mixed_lens=M
          "| batch | group | context | budget | pages kept / (seq, KV head) | score gap | dense excess err | |",
          "|---|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-    L += ["", "### Hot + INT8 cold pages", "",
+    L += ["", "### Hot + INT8 / INT4 cold pages", "",
           f"{len(mixed_lens)} sequences ({', '.join(map(str, mixed_lens))} tokens), {mixed_hkv * 4} query heads, "
-          "half the pool pages cold (K scale per "
-          "channel, V per token); every sequence vs the numpy reference on the dequantized cache, fp16 tolerance.", "",
-          "| new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
-          "|---|---|---|---|---|---|---|"]
+          "half the pool pages cold (K scale per channel, V per token; INT4 packed two per byte, float16 "
+          "scales, V in groups of 32 channels); every sequence vs the numpy reference on the dequantized cache, "
+          "fp16 tolerance.", "",
+          "| cold format | new tokens | budget | hot pages | cold pages | score gap | max abs err vs dequantized | |",
+          "|---|---|---|---|---|---|---|---|"]
     L += ["| " + " | ".join(map(str, r)) + " |" for r in mixed]
     two_rows, two_lens, two_timing = two_level
     L += ["", "### Two-level selection", "",

@@ -52,6 +52,10 @@ def render() -> str:
     L += [f"#define QSA_GROUP_REDUCE_{_c_ident(g)} {i}" for i, g in enumerate(schema.GROUP_REDUCTIONS)]
     L += [f"#define QSA_NUM_GROUP_REDUCTIONS {len(schema.GROUP_REDUCTIONS)}"]
     L += [f'#define QSA_GROUP_REDUCE_NAMES {{{", ".join(chr(34) + g + chr(34) for g in schema.GROUP_REDUCTIONS)}}}']
+    L += ["", "/* Cold-page formats (schema.COLD_FORMATS order; ops/cold_codec.py is the rule). */"]
+    L += [f"#define QSA_COLD_FORMAT_{_c_ident(c)} {i}" for i, c in enumerate(schema.COLD_FORMATS)]
+    L += [f"#define QSA_NUM_COLD_FORMATS {len(schema.COLD_FORMATS)}"]
+    L += [f'#define QSA_COLD_FORMAT_NAMES {{{", ".join(chr(34) + c + chr(34) for c in schema.COLD_FORMATS)}}}']
     L += ["", "/* Attributes: name, type (0 int, 1 float, 2 string), default, range. */",
           f"#define QSA_NUM_ATTRIBUTES {len(schema.ATTRIBUTES)}"]
     kinds = {"int": 0, "float": 1, "string": 2}

@@ -43,8 +43,14 @@
 #define QSA_NUM_GROUP_REDUCTIONS 2
 #define QSA_GROUP_REDUCE_NAMES {"max", "sum"}
 
+/* Cold-page formats (schema.COLD_FORMATS order; ops/cold_codec.py is the rule). */
+#define QSA_COLD_FORMAT_INT8 0
+#define QSA_COLD_FORMAT_INT4 1
+#define QSA_NUM_COLD_FORMATS 2
+#define QSA_COLD_FORMAT_NAMES {"int8", "int4"}
+
 /* Attributes: name, type (0 int, 1 float, 2 string), default, range. */
-#define QSA_NUM_ATTRIBUTES 7
+#define QSA_NUM_ATTRIBUTES 8
 #define QSA_ATTR_SCALE_INDEX 0
 #define QSA_ATTR_SCALE_NAME "scale"
 #define QSA_ATTR_SCALE_TYPE 1
@@ -82,6 +88,10 @@
 #define QSA_ATTR_CANDIDATE_SHARE_DEFAULT 0.5f
 #define QSA_ATTR_CANDIDATE_SHARE_MIN 0.0f
 #define QSA_ATTR_CANDIDATE_SHARE_MAX 1.0f
+#define QSA_ATTR_COLD_FORMAT_INDEX 7
+#define QSA_ATTR_COLD_FORMAT_NAME "cold_format"
+#define QSA_ATTR_COLD_FORMAT_TYPE 2
+#define QSA_ATTR_COLD_FORMAT_DEFAULT "int8"
 
 /* X-macro over the attributes in schema order: X(IDENT, "name", type). */
 #define QSA_FOR_EACH_ATTRIBUTE(X) \
@@ -92,6 +102,7 @@
     X(GROUP_REDUCE, "group_reduce", 2) \
     X(SUB_PAGE_SIZE, "sub_page_size", 0) \
     X(CANDIDATE_SHARE, "candidate_share", 1) \
+    X(COLD_FORMAT, "cold_format", 2) \
     /* end */
 
 /* Tolerances against the numpy reference, by query dtype. */

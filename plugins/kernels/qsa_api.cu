@@ -47,17 +47,22 @@ bool decode_policy_implemented(int32_t policy) {
 
 bool dtype_ok(int32_t t) { return t == QSA_DTYPE_FLOAT32 || t == QSA_DTYPE_FLOAT16; }
 
-// The four cold pointers come together; with them, Pcold >= 1, every scale axis
-// is 1 or the full page axis, and key_min/key_max have a row for every cold id.
+// The four cold pointers come together; with them, Pcold >= 1, a known format, every
+// scale token axis 1 or ps, every channel axis 1 or D (INT4: or D / a power of two,
+// with D even), and key_min/key_max have a row for every cold id.
 bool cold_ok(const QsaForwardParams& p) {
     const int n_set = (p.key_cache_int8 != nullptr) + (p.value_cache_int8 != nullptr) + (p.key_scale != nullptr) +
                       (p.value_scale != nullptr);
     const QsaColdDims& c = p.cold;
     if (n_set == 0) return c.num_pages == 0;
     const int32_t ps = p.dims.page_size, D = p.dims.head_dim;
+    const bool int4 = c.format == QSA_COLD_FORMAT_INT4;
+    if (c.format != QSA_COLD_FORMAT_INT8 && !int4) return false;
+    if (int4 && D % 2) return false;
     auto axis_ok = [](int32_t n, int32_t full) { return n == 1 || n == full; };
-    return n_set == 4 && c.num_pages >= 1 && axis_ok(c.key_scale_tokens, ps) && axis_ok(c.key_scale_channels, D) &&
-           axis_ok(c.value_scale_tokens, ps) && axis_ok(c.value_scale_channels, D) &&
+    auto channels_ok = [&](int32_t n) { return int4 ? qsa::scale_ch_shift(n, D) >= 0 : axis_ok(n, D); };
+    return n_set == 4 && c.num_pages >= 1 && axis_ok(c.key_scale_tokens, ps) && channels_ok(c.key_scale_channels) &&
+           axis_ok(c.value_scale_tokens, ps) && channels_ok(c.value_scale_channels) &&
            int64_t(p.dims.num_meta_pages) >= int64_t(p.dims.num_pages) + c.num_pages;
 }
 

@@ -46,24 +46,62 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 
-// One scale tensor of the INT8 cold tier, [Pcold, Hkv, T, C] with T in {1, ps}
-// and C in {1, D}: a broadcast axis gets stride 0, so one formula serves every
-// granularity and no thread branches on it.
+// The cold tier's format as a kernel template argument: the kernels compile the
+// cold read out (kNoCold: it costs registers, see ptxas -v) or in for one format.
+constexpr int kNoCold = -1;
+constexpr int kColdInt8 = QSA_COLD_FORMAT_INT8;
+constexpr int kColdInt4 = QSA_COLD_FORMAT_INT4;
+
+// One scale tensor of the cold tier, [Pcold, Hkv, T, C] with T in {1, ps}: float32
+// (INT8) or float16 (INT4). A broadcast token axis gets stride 0 and channel dd reads
+// column dd >> ch_shift (C == D: 0; C == 1: a shift past any head dim; channel groups
+// of D / C = 2^k: k), so one formula serves every granularity and no thread branches on it.
 struct ScaleView {
-    const float* base;
+    const void* base;
     int32_t head_stride;  // T * C elements per (cold page, KV head)
     int32_t tok_stride;   // C, or 0 when one scale covers all tokens
-    int32_t ch_stride;    // 1, or 0 when one scale covers all channels
+    int32_t ch_shift;
 
-    // Scales of row `tok` of (cold page, KV head) `page_head`; index by channel * ch_stride.
-    __device__ __forceinline__ const float* row(size_t page_head, int tok) const {
-        return base + page_head * head_stride + size_t(tok) * tok_stride;
+    // Scale of channel dd in row `tok` of (cold page, KV head) `page_head`, as float.
+    template <int CF>
+    __device__ __forceinline__ float at(size_t page_head, int tok, int dd) const {
+        const size_t i = page_head * head_stride + size_t(tok) * tok_stride + size_t(dd >> ch_shift);
+        if constexpr (CF == kColdInt4) return __half2float(static_cast<const __half*>(base)[i]);
+        else return static_cast<const float*>(base)[i];
     }
 };
 
-__host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t channels) {
-    return ScaleView{static_cast<const float*>(scale), tokens * channels, tokens > 1 ? channels : 0,
-                     channels > 1 ? 1 : 0};
+static_assert(QSA_MAX_HEAD_DIM < (1 << 9), "ScaleView's broadcast shift must exceed every channel index");
+
+// log2 of D / C when it is a power of two (C == D: 0), 9 for C == 1, -1 otherwise (refused).
+__host__ __device__ inline int32_t scale_ch_shift(int32_t channels, int32_t head_dim) {
+    if (channels == 1) return 9;
+    if (channels < 1 || head_dim % channels) return -1;
+    const int32_t g = head_dim / channels;
+    if (g & (g - 1)) return -1;
+    int32_t k = 0;
+    while ((1 << k) < g) ++k;
+    return k;
+}
+
+__host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t channels,
+                                                int32_t head_dim) {
+    return ScaleView{scale, tokens * channels, tokens > 1 ? channels : 0, scale_ch_shift(channels, head_dim)};
+}
+
+// Quantized value of channel dd of cold row `row` (= cold page * Hkv + KV head) * ps + token,
+// as float: INT8 is the int8 itself; INT4 is nibble - 8, channel dd < D/2 in the low nibble
+// of byte dd and dd >= D/2 in the high nibble of byte dd - D/2 (ops/cold_codec.py::pack_int4).
+template <int CF>
+__device__ __forceinline__ float cold_value(const void* pool, size_t row, int D, int dd) {
+    if constexpr (CF == kColdInt4) {
+        const int half = D >> 1;
+        const bool high = dd >= half;
+        const uint8_t b = static_cast<const uint8_t*>(pool)[row * half + (high ? dd - half : dd)];
+        return float(int(high ? b >> 4 : b & 15) - 8);
+    } else {
+        return float(static_cast<const int8_t*>(pool)[row * D + dd]);
+    }
 }
 
 // One 16-byte load (both pointers 16-byte aligned). memcpy under the emulation,

@@ -20,13 +20,13 @@
 // * The kept list (select kernels) holds whole pages, or with two-level
 //   selection sub-pages of sp contiguous rows; the loop walks it in unit-sized
 //   runs of rows either way, so the loads and the math do not change.
-// * Cold pages (INT8 tier) are read element-wise as int8 * scale into the same
-//   lane layout; the rest of the step is the hot path's code.
+// * Cold pages (INT8 or packed INT4 tier) are read element-wise as q * scale into
+//   the same lane layout; the rest of the step is the hot path's code.
 // Plain loads only (no cp.async, no tensor cores), so the CPU emulation runs
 // exactly this code.
 //
 // Bytes moved per (sequence, KV head): kept_tokens * 2 * D * sizeof(T) of K/V
-// (int8 + scales for cold pages) + G * D * sizeof(T) of queries, plus the
+// (int8 or int4 + scales for cold pages) + G * D * sizeof(T) of queries, plus the
 // partials (B * H * splits * (D + 2) * 4, written and read once).
 #include "qsa_common.cuh"
 
@@ -67,9 +67,9 @@ __device__ __forceinline__ void load_row_vec(const T* __restrict__ x, float (&r)
 }
 
 // Row `off` of page id `page`, KV head h, as fp32 K and V. False for an id in no
-// tier (the select kernel flags those). COLD: the call has an INT8 tier; without
-// one the cold branch is compiled out (it costs registers, see ptxas -v).
-template <typename T, int LPT, int NV, bool COLD>
+// tier (the select kernel flags those). CF: the call's cold format (kColdInt8 or
+// kColdInt4), or kNoCold, which compiles the cold branch out (it costs registers).
+template <typename T, int LPT, int NV, int CF>
 __device__ __forceinline__ bool load_kv(const QsaForwardParams& p, int page, int h, int off, int gl, bool vec_ok,
                                         float (&kr)[NV * Layout<T, LPT, NV>::VEC],
                                         float (&vr)[NV * Layout<T, LPT, NV>::VEC]) {
@@ -82,24 +82,22 @@ __device__ __forceinline__ bool load_kv(const QsaForwardParams& p, int page, int
         load_row_vec<T, LPT, NV>(static_cast<const T*>(p.value_cache) + base, vr, D, gl, vec_ok);
         return true;
     }
-    if constexpr (!COLD) return false;
-    const int c = page - d.num_pages;
-    if (p.key_cache_int8 == nullptr || page < 0 || c >= p.cold.num_pages) return false;
-    const size_t page_head = size_t(c) * Hkv + h;
-    const size_t base = (page_head * ps + off) * D;
-    const int8_t* k = static_cast<const int8_t*>(p.key_cache_int8) + base;
-    const int8_t* v = static_cast<const int8_t*>(p.value_cache_int8) + base;
-    const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels);
-    const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels);
-    const float* ks = ksv.row(page_head, off);
-    const float* vs = vsv.row(page_head, off);
+    if constexpr (CF == kNoCold) {
+        return false;
+    } else {
+        const int c = page - d.num_pages;
+        if (p.key_cache_int8 == nullptr || page < 0 || c >= p.cold.num_pages) return false;
+        const size_t page_head = size_t(c) * Hkv + h, row = page_head * ps + off;
+        const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels, D);
+        const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels, D);
 #pragma unroll
-    for (int e = 0; e < L::E; ++e) {
-        const int dd = L::elem(gl, e);
-        kr[e] = dd < D ? float(k[dd]) * ks[dd * ksv.ch_stride] : 0.f;
-        vr[e] = dd < D ? float(v[dd]) * vs[dd * vsv.ch_stride] : 0.f;
+        for (int e = 0; e < L::E; ++e) {
+            const int dd = L::elem(gl, e);
+            kr[e] = dd < D ? cold_value<CF>(p.key_cache_int8, row, D, dd) * ksv.at<CF>(page_head, off, dd) : 0.f;
+            vr[e] = dd < D ? cold_value<CF>(p.value_cache_int8, row, D, dd) * vsv.at<CF>(page_head, off, dd) : 0.f;
+        }
+        return true;
     }
-    return true;
 }
 
 // Online-softmax state of one lane group for up to kMaxG query heads.
@@ -169,7 +167,7 @@ struct GroupState {
     }
 };
 
-template <typename T, int LPT, int NV, bool COLD>
+template <typename T, int LPT, int NV, int CF>
 __global__ void __launch_bounds__(kWarps * 32)
     decode_split_kernel(QsaForwardParams p, Workspace ws, int splits, int gchunks) {
     using L = Layout<T, LPT, NV>;
@@ -218,7 +216,7 @@ __global__ void __launch_bounds__(kWarps * 32)
             const int lp = upp == 1 ? u : u / upp;  // block-uniform: single-level skips the division
             const int off = (u - lp * upp) * us + t % us;
             if (lp * ps + off < past)  // not the slot tail of the partial last page
-                valid = load_kv<T, LPT, NV, COLD>(p, p.page_table[size_t(b) * NP + lp], h, off, gl, vec_ok, kr, vr);
+                valid = load_kv<T, LPT, NV, CF>(p, p.page_table[size_t(b) * NP + lp], h, off, gl, vec_ok, kr, vr);
         }
         if (!valid)
 #pragma unroll
@@ -309,11 +307,10 @@ cudaError_t launch_decode_t(const QsaForwardParams& p, const Workspace& ws, int3
     const QsaDims& d = p.dims;
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
     const dim3 grid(splits, d.num_kv_heads * gchunks, d.batch);
-    const cudaError_t e =
-        p.key_cache_int8 != nullptr
-            ? launch_kernel(decode_split_kernel<T, LPT, NV, true>, grid, kWarps * 32, 0, stream, p, ws, splits, gchunks)
-            : launch_kernel(decode_split_kernel<T, LPT, NV, false>, grid, kWarps * 32, 0, stream, p, ws, splits,
-                            gchunks);
+    const auto kernel = p.key_cache_int8 == nullptr                ? decode_split_kernel<T, LPT, NV, kNoCold>
+                        : p.cold.format == QSA_COLD_FORMAT_INT4 ? decode_split_kernel<T, LPT, NV, kColdInt4>
+                                                                : decode_split_kernel<T, LPT, NV, kColdInt8>;
+    const cudaError_t e = launch_kernel(kernel, grid, kWarps * 32, 0, stream, p, ws, splits, gchunks);
     if (e != cudaSuccess) return e;
     return launch_kernel(combine_kernel<T>, dim3(d.num_heads, d.batch), 128, 0, stream, p, ws, splits);
 }

@@ -13,13 +13,17 @@
  *   (TensorRT plugins cannot output kBOOL), per selected_pages_elem_size; may be NULL.
  * Float tensors are all float32 or all float16 (`dtype`); accumulation is fp32.
  *
- * Optional INT8 cold tier (all four pointers set, or all NULL = hot pages only):
- *   key_cache_int8/value_cache_int8 [Pcold, Hkv, ps, D] int8
- *   key_scale [Pcold, Hkv, Tk, Ck] float32, value_scale [Pcold, Hkv, Tv, Cv] float32,
- *   T in {1, ps} and C in {1, D}: one scale broadcast over the page's tokens
- *   and/or channels (tinyserve_trt/ops/quantization.py; K per channel is
- *   [.., 1, D], V per token [.., ps, 1]).
- * A page id p in [P, P + Pcold) is cold page p - P, read as int8 * scale in
+ * Optional cold tier (all four pointers set, or all NULL = hot pages only), in
+ * one of two formats (cold.format, QSA_COLD_FORMAT_*; tinyserve_trt/ops/cold_codec.py):
+ *   INT8: key_cache_int8/value_cache_int8 [Pcold, Hkv, ps, D] int8,
+ *     key_scale [Pcold, Hkv, Tk, Ck] float32, value_scale [Pcold, Hkv, Tv, Cv] float32,
+ *     T in {1, ps} and C in {1, D}: one scale broadcast over the page's tokens
+ *     and/or channels (K per channel is [.., 1, D], V per token [.., ps, 1]).
+ *   INT4: the pools are uint8 [Pcold, Hkv, ps, D/2] (D even): channel j < D/2 in
+ *     the low nibble of byte j, channel j + D/2 in the high one, each q + 8 (q in
+ *     [-8, 7]); scales float16 [Pcold, Hkv, T, C] with C = 1 or D / C a power of
+ *     two: channel c uses column c / (D / C) (channel groups).
+ * A page id p in [P, P + Pcold) is cold page p - P, read as q * scale in
  * fp32. key_min/key_max keep one exact row per page id, hot or cold
  * (Ptot >= P + Pcold).
  *
@@ -105,11 +109,12 @@ typedef struct QsaAttrs {
  * (the rest is then not read). Only the forward call has one: append writes
  * hot pages only. */
 typedef struct QsaColdDims {
-    int32_t num_pages;            /* Pcold: pages of each int8 pool (>= 1 with a cold tier) */
+    int32_t num_pages;            /* Pcold: pages of each cold pool (>= 1 with a cold tier) */
     int32_t key_scale_tokens;     /* Tk: 1 or ps */
-    int32_t key_scale_channels;   /* Ck: 1 or D */
+    int32_t key_scale_channels;   /* Ck: 1 or D (int4: 1 or D / a power of two) */
     int32_t value_scale_tokens;   /* Tv: 1 or ps */
-    int32_t value_scale_channels; /* Cv: 1 or D */
+    int32_t value_scale_channels; /* Cv: as Ck */
+    int32_t format;               /* QSA_COLD_FORMAT_INT8 (0) or QSA_COLD_FORMAT_INT4 */
 } QsaColdDims;
 
 typedef struct QsaForwardParams {
@@ -129,10 +134,10 @@ typedef struct QsaForwardParams {
     const int32_t* page_table;
     const int32_t* past_lens;
     const int32_t* token_budget;
-    const void* key_cache_int8;   /* int8 [Pcold, Hkv, ps, D]; NULL = no cold tier */
-    const void* value_cache_int8; /* int8 [Pcold, Hkv, ps, D] */
-    const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] */
-    const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] */
+    const void* key_cache_int8;   /* int8 [Pcold, Hkv, ps, D] (int4: uint8 [.., D/2]); NULL = no cold tier */
+    const void* value_cache_int8; /* as key_cache_int8 */
+    const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] (int4: float16) */
+    const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] (int4: float16) */
     const void* key_sub_bounds;   /* uint8 [Ptot, Hkv, r, D]; read only by two-level decode */
     void* output;
     void* selected_pages; /* may be NULL */

@@ -11,7 +11,7 @@
 // (row r: head g0 + r % ng, position s0 + r / ng), so one K/V tile serves the
 // whole group and BQ positions. It walks the keys (cached ones through the
 // page table, then the new ones) in tiles of kKeys rows held in shared memory
-// as fp32 (cold INT8 rows dequantized on load), and per tile:
+// as fp32 (cold INT8/INT4 rows dequantized on load), and per tile:
 //   scores (thread per (row, key) pair) -> online-softmax row update (thread
 //   per row) -> accumulator update (thread per (row, channel)).
 // No shuffles and four barriers per key tile; the accumulators live in shared
@@ -35,7 +35,7 @@ size_t prefill_smem(int D) {
     return (size_t(2) * kRows * D + size_t(2) * kKeys * D + kRows * kKeys + 3 * kRows) * sizeof(float);
 }
 
-template <typename T, bool COLD>
+template <typename T, int CF>
 __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParams p, int gchunks) {
     QSA_DYNAMIC_SHARED(float, smem);
     const QsaDims& d = p.dims;
@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
     const int total = cached + s_last + 1;  // keys any row of this tile may see
     const T* kn = static_cast<const T*>(p.key) + (size_t(b) * Hkv + h) * S * D;
     const T* vn = static_cast<const T*>(p.value) + (size_t(b) * Hkv + h) * S * D;
-    const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels);
-    const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels);
+    const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels, D);
+    const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels, D);
     __shared__ int key_ok[kKeys];
 
     for (int j0 = 0; j0 < total; j0 += kKeys) {
@@ -93,13 +93,11 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
                     const size_t at = ((size_t(page) * Hkv + h) * ps + off) * D + dd;
                     kv = to_f(static_cast<const T*>(p.key_cache)[at]);
                     vv = to_f(static_cast<const T*>(p.value_cache)[at]);
-                } else if (COLD && page >= d.num_pages && page - d.num_pages < p.cold.num_pages) {
-                    const size_t page_head = size_t(page - d.num_pages) * Hkv + h;
-                    const size_t at = (page_head * ps + off) * D + dd;
-                    kv = float(static_cast<const int8_t*>(p.key_cache_int8)[at]) *
-                         ksv.row(page_head, off)[dd * ksv.ch_stride];
-                    vv = float(static_cast<const int8_t*>(p.value_cache_int8)[at]) *
-                         vsv.row(page_head, off)[dd * vsv.ch_stride];
+                } else if (CF != kNoCold && page >= d.num_pages && page - d.num_pages < p.cold.num_pages) {
+                    constexpr int F = CF == kNoCold ? kColdInt8 : CF;  // compiled out when kNoCold
+                    const size_t page_head = size_t(page - d.num_pages) * Hkv + h, row = page_head * ps + off;
+                    kv = cold_value<F>(p.key_cache_int8, row, D, dd) * ksv.at<F>(page_head, off, dd);
+                    vv = cold_value<F>(p.value_cache_int8, row, D, dd) * vsv.at<F>(page_head, off, dd);
                 } else {
                     ok = false;
                     if (dd == 0) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);
@@ -157,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
     }
 }
 
-template <typename T, bool COLD>
+template <typename T, int CF>
 cudaError_t launch_t(const QsaForwardParams& p, cudaStream_t stream) {
     const QsaDims& d = p.dims;
     const int G = d.num_heads / d.num_kv_heads, gchunks = (G + QSA_MAX_GROUP_PER_BLOCK - 1) / QSA_MAX_GROUP_PER_BLOCK;
@@ -166,16 +164,17 @@ cudaError_t launch_t(const QsaForwardParams& p, cudaStream_t stream) {
     const dim3 grid((d.new_tokens + bq - 1) / bq, d.num_kv_heads * gchunks, d.batch);
     const size_t smem = prefill_smem(d.head_dim);
     if (smem > 48 * 1024) {  // large head dims: opt in (host-side attribute, no device work)
-        const cudaError_t e = cudaFuncSetAttribute(prefill_tiled_kernel<T, COLD>,
+        const cudaError_t e = cudaFuncSetAttribute(prefill_tiled_kernel<T, CF>,
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
         if (e != cudaSuccess) return e;
     }
-    return launch_kernel(prefill_tiled_kernel<T, COLD>, grid, kThreads, smem, stream, p, gchunks);
+    return launch_kernel(prefill_tiled_kernel<T, CF>, grid, kThreads, smem, stream, p, gchunks);
 }
 
 template <typename T>
 cudaError_t launch_dtype(const QsaForwardParams& p, cudaStream_t stream) {
-    return p.key_cache_int8 != nullptr ? launch_t<T, true>(p, stream) : launch_t<T, false>(p, stream);
+    if (p.key_cache_int8 == nullptr) return launch_t<T, kNoCold>(p, stream);
+    return p.cold.format == QSA_COLD_FORMAT_INT4 ? launch_t<T, kColdInt4>(p, stream) : launch_t<T, kColdInt8>(p, stream);
 }
 
 }  // namespace

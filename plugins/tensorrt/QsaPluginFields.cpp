@@ -1,4 +1,4 @@
-// Plugin fields <-> QsaAttrs: what the creator reads and the plugin serializes.
+// Plugin fields <-> QsaAttrs and the cold format: what the creator reads and the plugin serializes.
 // Names, types, ranges and defaults all come from the generated schema header.
 #include "QueryAwareSparseAttentionPlugin.h"
 
@@ -13,6 +13,7 @@ namespace {
 
 char const* const kPolicyNames[] = QSA_POLICY_NAMES;
 char const* const kGroupReduceNames[] = QSA_GROUP_REDUCE_NAMES;
+char const* const kColdFormatNames[] = QSA_COLD_FORMAT_NAMES;
 
 QsaAttrs defaultAttrs() {
     QsaAttrs a{};
@@ -68,6 +69,7 @@ bool readEnum(PluginField const& f, char const* const* names, int count, int32_t
 
 char const* policyName(int32_t policy) noexcept { return kPolicyNames[policy]; }
 char const* groupReduceName(int32_t groupReduce) noexcept { return kGroupReduceNames[groupReduce]; }
+char const* coldFormatName(int32_t coldFormat) noexcept { return kColdFormatNames[coldFormat]; }
 
 PluginFieldType fieldType(int schemaType) noexcept {
     return schemaType == 0 ? PluginFieldType::kINT32
@@ -75,9 +77,12 @@ PluginFieldType fieldType(int schemaType) noexcept {
 }
 
 
-bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& error) noexcept {
+bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, int32_t& coldFormat, std::string& error) noexcept {
     try {
         attrs = defaultAttrs();
+        coldFormat = -1;
+        for (int i = 0; i < QSA_NUM_COLD_FORMATS; ++i)
+            if (std::strcmp(kColdFormatNames[i], QSA_ATTR_COLD_FORMAT_DEFAULT) == 0) coldFormat = i;
         if (fc == nullptr) return true;
         for (int32_t i = 0; i < fc->nbFields; ++i) {
             PluginField const& f = fc->fields[i];
@@ -106,6 +111,8 @@ bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& 
             } else if (name == QSA_ATTR_CANDIDATE_SHARE_NAME) {
                 ok = readNumber(f, v) && v >= QSA_ATTR_CANDIDATE_SHARE_MIN && v <= QSA_ATTR_CANDIDATE_SHARE_MAX;
                 attrs.candidate_share = float(v);
+            } else if (name == QSA_ATTR_COLD_FORMAT_NAME) {
+                ok = readEnum(f, kColdFormatNames, QSA_NUM_COLD_FORMATS, coldFormat);
             } else if (name == "plugin_namespace" || name == "plugin_version") {
                 continue;  // the ONNX parser's routing attributes, not ours
             } else {

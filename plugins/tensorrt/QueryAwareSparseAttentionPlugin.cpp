@@ -53,12 +53,13 @@ bool twoLevel(QsaAttrs const& a, int32_t pageSize) { return a.sub_page_size > 0 
 
 // ============================ plugin ============================
 
-QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, std::string ns)
-    : mAttrs(attrs), mNamespace(std::move(ns)) {}
+QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, int32_t coldFormat,
+                                                                 std::string ns)
+    : mAttrs(attrs), mColdFormat(coldFormat), mNamespace(std::move(ns)) {}
 
 QueryAwareSparseAttentionPlugin::QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other)
     : IPluginV3(), IPluginV3OneCore(), IPluginV3OneBuild(), IPluginV3OneRuntime(),
-      mAttrs(other.mAttrs), mNamespace(other.mNamespace), mDims(other.mDims), mCold(other.mCold),
+      mAttrs(other.mAttrs), mColdFormat(other.mColdFormat), mNamespace(other.mNamespace), mDims(other.mDims), mCold(other.mCold),
       mDtype(other.mDtype), mNbInputs(other.mNbInputs), mHasCold(other.mHasCold) {}
 
 IPluginCapability* QueryAwareSparseAttentionPlugin::getCapabilityInterface(PluginCapabilityType type) noexcept {
@@ -120,11 +121,14 @@ bool QueryAwareSparseAttentionPlugin::supportsFormatCombination(int32_t pos, Dyn
         case QSA_IN_PAGE_TABLE:
         case QSA_IN_PAST_LENS:
         case QSA_IN_TOKEN_BUDGET: return t == DataType::kINT32;
-        // Cold tier (14 inputs): int8 pools, float32 scales whatever the float type of query.
+        // Cold tier (14 inputs), whatever the float type of query (schema.COLD_DTYPES):
+        // int8 pools + float32 scales, or int4 = packed uint8 pools + float16 scales.
         case QSA_IN_KEY_CACHE_INT8:
-        case QSA_IN_VALUE_CACHE_INT8: return t == DataType::kINT8;
+        case QSA_IN_VALUE_CACHE_INT8:
+            return t == (mColdFormat == QSA_COLD_FORMAT_INT4 ? DataType::kUINT8 : DataType::kINT8);
         case QSA_IN_KEY_SCALE:
-        case QSA_IN_VALUE_SCALE: return t == DataType::kFLOAT;
+        case QSA_IN_VALUE_SCALE:
+            return t == (mColdFormat == QSA_COLD_FORMAT_INT4 ? DataType::kHALF : DataType::kFLOAT);
         case QSA_IN_KEY_SUB_BOUNDS: return t == DataType::kUINT8;  // 4-bit min/max codes
         default: return false;
     }
@@ -175,23 +179,25 @@ bool dimsFrom(GetDims dimsOf, QsaDims& d) {
     return kc.d[1] == k.d[1] && kc.d[3] == q.d[3] && km.d[2] == q.d[3] && pt.d[0] == q.d[0];
 }
 
-// Cold tier from the four optional inputs: int8 pools [Pcold, Hkv, ps, D] like the
-// hot pool, scales [Pcold, Hkv, 1|ps, 1|D]. qsa_check re-checks the extents and
-// Ptot >= P + Pcold; the pool shapes are only visible here.
+// Cold tier from the four optional inputs: pools [Pcold, Hkv, ps, D] like the hot pool
+// (int4: D/2 packed bytes), scales [Pcold, Hkv, 1|ps, C]. qsa_check re-checks the
+// extents, the format and Ptot >= P + Pcold; the pool shapes are only visible here.
 template <typename GetDims>
-bool coldDimsFrom(GetDims dimsOf, QsaDims const& d, QsaColdDims& c) {
+bool coldDimsFrom(GetDims dimsOf, QsaDims const& d, int32_t format, QsaColdDims& c) {
+    int32_t const stored = format == QSA_COLD_FORMAT_INT4 ? d.head_dim / 2 : d.head_dim;
     Dims const k8 = dimsOf(QSA_IN_KEY_CACHE_INT8), v8 = dimsOf(QSA_IN_VALUE_CACHE_INT8),
                ks = dimsOf(QSA_IN_KEY_SCALE), vs = dimsOf(QSA_IN_VALUE_SCALE);
     if (k8.nbDims != 4 || v8.nbDims != 4 || ks.nbDims != 4 || vs.nbDims != 4) return false;
     for (Dims const* x : {&k8, &v8, &ks, &vs})
         if (x->d[0] != k8.d[0] || x->d[1] != d.num_kv_heads) return false;
     for (Dims const* x : {&k8, &v8})
-        if (x->d[2] != d.page_size || x->d[3] != d.head_dim) return false;
+        if (x->d[2] != d.page_size || x->d[3] != stored) return false;
     c.num_pages = int32_t(k8.d[0]);
     c.key_scale_tokens = int32_t(ks.d[2]);
     c.key_scale_channels = int32_t(ks.d[3]);
     c.value_scale_tokens = int32_t(vs.d[2]);
     c.value_scale_channels = int32_t(vs.d[3]);
+    c.format = format;
     return true;
 }
 
@@ -244,8 +250,8 @@ int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* i
                !(nbInputs == QSA_NUM_INPUTS && emptyInput(in[QSA_IN_KEY_CACHE_INT8].dims) &&
                  emptyInput(in[QSA_IN_VALUE_CACHE_INT8].dims) && emptyInput(in[QSA_IN_KEY_SCALE].dims) &&
                  emptyInput(in[QSA_IN_VALUE_SCALE].dims));
-    if (mHasCold && !coldDimsFrom(dimsOf, mDims, mCold)) {
-        logError("cold-tier shapes: want int8 [Pcold, Hkv, ps, D] and scales [Pcold, Hkv, 1|ps, 1|D]");
+    if (mHasCold && !coldDimsFrom(dimsOf, mDims, mColdFormat, mCold)) {
+        logError("cold-tier shapes: want pools [Pcold, Hkv, ps, D] (int4: D/2) and scales [Pcold, Hkv, 1|ps, C]");
         return -1;
     }
     if (!subBoundsFrom(dimsOf, nbInputs, mDims)) {
@@ -282,7 +288,7 @@ int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDe
     p.page_table = static_cast<int32_t const*>(inputs[QSA_IN_PAGE_TABLE]);
     p.past_lens = static_cast<int32_t const*>(inputs[QSA_IN_PAST_LENS]);
     p.token_budget = static_cast<int32_t const*>(inputs[QSA_IN_TOKEN_BUDGET]);
-    if (mHasCold) {  // INT8 cold tier: page ids >= P read these
+    if (mHasCold) {  // cold tier (mCold.format): page ids >= P read these
         p.cold = mCold;
         p.key_cache_int8 = inputs[QSA_IN_KEY_CACHE_INT8];
         p.value_cache_int8 = inputs[QSA_IN_VALUE_CACHE_INT8];
@@ -305,6 +311,7 @@ IPluginV3* QueryAwareSparseAttentionPlugin::attachToContext(IPluginResourceConte
 PluginFieldCollection const* QueryAwareSparseAttentionPlugin::getFieldsToSerialize() noexcept {
     mPolicyName = policyName(mAttrs.policy);
     mGroupReduceName = groupReduceName(mAttrs.group_reduce);
+    mColdFormatName = coldFormatName(mColdFormat);
     mFields.clear();
     mFields.emplace_back(QSA_ATTR_SCALE_NAME, &mAttrs.scale, PluginFieldType::kFLOAT32, 1);
     mFields.emplace_back(QSA_ATTR_POLICY_NAME, mPolicyName.c_str(), PluginFieldType::kCHAR,
@@ -315,6 +322,8 @@ PluginFieldCollection const* QueryAwareSparseAttentionPlugin::getFieldsToSeriali
                          int32_t(mGroupReduceName.size() + 1));
     mFields.emplace_back(QSA_ATTR_SUB_PAGE_SIZE_NAME, &mAttrs.sub_page_size, PluginFieldType::kINT32, 1);
     mFields.emplace_back(QSA_ATTR_CANDIDATE_SHARE_NAME, &mAttrs.candidate_share, PluginFieldType::kFLOAT32, 1);
+    mFields.emplace_back(QSA_ATTR_COLD_FORMAT_NAME, mColdFormatName.c_str(), PluginFieldType::kCHAR,
+                         int32_t(mColdFormatName.size() + 1));
     mFieldCollection.nbFields = int32_t(mFields.size());
     mFieldCollection.fields = mFields.data();
     return &mFieldCollection;
@@ -344,12 +353,13 @@ IPluginV3* QueryAwareSparseAttentionPluginCreator::createPlugin(char const* /*na
                                                                 TensorRTPhase /*phase*/) noexcept {
     try {
         QsaAttrs attrs{};
+        int32_t coldFormat = QSA_COLD_FORMAT_INT8;
         std::string error;
-        if (!parseFields(fc, attrs, error)) {
+        if (!parseFields(fc, attrs, coldFormat, error)) {
             logError(error);
             return nullptr;
         }
-        return new QueryAwareSparseAttentionPlugin(attrs, QSA_PLUGIN_NAMESPACE);
+        return new QueryAwareSparseAttentionPlugin(attrs, coldFormat, QSA_PLUGIN_NAMESPACE);
     } catch (std::exception const& e) {
         logError(e.what());
     }

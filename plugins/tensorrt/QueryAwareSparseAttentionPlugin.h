@@ -21,7 +21,8 @@ class QueryAwareSparseAttentionPlugin : public nvinfer1::IPluginV3,
                                         public nvinfer1::IPluginV3OneBuild,
                                         public nvinfer1::IPluginV3OneRuntime {
 public:
-    QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, std::string ns);
+    // coldFormat: QSA_COLD_FORMAT_* of the cold-tier inputs (the schema's cold_format attribute).
+    QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, int32_t coldFormat, std::string ns);
     QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other);
     ~QueryAwareSparseAttentionPlugin() override = default;
 
@@ -59,15 +60,16 @@ public:
 
 private:
     QsaAttrs mAttrs;
+    int32_t mColdFormat{QSA_COLD_FORMAT_INT8};
     std::string mNamespace;
     // Set by onShapeChange, read by enqueue (no device queries there).
     QsaDims mDims{};
-    QsaColdDims mCold{};  // all zero without an INT8 cold tier
+    QsaColdDims mCold{};  // all zero without a cold tier
     int32_t mDtype{QSA_DTYPE_FLOAT32};
     int32_t mNbInputs{QSA_NUM_REQUIRED_INPUTS};  // 10, 11 (+ key_sub_bounds), 14 (+ cold tier) or 15 (both)
     bool mHasCold{false};  // 14 inputs, or 15 whose cold inputs were not skipped
     // Storage the serialized PluginFields point into.
-    std::string mPolicyName, mGroupReduceName;
+    std::string mPolicyName, mGroupReduceName, mColdFormatName;
     std::vector<nvinfer1::PluginField> mFields;
     nvinfer1::PluginFieldCollection mFieldCollection{};
 };
@@ -89,14 +91,16 @@ private:
     nvinfer1::PluginFieldCollection mFieldCollection{};
 };
 
-// Parses PluginFields into attributes (defaults from the schema for absent
-// ones). Returns false with a reason for a bad value or unknown field; the
-// ONNX parser's own plugin_namespace / plugin_version fields are accepted.
-bool parseFields(nvinfer1::PluginFieldCollection const* fc, QsaAttrs& attrs, std::string& error) noexcept;
+// Parses PluginFields into attributes and the cold format (QSA_COLD_FORMAT_*; defaults
+// from the schema for absent ones). Returns false with a reason for a bad value or
+// unknown field; the ONNX parser's own plugin_namespace / plugin_version fields are accepted.
+bool parseFields(nvinfer1::PluginFieldCollection const* fc, QsaAttrs& attrs, int32_t& coldFormat,
+                 std::string& error) noexcept;
 
 // Schema enum index -> its attribute string; schema field type (0 int, 1 float, 2 string) -> PluginFieldType.
 char const* policyName(int32_t policy) noexcept;
 char const* groupReduceName(int32_t groupReduce) noexcept;
+char const* coldFormatName(int32_t coldFormat) noexcept;
 nvinfer1::PluginFieldType fieldType(int schemaType) noexcept;
 
 }  // namespace tinyserve

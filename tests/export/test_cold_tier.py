@@ -67,6 +67,18 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     tier = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["cold_tier"]
     assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
     assert not (tmp_path / "pkg" / "calibration.json").exists()
+    # every op node names its cold format twice: the overload (ONNX function) and the
+    # cold_format attribute (the TensorRT plugin's field); both are the manifest's
+    import onnx
+
+    from tinyserve_trt.ops import schema
+    from tinyserve_trt.ops.node import node_attributes
+
+    ops = [n for path in (tmp_path / "pkg").glob("*.onnx")
+           for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == schema.OP_TYPE]
+    assert ops and tier["cold_format"] == "int4"  # the ort backend's default
+    for n in ops:
+        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == tier["cold_format"]
 
 
 def _run(capsys, *argv):

@@ -22,7 +22,7 @@ def test_hot_only_case_has_no_cold_tier(rng):
     assert (p.dims.batch, p.dims.num_heads, p.dims.num_kv_heads, p.dims.new_tokens, p.dims.head_dim) == (2, 8, 2, 1, 16)
     assert (p.dims.num_pages, p.dims.page_size, p.dims.table_width) == (case["key_cache"].shape[0], 8,
                                                                         case["page_table"].shape[1])
-    assert tuple(getattr(p.cold, f) for f, _ in library.QsaColdDims._fields_) == (0, 0, 0, 0, 0)
+    assert tuple(getattr(p.cold, f) for f, _ in library.QsaColdDims._fields_) == (0,) * 6
     assert p.query == 0x1000 and p.key_cache_int8 is None and p.dtype == library.DTYPES["float16"]
 
 
@@ -53,6 +53,31 @@ def test_cold_dims_refuse_inconsistent_shapes(rng):
         library.cold_dims({**shapes, "key_scale": (Pc, 2, 4, 1)})  # 4 is neither 1 nor ps
     with pytest.raises(ValueError, match="value_scale"):
         library.cold_dims({**shapes, "value_scale": (Pc, 2, 8)})
+
+
+@pytest.mark.parametrize("k_gran,v_gran,group", [("channel", "token", 4), ("head", "head", 0), ("token", "channel", 8)])
+def test_int4_cold_dims(rng, k_gran, v_gran, group):
+    """int4: packed pools [.., D/2], scale columns per channel group, the format id from the schema."""
+    Hkv, ps, D = 2, 8, 16
+    case = make_mixed_case(CaseSpec((40, 7), 4, Hkv, D, ps, 1, "float32", 16), rng, 0.5, k_gran, v_gran,
+                           cold_format="int4", group_size=group)
+    cold = library.cold_dims(_shapes(case), "int4")
+    assert cold.format == schema.COLD_FORMATS.index("int4") == library.COLD_FORMAT_IDS["int4"]
+    assert (cold.key_scale_tokens, cold.key_scale_channels) == case["key_scale"].shape[2:]
+    assert (cold.value_scale_tokens, cold.value_scale_channels) == case["value_scale"].shape[2:]
+    assert library.cold_dims(_shapes(make_mixed_case(CaseSpec((40, 7), 4, Hkv, D, ps, 1, "float32", 16),
+                                                     rng, 0.5)), "int8").format == 0
+    with pytest.raises(ValueError, match="key_cache_int8"):  # packed pools read as int8
+        library.cold_dims(_shapes(case), "int8")
+    # forward_params takes the format from the node's cold_format attribute unless told
+    pointers = {n: 0x1000 for n in case}
+    assert library.forward_params(_shapes(case), pointers, "float32",
+                                  schema.OpAttributes(cold_format="int4")).cold.format == 1
+    with pytest.raises(ValueError, match="key_cache_int8"):
+        library.forward_params(_shapes(case), pointers, "float32", schema.OpAttributes())
+    Pc = case["key_cache_int8"].shape[0]
+    with pytest.raises(ValueError, match="value_scale"):  # 3 columns do not divide 16 channels
+        library.cold_dims({**_shapes(case), "value_scale": (Pc, Hkv, ps, 3)}, "int4")
 
 
 def test_two_level_packing(rng):

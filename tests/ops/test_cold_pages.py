@@ -8,7 +8,7 @@ import pytest
 
 from tinyserve_trt.ops import schema, sparse_attention_ref
 from tinyserve_dev.cases import CaseSpec, dequantized_case, make_mixed_case
-from tinyserve_trt.ops.node import make_node, make_op_model
+from tinyserve_trt.ops.node import make_node, make_op_model, node_attributes
 
 from .conftest import run_op
 
@@ -137,7 +137,14 @@ def test_int4_prefill_and_two_level(rng):
 
 def test_int4_overload_name():
     names = list(schema.node_input_names(cold_pages=True))
-    assert make_node(names, ["o"], cold_pages=True, cold_format="int4").overload == "query_aware_int4"
+    node = make_node(names, ["o"], cold_pages=True, cold_format="int4")
+    assert node.overload == "query_aware_int4"
+    # the attribute the TensorRT plugin reads (its cold_format field) names the same format
+    assert node_attributes(node).cold_format == "int4"
+    assert node_attributes(make_node(names, ["o"], cold_pages=True)).cold_format == "int8"
+    assert schema.OpAttributes(cold_format="int4").function_overload(True) == "query_aware_int4"
+    with pytest.raises(ValueError, match="cold_format"):
+        schema.OpAttributes(cold_format="int2")
     assert schema.overload_cold_format("query_aware_sum_int4") == "int4"
     assert schema.overload_cold_format("query_aware") is None
     with pytest.raises(ValueError, match="cold_format"):

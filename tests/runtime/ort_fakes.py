@@ -18,14 +18,16 @@ import types
 import numpy as np
 import torch
 
+from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES
 
-LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB = 2, 2, 3, 4, 16
+LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB = 2, 2, 4, 4, 16  # DIM even: INT4 packs channel pairs
 COLD_TIER = dict(k_granularity="channel", v_granularity="token")
 STEP_INPUTS = {"input_ids": "tensor(int32)", "position_ids": "tensor(int32)", "page_table": "tensor(int32)",
                "past_lens": "tensor(int32)", "token_budget": "tensor(int32)", "logits_index": "tensor(int64)"}
 NP = {"tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(float)": np.float32,
-      "tensor(int8)": np.int8, "tensor(bool)": np.bool_}
+      "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
 def _io(name, type_):
@@ -79,13 +81,18 @@ class FakeIOBinding:
 
 
 class FakeSession:
-    def __init__(self, model, so, providers, cold: bool):
+    def __init__(self, model, so, providers, cold):
+        """``cold``: False, or the package's cold format (True = int8): the cold inputs' types
+        are ``schema.COLD_DTYPES`` of it, as an exported model declares them."""
         self.model, self.providers, self.runs = model, providers, 0
         self._inputs = [_io(n, t) for n, t in STEP_INPUTS.items()]
         self._outputs = [_io("logits", "tensor(float)")]
+        cold_types = dict(zip(COLD_ROLES, schema.COLD_DTYPES["int8" if cold is True else cold or "int8"]))
+        onnx_type = {"int8": "tensor(int8)", "uint8": "tensor(uint8)", "float32": "tensor(float)",
+                     "float16": "tensor(float16)"}
         for i in range(LAYERS):
             roles = HOT_ROLES + (COLD_ROLES if cold else ())
-            self._inputs += [_io(f"{r}.{i}", "tensor(int8)" if r.endswith("int8") else "tensor(float)")
+            self._inputs += [_io(f"{r}.{i}", onnx_type[cold_types[r]] if r in cold_types else "tensor(float)")
                              for r in roles]
             self._outputs += [_io(f"new_key.{i}", "tensor(float)"), _io(f"new_value.{i}", "tensor(float)"),
                               _io(f"selected_pages.{i}", "tensor(bool)")]
@@ -123,8 +130,9 @@ class FakeSession:
                 np.arange(table.shape[1]) < pages[:, None, None], (b_rows, HEADS, table.shape[1]))
             cache = x[f"key_cache.{layer}"]
             if f"key_cache_int8.{layer}" in x:  # physical ids >= P are cold: dequantized, as the op
-                cold = x[f"key_cache_int8.{layer}"].astype(np.float32) * x[f"key_scale.{layer}"]
-                cache = np.concatenate([cache, cold])
+                pool = x[f"key_cache_int8.{layer}"]
+                codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
+                cache = np.concatenate([cache, codec.dequantize(pool, x[f"key_scale.{layer}"])])
             for b in range(b_rows):
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()

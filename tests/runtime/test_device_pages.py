@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinyserve_dev.kernels.references import append_kv_ref  # noqa: E402
+from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: E402
 from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noqa: E402
-from tinyserve_trt.ops.quantization import quantize_pages as quantize_pages_np  # noqa: E402
-from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES, DevicePages, quantize_pages  # noqa: E402
+from tinyserve_trt.runtime.backends.device_pages import (COLD_ROLES, HOT_ROLES, DevicePages,  # noqa: E402
+                                                         dequantize_pages, quantize_pages)
 from tinyserve_trt.runtime.config import CacheConfig  # noqa: E402
 from tinyserve_trt.runtime.kv_storage import KVStorage  # noqa: E402
 from tinyserve_trt.runtime.pages import PagePool, PoolIntegrityError  # noqa: E402
@@ -32,29 +33,41 @@ def device(request):
     return torch.device(request.param)
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
+# (cold format, K granularity, V granularity, group size): the INT8 tier's shapes and INT4's channel groups.
+CODECS = [("int8", g, g, 0) for g in GRANULARITIES] + [("int4", "channel", "token", 0), ("int4", "channel", "token", 4),
+                                                       ("int4", "head", "head", 2), ("int4", "token", "channel", 4)]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_quantize_matches_the_numpy_reference(granularity, dtype, device):
+def test_quantize_matches_the_numpy_codec(codec, dtype, device):
+    codec = ColdCodec(*codec)
     rng = np.random.default_rng()
     x = (rng.standard_normal((5, H, PS, D)) * rng.uniform(0.1, 30, (5, H, 1, D))).astype(dtype)
     x[0, 1] = 0  # an all-zero group takes scale 1
     x[1, :, :, 3] *= 50  # an outlier channel
-    want_q, want_s = quantize_pages_np(x, granularity)
-    q, s = quantize_pages(torch, torch.from_numpy(x).to(device), granularity)
-    np.testing.assert_array_equal(q.cpu().numpy(), want_q)
-    np.testing.assert_array_equal(s.cpu().numpy(), want_s)
+    x[2, :, :, 5] = 1e-9  # int4: float16 scales clamp at its smallest normal
+    for which in ("k", "v"):
+        want = [codec.quantize(page, which) for page in x]
+        q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, which)
+        np.testing.assert_array_equal(q.cpu().numpy(), np.stack([w[0] for w in want]))
+        np.testing.assert_array_equal(s.cpu().numpy(), np.stack([w[1] for w in want]))
+        np.testing.assert_array_equal(dequantize_pages(q, s, torch.float32, codec).cpu().numpy(),
+                                      codec.dequantize(*(np.stack(a) for a in zip(*want))))
 
 
-def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False):
+def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False, cold_format="int8",
+           group_size=0):
     """(numpy pool, device-attached pool, its DevicePages) of the same geometry; ``static``:
     calibrated scales (small enough that some values clip)."""
     config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype)
     tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran,
-                       scales="static" if static else "dynamic")
+                       scales="static" if static else "dynamic", cold_format=cold_format, group_size=group_size)
     scales = (np.full((L, H, 1, D), 6.0 / 127, np.float32), np.full((L, H, 1, 1), 9.0 / 127, np.float32)) \
         if static else None
     host, dev = (TieredPagePool(config, tiers, L, H, D, static_scales=scales) for _ in range(2))
-    pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran))
+    pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran,
+                                                               cold_format=cold_format, group_size=group_size))
     dev.attach_storage(pages)
     return host, dev, pages
 
@@ -103,12 +116,16 @@ def _assert_same(host, dev, pages, handles):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("grans,static", [(("channel", "token"), False), (("head", "channel"), False),
-                                          (("channel", "token"), True)], ids=["channel-token", "head-channel", "static"])
+@pytest.mark.parametrize("grans,static,cold", [(("channel", "token"), False, ("int8", 0)),
+                                               (("head", "channel"), False, ("int8", 0)),
+                                               (("channel", "token"), True, ("int8", 0)),
+                                               (("channel", "token"), False, ("int4", 0)),
+                                               (("head", "token"), False, ("int4", 4))],
+                         ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-head-token-g4"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel-writes", "pool-writes"])
-def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, kernel, device):
+def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, cold, kernel, device):
     rng = np.random.default_rng()
-    host, dev, pages = _pools(device, dtype, *grans, static=static)
+    host, dev, pages = _pools(device, dtype, *grans, static=static, cold_format=cold[0], group_size=cold[1])
     a, b = host.allocate(3), dev.allocate(3)
     assert a == b
     k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)
@@ -201,3 +218,17 @@ def test_storage_is_attached_only_to_an_empty_pool_of_its_geometry():
     pool.decref(p)
     pool.attach_storage(pages)  # the unused cold page of a plain pool is accepted
     assert pool.storage is pages and pool.cache_inputs(0) is pages.layers[0]
+
+
+def test_int4_layouts():
+    """INT4 pools have the host storage's shapes, dtypes and never-written contents."""
+    tiers = TierConfig(num_cold_pages=3, k_granularity="channel", v_granularity="token", cold_format="int4",
+                       group_size=4)
+    pool = TieredPagePool(CacheConfig(page_size=PS, num_pages=2), tiers, L, H, D)
+    cold_tier = dict(k_granularity="channel", v_granularity="token", cold_format="int4", group_size=4)
+    pages = DevicePages(pool, torch.float16, torch.device("cpu"), cold_tier)
+    host = pool.storage.cache_inputs(0)
+    for role in COLD_ROLES:
+        t = pages.layers[0][role]
+        assert tuple(t.shape) == host[role].shape and str(t.dtype) == f"torch.{host[role].dtype}", role
+        np.testing.assert_array_equal(t.numpy(), host[role])  # never-written pages: q = 0, scale 1, as the host

@@ -34,12 +34,12 @@ def make(monkeypatch, tmp_path):
     """make(provider, pages=48, tiered=False, **options) -> (OrtBackend on fakes, pool, fake ort)."""
     monkeypatch.setattr("tinyserve_trt.runtime.backends.ort_binding.kernel_writer_available", lambda: False)
 
-    def build(provider="cuda", pages=48, tiered=False, ort=None, **options):
+    def build(provider="cuda", pages=48, tiered=False, ort=None, cold_tier=COLD_TIER, **options):
         ort = ort or fake_ort(GPU, "GPU")
-        ort.cold = tiered
-        package = fake_package(tmp_path, COLD_TIER if tiered else None)
+        ort.cold = tiered and cold_tier.get("cold_format", "int8")
+        package = fake_package(tmp_path, cold_tier if tiered else None)
         cache = CacheConfig(page_size=PAGE_SIZE, num_pages=pages, dtype="float32")
-        pool = TieredPagePool(cache, TierConfig(num_cold_pages=pages, **COLD_TIER), LAYERS, HEADS, DIM) if tiered \
+        pool = TieredPagePool(cache, TierConfig(num_cold_pages=pages, **cold_tier), LAYERS, HEADS, DIM) if tiered \
             else PagePool(cache, LAYERS, HEADS, DIM)
         with monkeypatch.context() as m:
             m.setitem(sys.modules, "onnxruntime", ort)
@@ -142,9 +142,14 @@ def test_transfer_per_decode_step_is_o_new_tokens_not_o_pool(make, pages):
     assert stats["transfer_d2h_bytes_last_step"] == VOCAB * 4 and stats["transfer_h2d_bytes"] > 0
 
 
-def test_cold_tier_on_the_device_reads_the_same_as_on_the_host(make):
-    cpu, cpu_pool, cpu_ort = make("cpu", tiered=True, ort=fake_ort())
-    gpu, gpu_pool, gpu_ort = make("cuda", tiered=True)
+@pytest.mark.parametrize("cold_tier", [COLD_TIER, {**COLD_TIER, "cold_format": "int4", "group_size": 2}],
+                         ids=["int8", "int4"])
+def test_cold_tier_on_the_device_reads_the_same_as_on_the_host(make, cold_tier):
+    cpu, cpu_pool, cpu_ort = make("cpu", tiered=True, ort=fake_ort(), cold_tier=cold_tier)
+    gpu, gpu_pool, gpu_ort = make("cuda", tiered=True, cold_tier=cold_tier)
+    if cold_tier.get("cold_format") == "int4":  # the device pools are what the session declares
+        layer = gpu_pool.cache_inputs(0)  # the attached DevicePages
+        assert layer["key_cache_int8"].dtype == torch.uint8 and layer["key_scale"].dtype == torch.float16
     want, got = drive(cpu, cpu_pool, REQUESTS, demote=True), drive(gpu, gpu_pool, REQUESTS, demote=True)
     assert gpu_pool.num_cold_free < 48 and gpu_pool.num_cold_free == cpu_pool.num_cold_free
     for (_, a, *_), (_, b, _, d2h, (rows, width)) in zip(want, got):

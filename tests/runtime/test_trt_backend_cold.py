@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from tests.runtime.trt_fakes import (COLD_TIER, DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, REQUESTS,  # noqa: E402
                                      fake_backend, require_trt_gpu)  # noqa: F401
-from tinyserve_trt.ops.quantization import dequantize_page, quantize_page  # noqa: E402
+from tinyserve_trt.contracts.cold_tier import tier_codec  # noqa: E402
 from tinyserve_trt.runtime.config import SchedulerConfig  # noqa: E402
 from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
 from tinyserve_trt.runtime.scheduler import Scheduler  # noqa: E402
@@ -30,11 +30,15 @@ def _toy_page_keys(tokens: list[int], page: int, layer: int) -> np.ndarray:
     return ((ids + 0.25 * pos + layer)[None, :, None] + grid).astype(np.float32)
 
 
-def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(fake_backend):
+@pytest.mark.parametrize("cold_tier", [COLD_TIER, {**COLD_TIER, "cold_format": "int4", "group_size": 2}],
+                         ids=["int8", "int4"])
+def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(fake_backend, cold_tier):
     """A tiered pool: every full page but a sequence's last is demoted after each step.
     The toy model reads each row's cached keys through the page table; what it read
-    must be the exact keys for hot pages and their INT8 round trip for cold ones."""
-    backend, pool = fake_backend(tiered=True)
+    must be the exact keys for hot pages and their INT8 / INT4 round trip (the package's
+    ColdCodec) for cold ones."""
+    codec = tier_codec(cold_tier)
+    backend, pool = fake_backend(tiered=True, cold_tier=cold_tier)
     assert backend.reads_cold_pages and backend.pages.num_cold == PAGES
     sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=8), pool)
     for rid, (prompt, n) in REQUESTS.items():
@@ -52,7 +56,7 @@ def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(f
                     n = min(PAGE_SIZE, past - lp * PAGE_SIZE)
                     if seq.pages[lp] in cold_pages[row]:
                         keys = _toy_page_keys(seq.token_ids, lp, layer)
-                        keys = dequantize_page(*quantize_page(keys, COLD_TIER["k_granularity"]))
+                        keys = codec.dequantize(*codec.quantize(keys, "k"))
                         read_cold += 1
                     else:
                         keys = _toy_page_keys(seq.token_ids + [0] * PAGE_SIZE, lp, layer)

@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from tinyserve_trt.runtime.backends import trt as trt_backend
+from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES
 from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
 from tinyserve_trt.runtime.pages import PagePool
@@ -30,21 +32,26 @@ from tinyserve_trt.runtime.sampling import SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
 
-LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 3, 4, 16, 48
-NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8, "UINT8": np.uint8}
+LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 4, 4, 16, 48  # DIM even: INT4 packs channel pairs
+NP = {"INT32": np.int32, "INT64": np.int64, "FLOAT": np.float32, "INT8": np.int8, "UINT8": np.uint8,
+      "HALF": np.float16}
+TRT_TYPES = {"int8": "INT8", "uint8": "UINT8", "float32": "FLOAT", "float16": "HALF"}
 COLD_TIER = dict(k_granularity="channel", v_granularity="token")
 
 # ---- a stand-in TensorRT ------------------------------------------------------------
 _capturing: list = []  # the fake CUDAGraph being captured, if any
 
 
-def _spec(cold: bool = False, two_level: bool = False) -> dict[str, tuple[str, str]]:
+def _spec(cold=False, two_level: bool = False) -> dict[str, tuple[str, str]]:
+    """``cold``: False, or the package's cold format (True = int8): the cold inputs' types
+    are ``schema.COLD_DTYPES`` of it, as the engine built from the exported model has them."""
+    cold_types = dict(zip(COLD_ROLES, schema.COLD_DTYPES["int8" if cold is True else cold or "int8"]))
     spec = {n: ("INPUT", "INT32") for n in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget")}
     spec["logits_index"] = ("INPUT", "INT64")
     for i in range(LAYERS):
         spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in HOT_ROLES})
         if cold:
-            spec.update({f"{r}.{i}": ("INPUT", "INT8" if r.endswith("int8") else "FLOAT") for r in COLD_ROLES})
+            spec.update({f"{r}.{i}": ("INPUT", TRT_TYPES[cold_types[r]]) for r in COLD_ROLES})
         if two_level and i > 0:  # layer 0 is dense: single level, no fine bounds
             spec[f"key_sub_bounds.{i}"] = ("INPUT", "UINT8")
         spec.update({f"new_key.{i}": ("OUTPUT", "FLOAT"), f"new_value.{i}": ("OUTPUT", "FLOAT"),
@@ -56,7 +63,7 @@ def _spec(cold: bool = False, two_level: bool = False) -> dict[str, tuple[str, s
 class FakeEngine:
     device_memory_size_v2 = 4096
 
-    def __init__(self, capturable: bool = True, cold: bool = False, two_level: bool = False):
+    def __init__(self, capturable: bool = True, cold=False, two_level: bool = False):
         self.spec, self.capturable, self.contexts = _spec(cold, two_level), capturable, []
         self.names = list(self.spec)
         self.last_context = None  # per row: the sum the toy model read from the cache
@@ -134,8 +141,9 @@ class FakeContext:
             self._view(f"selected_pages.{layer}")[...] = np.arange(table.shape[1]) < pages[:, None, None]
             cache = self._view(f"key_cache.{layer}")
             if f"key_cache_int8.{layer}" in self.shapes:  # physical ids >= P are cold: dequantized, as the op
-                cold = self._view(f"key_cache_int8.{layer}").astype(np.float32) * self._view(f"key_scale.{layer}")
-                cache = np.concatenate([cache, cold])
+                pool = self._view(f"key_cache_int8.{layer}")
+                codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
+                cache = np.concatenate([cache, codec.dequantize(pool, self._view(f"key_scale.{layer}"))])
             for b in range(b_rows):  # never reads a page-table column past past_lens
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()
@@ -258,21 +266,23 @@ def fake_backend(monkeypatch, tmp_path):
     monkeypatch.setattr("tinyserve_trt.cuda.library.load", lambda path=None: "fake-lib")
     _appended.clear()
 
-    def make(cuda_graphs=True, capturable=True, tiered=False, sub_page_size=0, **limits):
-        """``limits``: extra ``manifest["engine"]`` entries (max_pool_pages, max_cold_pages)."""
-        engine = FakeEngine(capturable, cold=tiered, two_level=bool(sub_page_size))
+    def make(cuda_graphs=True, capturable=True, tiered=False, sub_page_size=0, cold_tier=COLD_TIER, **limits):
+        """``limits``: extra ``manifest["engine"]`` entries (max_pool_pages, max_cold_pages);
+        ``cold_tier``: the package's (with ``tiered``), e.g. an INT4 one."""
+        engine = FakeEngine(capturable, cold=tiered and cold_tier.get("cold_format", "int8"),
+                            two_level=bool(sub_page_size))
         for i, names in enumerate(layers):
             names.pop("key_sub_bounds", None)
             if sub_page_size and i > 0:
                 names["key_sub_bounds"] = f"key_sub_bounds.{i}"
-        package.cold_tier = COLD_TIER if tiered else None
+        package.cold_tier = cold_tier if tiered else None
         package.manifest = {"engine": {"file": "model.plan", "max_batch": 8, "max_pages": 16, **limits}}
         trt = types.SimpleNamespace(
             Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
             ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))
         monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda: trt)
         cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32", sub_page_size=sub_page_size)
-        pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **COLD_TIER), LAYERS, HEADS, DIM) if tiered \
+        pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **cold_tier), LAYERS, HEADS, DIM) if tiered \
             else PagePool(cache, LAYERS, HEADS, DIM)
         with monkeypatch.context() as m:
             m.setitem(sys.modules, "torch", _fake_torch())

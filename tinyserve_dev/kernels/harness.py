@@ -91,16 +91,20 @@ class ForwardCall:
                                                        key_max=key_max).items()}
         ints = {n: _to_dev(dev, a, torch.int32) for n, a in dict(page_table=page_table, past_lens=past_lens,
                                                                    token_budget=token_budget).items()}
-        # The cold tier keeps its own dtypes (int8 pools, float32 scales): never cast, a
-        # float pool passed here would be reinterpreted bytes, so refuse it instead.
+        # The cold tier keeps its own dtypes (schema.COLD_DTYPES: int8 pools + float32 scales,
+        # or int4 = uint8 pools + float16 scales, told apart by the pools' dtype as in
+        # ops.reference): never cast, a float pool passed here would be reinterpreted bytes,
+        # so refuse it instead.
         cold = {n: _to_dev(dev, a) for n, a in dict(key_cache_int8=key_cache_int8,
                                                       value_cache_int8=value_cache_int8, key_scale=key_scale,
                                                       value_scale=value_scale).items()}
         cold["key_sub_bounds"] = _to_dev(dev, key_sub_bounds)  # uint8 codes: never cast either
-        for n, want in zip((*library.COLD_POINTERS, "key_sub_bounds"),
-                           (torch.int8, torch.int8, torch.float32, torch.float32, torch.uint8)):
+        pool = cold["key_cache_int8"]
+        self.cold_format = "int4" if pool is not None and pool.dtype == torch.uint8 else "int8"
+        wanted = [getattr(torch, t) for t in schema.COLD_DTYPES[self.cold_format]] + [torch.uint8]
+        for n, want in zip((*library.COLD_POINTERS, "key_sub_bounds"), wanted):
             if cold[n] is not None and cold[n].dtype != want:
-                raise ValueError(f"{n} must be {want}, got {cold[n].dtype}")
+                raise ValueError(f"{n} must be {want} ({self.cold_format} cold pages), got {cold[n].dtype}")
         self.output = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
         self.selected = torch.full((q.shape[0], t["key"].shape[1], ints["page_table"].shape[1]), 0xAA,
                                    dtype=torch.uint8, device=dev.name)
@@ -110,7 +114,8 @@ class ForwardCall:
         p = self.params = library.forward_params(
             {n: None if x is None else tuple(x.shape) for n, x in self._keep.items()},
             {n: None if x is None else x.data_ptr() for n, x in self._keep.items()},
-            "float16" if dt == torch.float16 else "float32", attrs, num_splits=num_splits)
+            "float16" if dt == torch.float16 else "float32", attrs, num_splits=num_splits,
+            cold_format=self.cold_format)
         dims = p.dims
         self.lib = dev.lib
         ws_bytes = self.lib.qsa_workspace_size(ctypes.byref(dims))
@@ -147,8 +152,8 @@ def sparse_attention_gpu(*inputs, attrs: schema.OpAttributes | None = None, num_
     """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)`` computed on the GPU.
 
     Same arguments as ``sparse_attention_ref`` (``schema.INPUTS`` order or by
-    name), including the optional INT8 cold tier (int8 pools, float32 scales; not
-    cast) and two-level ``key_sub_bounds`` (uint8; not cast): numpy arrays (copied to
+    name), including the optional cold tier (int8 pools + float32 scales, or packed
+    int4 = uint8 pools + float16 scales; not cast) and two-level ``key_sub_bounds`` (uint8; not cast): numpy arrays (copied to
     the GPU; results come back as numpy) or CUDA tensors (results stay on the GPU).
     Does not modify the cache. Synchronises.
     """

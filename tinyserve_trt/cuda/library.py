@@ -28,6 +28,7 @@ FLAG_STATUS = {1: 5, 2: 6}
 DTYPES = {"float32": 0, "float16": 1}
 POLICY_IDS = {name: i for i, name in enumerate(schema.POLICIES)}
 GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
+COLD_FORMAT_IDS = {name: i for i, name in enumerate(schema.COLD_FORMATS)}
 
 _i32, _f32, _vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -45,7 +46,7 @@ class QsaAttrs(ctypes.Structure):
 
 class QsaColdDims(ctypes.Structure):
     _fields_ = [("num_pages", _i32), ("key_scale_tokens", _i32), ("key_scale_channels", _i32),
-                ("value_scale_tokens", _i32), ("value_scale_channels", _i32)]
+                ("value_scale_tokens", _i32), ("value_scale_channels", _i32), ("format", _i32)]
 
 
 FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
@@ -163,37 +164,49 @@ def sub_bounds_rows(shapes: Mapping[str, Sequence[int] | None]) -> int:
     return shape[2]
 
 
-def cold_dims(shapes: Mapping[str, Sequence[int] | None]) -> QsaColdDims:
-    """QsaColdDims of the optional INT8 tier; all zero when none of ``COLD_POINTERS`` is given.
+def cold_dims(shapes: Mapping[str, Sequence[int] | None], cold_format: str = "int8") -> QsaColdDims:
+    """QsaColdDims of the optional cold tier; all zero when none of ``COLD_POINTERS`` is given.
 
-    Checks what the C side cannot see (it gets Pcold and the scale extents, not the
-    pool shapes): the int8 pools are ``[Pcold, Hkv, ps, D]`` like the hot pool, and
-    each scale is ``[Pcold, Hkv, 1|ps, 1|D]``. Raises ValueError naming the input.
+    Checks what the C side cannot see (it gets Pcold, the scale extents and the
+    format, not the pool shapes): the pools are ``[Pcold, Hkv, ps, D]`` like the hot
+    pool (int4: ``D/2`` packed bytes), each scale ``[Pcold, Hkv, 1|ps, C]`` with C in
+    {1, D} (int4: C dividing D, ``ops/cold_codec.py``). Raises ValueError naming the input.
     """
+    if cold_format not in COLD_FORMAT_IDS:
+        raise ValueError(f"cold_format must be one of {tuple(COLD_FORMAT_IDS)}, got {cold_format!r}")
     given = [n for n in COLD_POINTERS if shapes.get(n) is not None]
     if not given:
         return QsaColdDims()
     if len(given) != len(COLD_POINTERS):
         raise ValueError(f"the cold tier needs all of {COLD_POINTERS}, got only {tuple(given)}")
     _, Hkv, ps, D = shapes["key_cache"]
+    int4 = cold_format == "int4"
+    if int4 and D % 2:
+        raise ValueError(f"int4 cold pages need an even head dim, got {D}")
+    Dc = D // 2 if int4 else D
     Pcold = shapes["key_cache_int8"][0]
     for n in COLD_POINTERS[:2]:
-        if tuple(shapes[n]) != (Pcold, Hkv, ps, D):
-            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, ps={ps}, D={D}], got {tuple(shapes[n])}")
+        if tuple(shapes[n]) != (Pcold, Hkv, ps, Dc):
+            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, ps={ps}, {Dc}] ({cold_format}), "
+                             f"got {tuple(shapes[n])}")
     extents = []
     for n in COLD_POINTERS[2:]:
         shape = tuple(shapes[n])
-        if len(shape) != 4 or shape[:2] != (Pcold, Hkv) or shape[2] not in (1, ps) or shape[3] not in (1, D):
-            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, 1|{ps}, 1|{D}], got {shape}")
+        ch_ok = len(shape) == 4 and (shape[3] in (1, D) or (int4 and shape[3] > 0 and D % shape[3] == 0))
+        if len(shape) != 4 or shape[:2] != (Pcold, Hkv) or shape[2] not in (1, ps) or not ch_ok:
+            chans = f"C dividing {D}" if int4 else f"1|{D}"
+            raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, 1|{ps}, {chans}], got {shape}")
         extents += shape[2:]
-    return QsaColdDims(Pcold, *extents)
+    return QsaColdDims(Pcold, *extents, COLD_FORMAT_IDS[cold_format])
 
 
 def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping[str, int | None], dtype: str,
                    attrs: schema.OpAttributes, *, num_splits: int = 0,
-                   selected_pages_elem_size: int = 1) -> QsaForwardParams:
+                   selected_pages_elem_size: int = 1, cold_format: str | None = None) -> QsaForwardParams:
     """Pack one ``qsa_forward`` call: dims, the cold tier and the sub-page rows from ``shapes``,
-    device addresses from ``pointers`` (both by schema name; absent = NULL). Touches no memory.
+    device addresses from ``pointers`` (both by schema name; absent = NULL); ``cold_format``
+    (``schema.COLD_FORMATS``; default: ``attrs.cold_format``) says how the cold inputs are
+    stored. Touches no memory.
     Two-level attributes (``sub_page_size`` not 0 or ps) need ``key_sub_bounds`` with
     ``r = ps / sub_page_size`` rows per page: ValueError otherwise."""
     p = QsaForwardParams()
@@ -205,7 +218,7 @@ def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping
         if p.dims.sub_pages != ps // sp:
             raise ValueError(f"two-level selection (sub_page_size {sp}) needs key_sub_bounds "
                              f"[Ptot, Hkv, {ps // sp}, D], got {shapes.get('key_sub_bounds')}")
-    p.cold = cold_dims(shapes)
+    p.cold = cold_dims(shapes, attrs.cold_format if cold_format is None else cold_format)
     p.attrs = make_attrs(attrs)
     p.dtype = DTYPES[dtype]
     p.num_splits = num_splits

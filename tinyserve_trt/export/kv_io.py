@@ -19,7 +19,7 @@ the granularity); ``key_min``/``key_max`` then cover both tiers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -112,10 +112,12 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
                            for x in (m.query, m.key.new, m.value.new))
         for x, heads in ((q, plan.num_heads), (k_new, hkv), (v_new, hkv)):
             _state_new_token_shape(x, io.input_ids, heads, d, dtype)
+        # the cold_format attribute (what the TensorRT plugin reads) and the overload name the same format
+        attrs = replace(plan.attrs, cold_format=cold.cold_format) if cold else plan.attrs
         op = ir.node(schema.OP_TYPE, [q, k_new, v_new, *caches, *meta, page_table, past_lens, budget, *cold_in,
                                       *sub_in],
-                     attributes={**plan.attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
-                     overload=plan.attrs.function_overload(bool(cold), cold.cold_format if cold else "int8"),
+                     attributes={**attrs.as_dict(), **schema.PLUGIN_ATTRIBUTES}, domain=schema.DOMAIN,
+                     overload=attrs.function_overload(bool(cold)),
                      num_outputs=2,
                      name=f"tinyserve_attention_{i}")
         op.outputs[0].name = f"attention_output.{i}"

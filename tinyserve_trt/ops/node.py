@@ -7,6 +7,8 @@ the overload of the function body that implements it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import onnx
 from onnx import TensorProto, helper
 
@@ -41,6 +43,8 @@ def make_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes 
     if len(outputs) < len(schema.OUTPUTS):
         # ORT inlines a function only when the node names every output; unused ones are just dropped.
         outputs = list(outputs) + [f"{outputs[0]}_{o}" for o in schema.OUTPUT_NAMES[len(outputs):]]
+    if cold_pages:  # the node's cold_format attribute (what the TensorRT plugin reads) names its overload's
+        attrs = replace(attrs, cold_format=cold_format)
     node = helper.make_node(schema.OP_TYPE, inputs, outputs, name=name, domain=schema.DOMAIN,
                             overload=attrs.function_overload(cold_pages, cold_format), **attrs.as_dict(),
                             **schema.PLUGIN_ATTRIBUTES)

@@ -107,6 +107,10 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 # the registry and this tuple agree).
 POLICIES = ("query_aware", "window", "dense", "oracle")
 GROUP_REDUCTIONS = ("max", "sum")
+# Cold-page formats: the element types of COLD_INPUTS and the last dims of the pools and scales
+# (int4: two values per byte, float16 scales per channel group; ops/cold_codec.py is the rule).
+COLD_FORMATS = ("int8", "int4")
+COLD_DTYPES = {"int8": ("int8", "int8", "float32", "float32"), "int4": ("uint8", "uint8", "float16", "float16")}
 
 ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("scale", "float", 0.0, "Softmax scale; 0 means 1/sqrt(D).", min=0.0),
@@ -123,6 +127,10 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("candidate_share", "float", 0.5,
                   "Two-level: share of a sequence's pages kept as candidates (at least the budget's pages).",
                   min=0.0, max=1.0),
+    AttributeSpec("cold_format", "string", "int8",
+                  "How the cold-page inputs are stored (COLD_DTYPES; ops/cold_codec.py); read only with them. "
+                  "The TensorRT plugin and the CUDA kernels take it from here, the ONNX function from its overload.",
+                  choices=COLD_FORMATS),
 )
 
 # Attributes TensorRT's ONNX parser reads to import the node as our plugin.
@@ -136,10 +144,6 @@ OUTPUT_NAMES = tuple(t.name for t in OUTPUTS)
 NUM_REQUIRED_INPUTS = sum(not t.optional for t in INPUTS)
 COLD_INPUTS = tuple(t.name for t in INPUTS if t.name.endswith(("_int8", "_scale")))
 TWO_LEVEL_INPUTS = ("key_sub_bounds",)
-# Cold-page formats: the element types of COLD_INPUTS and the last dims of the pools and scales
-# (int4: two values per byte, float16 scales per channel group; ops/cold_codec.py is the rule).
-COLD_FORMATS = ("int8", "int4")
-COLD_DTYPES = {"int8": ("int8", "int8", "float32", "float32"), "int4": ("uint8", "uint8", "float16", "float16")}
 NUM_TIERED_INPUTS = NUM_REQUIRED_INPUTS + len(COLD_INPUTS)  # a single-level node's most inputs
 # Two-level selection re-ranks sub-pages by the policy's bound of q.k; only this policy has one.
 TWO_LEVEL_POLICIES = ("query_aware",)
@@ -174,6 +178,7 @@ class OpAttributes:
     group_reduce: str = field(default_factory=lambda: attribute("group_reduce").default)
     sub_page_size: int = field(default_factory=lambda: attribute("sub_page_size").default)
     candidate_share: float = field(default_factory=lambda: attribute("candidate_share").default)
+    cold_format: str = field(default_factory=lambda: attribute("cold_format").default)
 
     def __post_init__(self):
         for a in ATTRIBUTES:
@@ -191,14 +196,16 @@ class OpAttributes:
     def as_dict(self) -> dict:
         return {a.name: getattr(self, a.name) for a in ATTRIBUTES}
 
-    def function_overload(self, cold_pages: bool = False, cold_format: str = "int8") -> str:
+    def function_overload(self, cold_pages: bool = False, cold_format: str | None = None) -> str:
         """The ONNX function overload implementing these attributes.
 
         One body per (policy, page tiers): the policy changes the graph, not just
         a constant, so each gets its own body; ORT picks it by the node's
         ``overload`` field, TensorRT by op type + ``plugin_namespace``. The cold
-        tier's format (``COLD_FORMATS``) is the last part: ``query_aware_int4``.
+        tier's format (``COLD_FORMATS``; default: the ``cold_format`` attribute) is the
+        last part: ``query_aware_int4``.
         """
+        cold_format = self.cold_format if cold_format is None else cold_format
         if cold_format not in COLD_FORMATS:
             raise ValueError(f"cold_format must be one of {COLD_FORMATS}, got {cold_format!r}")
         parts = [self.policy]

@@ -4,13 +4,16 @@ Per layer, by the op's input names (``schema.INPUTS``)::
 
   key_cache, value_cache            [P, Hkv, ps, D]        hot pages, model dtype
   key_min, key_max                  [P + Pcold, Hkv, D]    every physical page, hot then cold
-  key_cache_int8, value_cache_int8  [Pcold, Hkv, ps, D]    int8        (cold tier only)
-  key_scale, value_scale            [Pcold, Hkv, ps|1, D|1] float32
+  key_cache_int8, value_cache_int8  [Pcold, Hkv, ps, D]    int8        (cold tier only;
+                                    int4: [Pcold, Hkv, ps, D/2] uint8, two values per byte)
+  key_scale, value_scale            [Pcold, Hkv, ps|1, D|1] float32 (int4: float16 [.., C])
   key_sub_bounds                    [P + Pcold, Hkv, r, D] uint8       (two-level only)
 
+The cold format and scale shapes are the package's ``ColdCodec``
+(``contracts.cold_tier.tier_codec``), the same as ``HostKVStorage``'s.
 ``P``/``Pcold`` are a ``TieredPagePool``'s hot/cold slots; over a plain
-``PagePool`` a package with a cold tier gets one unused INT8 page (the op's
-``_int8`` overload needs one and the kernels check ``Ptot >= P + Pcold``; page
+``PagePool`` a package with a cold tier gets one unused cold page (the op's
+``_int8``/``_int4`` overload needs one and the kernels check ``Ptot >= P + Pcold``; page
 ids stay below ``P``, so it is never read).
 
 The backend attaches it to its pool (``PagePool.attach_storage``); the pool keeps
@@ -22,9 +25,10 @@ tokens itself and the pool only counts them). Demotions are queued and run
 batched, one set of tensor ops per layer for all of a rebalance's pages, at the
 next :meth:`flush` (the backend calls it before each step; a copy flushes
 first, since it may read or overwrite a queued page). The math is
-``ops.quantization``'s, in float64 like the numpy reference (each page's
-absmax, or the pool's static calibrated scales), so a page demoted here holds
-the same int8 values, scales and min/max as one demoted by ``HostKVStorage``
+``ops.cold_codec``'s, in float64 like the numpy reference (each group's
+absmax, or the pool's static calibrated scales; INT4 packs the nibbles as
+``cold_codec.pack_int4``), so a page demoted here holds the same int8/int4
+values, scales and min/max as one demoted by ``HostKVStorage``
 (``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
 written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata. torch is imported by the constructor only.
@@ -44,33 +48,58 @@ import contextlib
 
 import numpy as np
 
+from tinyserve_trt.contracts.cold_tier import tier_codec
+from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
-from tinyserve_trt.ops.quantization import QMAX, _reduce_axes, scale_shape
 from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, SUB_ROLES, KVStorage
 
 __all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages", "dequantize_pages", "quantize_pages"]
 
 
-def quantize_pages(torch, x, granularity: str, scale=None):
-    """``ops.quantization.quantize_pages`` in torch: ``x [N, Hkv, ps, D]`` full pages ->
-    ``(int8 [N, Hkv, ps, D], float32 scales [N, Hkv, ps|1, D|1])`` on ``x``'s device.
-    ``scale`` (one page's ``[Hkv, ps|1, D|1]``): a static scale for every page
-    (``ops.quantization.quantize_page_static``) instead of each page's absmax."""
+def _torch_dtype(torch, np_dtype):
+    return getattr(torch, np.dtype(np_dtype).name)
+
+
+def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None):
+    """``ColdCodec.quantize`` in torch, for full pages: ``x [N, Hkv, ps, D]`` ->
+    ``(values [N, *codec.pool_shape], scales [N, *codec.scale_shape(which)])`` on ``x``'s
+    device (int8 + float32, or packed uint8 + float16). ``scale`` (one page's
+    ``[Hkv, ps|1, C]``): a static scale for every page instead of each group's absmax."""
+    N, Hkv, ps, D = x.shape
+    _, T, C = codec.scale_shape(which, Hkv, ps, D)
+    sdt = _torch_dtype(torch, codec.scale_dtype)
     xf = x.double()
     if scale is not None:
-        scale = scale.float().expand(x.shape[0], *scale.shape)
+        s = scale.to(sdt).expand(N, *scale.shape)
     else:
-        axes = tuple(a + 1 for a in _reduce_axes(granularity))  # of [N, Hkv, ps, D]: one scale's span
-        amax = xf.abs().amax(dim=axes, keepdim=True)
-        tiny, big = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)  # ops.quantization.group_scale
-        scale = torch.where(amax > 0, (amax / QMAX).clamp(tiny, big), torch.ones_like(amax)).float()
-    q = torch.clamp(torch.round(xf / scale.double()), -QMAX, QMAX).to(torch.int8)
-    return q, scale
+        amax = xf.abs().reshape(N, Hkv, ps, C, D // C).amax(dim=-1)  # [N, Hkv, ps, C]
+        if T == 1:
+            amax = amax.amax(dim=2, keepdim=True)
+        fin = np.finfo(codec.scale_dtype)  # ops.quantization.group_scale: the scale dtype's normal range
+        s = torch.where(amax > 0, (amax / codec.qmax).clamp(float(fin.tiny), float(fin.max)), torch.ones_like(amax))
+        s = s.to(sdt)
+    full = s.double().repeat_interleave(D // C, dim=-1)  # divide by the stored scale, as the codec
+    q = torch.clamp(torch.round(xf / full), -codec.qmax, codec.qmax)
+    if codec.cold_format == "int8":
+        return q.to(torch.int8), s
+    u = (q + 8).to(torch.uint8)  # cold_codec.pack_int4: first half low nibble, second half high
+    return u[..., : D // 2] | (u[..., D // 2:] << 4), s
 
 
-def dequantize_pages(q, scale, dtype):
-    """``q * scale`` in float32 (as the op), cast to ``dtype``."""
-    return (q.float() * scale.float()).to(dtype)
+def dequantize_pages(q, scale, dtype, codec: ColdCodec):
+    """``ColdCodec.dequantize`` in torch: ``q [..., ps, D|D/2]`` * scales ``[..., ps|1, C]`` in
+    float32 (as the op), cast to ``dtype``."""
+    if codec.cold_format == "int4":
+        q = _unpack_int4(q)
+    D = q.shape[-1]
+    return (q.float() * scale.float().repeat_interleave(D // scale.shape[-1], dim=-1)).to(dtype)
+
+
+def _unpack_int4(p):
+    """uint8 ``[..., D/2]`` -> int16 ``[..., D]`` (``cold_codec.unpack_int4``)."""
+    import torch  # noqa: PLC0415 (lazy: heavy; the caller already holds torch tensors)
+
+    return torch.cat([(p & 15).short() - 8, (p >> 4).short() - 8], dim=-1)
 
 
 class DevicePages(KVStorage):
@@ -78,7 +107,7 @@ class DevicePages(KVStorage):
 
     pool:      a ``PagePool`` or ``TieredPagePool`` (its geometry, tiers and static scales).
     dtype:     torch dtype of the hot pages and metadata.
-    cold_tier: the package's ``cold_tier`` (granularities), or None for a package without one.
+    cold_tier: the package's ``cold_tier`` (format, granularities, group size), or None without one.
     stream:    a ``torch.cuda.Stream`` the copies and demotions run on (the backend's), or None.
     """
 
@@ -87,11 +116,9 @@ class DevicePages(KVStorage):
 
         self._torch, self.dtype, self.device, self.stream = torch, dtype, device, stream
         host = pool.storage
-        if cold_tier and cold_tier.get("cold_format", "int8") != "int8":
-            raise ValueError(f"{cold_tier['cold_format']} cold pages are not implemented on GPU backends yet (device "
-                             "pages and the CUDA kernels hold INT8): export with --cold-pages int8")
         if host.num_cold and cold_tier is None:
             raise ValueError("a tiered page pool needs a package with a cold tier (exported with --calibration)")
+        self.codec = tier_codec(cold_tier) if cold_tier else None  # the package's: its engine reads these pools
         self.num_layers, self.num_kv_heads, self.page_size, self.head_dim = (
             pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim)
         self.num_hot = host.num_hot
@@ -108,14 +135,15 @@ class DevicePages(KVStorage):
         for _ in range(pool.num_layers):
             t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
-            if self.granularities:
-                kg, vg = self.granularities
-                t.update(key_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
-                         value_cache_int8=zeros(self.num_cold, h, ps, d, dt=torch.int8),
-                         key_scale=torch.ones((self.num_cold, *scale_shape(kg, h, ps, d)),
-                                              dtype=torch.float32, device=device),
-                         value_scale=torch.ones((self.num_cold, *scale_shape(vg, h, ps, d)),
-                                                dtype=torch.float32, device=device))
+            if self.codec:  # as HostKVStorage: zero values (int4: nibbles 8 = q 0), scales 1
+                c, vdt, sdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype), \
+                    _torch_dtype(torch, self.codec.scale_dtype)
+                zero = 8 * 17 if c.cold_format == "int4" else 0
+                for n, which in (("key", "k"), ("value", "v")):
+                    t[f"{n}_cache_int8"] = torch.full((self.num_cold, *c.pool_shape(h, ps, d)), zero, dtype=vdt,
+                                                      device=device)
+                    t[f"{n}_scale"] = torch.ones((self.num_cold, *c.scale_shape(which, h, ps, d)), dtype=sdt,
+                                                 device=device)
             if self.sub_page_size:
                 t["key_sub_bounds"] = zeros(total, h, ps // self.sub_page_size, d, dt=torch.uint8)
             self.layers.append(t)
@@ -141,7 +169,7 @@ class DevicePages(KVStorage):
             keys = t["key_cache"][page]
         else:
             c = page - self.num_hot
-            keys = dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype)
+            keys = dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype, self.codec)
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -215,9 +243,9 @@ class DevicePages(KVStorage):
                 t["value_cache"][dst].copy_(t["value_cache"][src])
             else:
                 c = src - self.num_hot
-                t["key_cache"][dst].copy_(dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype))
-                t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
-                                                             self.dtype))
+                for n in ("key", "value"):
+                    t[f"{n}_cache"][dst].copy_(dequantize_pages(t[f"{n}_cache_int8"][c], t[f"{n}_scale"][c],
+                                                                self.dtype, self.codec))
             t["key_min"][dst].copy_(t["key_min"][src])
             t["key_max"][dst].copy_(t["key_max"][src])
             if self.sub_page_size:
@@ -247,12 +275,11 @@ class DevicePages(KVStorage):
         hot = torch.tensor(list(last.values()), dtype=torch.long, device=self.device)
         meta = torch.tensor(list(last), dtype=torch.long, device=self.device)
         cold = meta - self.num_hot
-        kg, vg = self.granularities
         for layer, t in enumerate(self.layers):
             ks, vs = self.static[layer] if self.static else (None, None)
-            q, s = quantize_pages(torch, t["key_cache"][hot], kg, ks)
+            q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)
             t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
-            keys = dequantize_pages(q, s, self.dtype)  # what the op attends: min/max describe these
+            keys = dequantize_pages(q, s, self.dtype, self.codec)  # what the op attends: min/max describe these
             self._refresh_minmax(t, meta, keys, torch.full_like(meta, self.page_size))
-            q, s = quantize_pages(torch, t["value_cache"][hot], vg, vs)
+            q, s = quantize_pages(torch, t["value_cache"][hot], self.codec, "v", vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s

@@ -9,8 +9,9 @@ also refreshes key_min/key_max) on the same stream. The host PagePool keeps
 the page bookkeeping (ids, refcounts, prefix cache, valid counts) and forwards
 copy-on-write copies to the device (``PagePool.attach_storage``).
 
-INT8 cold tier (issue #6): over a ``TieredPagePool`` the engine's cold inputs
-(``key_cache_int8.{i}`` ...) are bound to device INT8 pools, the page table is
+Cold tier (issues #6, #17): over a ``TieredPagePool`` the engine's cold inputs
+(``key_cache_int8.{i}`` ...) are bound to device INT8 or packed INT4 pools (the
+package's ``cold_format``, which the plugin reads as a field), the page table is
 the pool's physical table, and the pool's demotions quantize on the device,
 batched per step (``DevicePages.flush``).
 
