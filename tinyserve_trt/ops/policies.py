@@ -54,6 +54,15 @@ class SelectionPolicy(ABC):
     def score_onnx(self, ctx: OnnxScoreContext) -> str:
         """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
 
+    def sub_page_score_onnx(self, builder, qg: str, coarse: str, codes: str, hi_levels: str, step: str) -> str:
+        """Per-head sub-page scores ``[B, Hkv, K1, r, G*S]`` for two-level selection, from the
+        candidate pages' per-head coarse scores ``coarse [B, Hkv, G*S, K1]`` and their compact
+        bounds (``fine_bounds``: ``codes`` uint8 ``[B, Hkv, K1, r, D]``, ``hi_levels = codes >> 4``,
+        ``lo = key_min + (codes & 15) * step``, ``hi = key_max - hi_levels * step``,
+        ``step [B, Hkv, K1, 1, D]`` float32).
+        Only the policies in ``schema.TWO_LEVEL_POLICIES`` define it."""
+        raise ValueError(f"policy {self.name!r} has no two-level (sub-page) score")
+
     @abstractmethod
     def score_torch(self, q, key_min, key_max, page_mass):
         """Per-head scores ``[Hkv, G, C, NP]`` (torch) for ``C`` decode positions at once.
@@ -104,6 +113,32 @@ class QueryAware(SelectionPolicy):
         q_pos = b.op("Relu", ctx.qg)
         q_neg = b.op("Sub", ctx.qg, q_pos)
         return b.op("Add", b.op("MatMul", q_pos, kmax_t), b.op("MatMul", q_neg, kmin_t))
+
+    def sub_page_score_onnx(self, builder, qg, coarse, codes, hi_levels, step):
+        # With lo = min + lo_c*step and hi = max - hi_c*step the bound is the page's own
+        # relu(q).max + min(q,0).min (coarse) + sum_d (min(q,0)_d*lo_c - relu(q)_d*hi_c)*step_d,
+        # and lo_c = code - 16*hi_c: one MatMul per (sequence, KV head) over the scaled
+        # [code, hi_c] levels, no decoded lo/hi tensors. Equal to score_ref on the decoded
+        # bounds up to float32 rounding (as the coarse MatMuls are); the reference and the
+        # CUDA kernel keep the decoded form.
+        from onnx import TensorProto
+
+        from .fine_bounds import BITS
+
+        b = builder
+        levels = b.op("Cast", b.op("Concat", codes, hi_levels, axis=-1), to=TensorProto.FLOAT)  # [B, Hkv, K1, r, 2D]
+        scaled = b.op("Mul", levels, b.op("Concat", step, step, axis=-1))
+        q_pos = b.op("Relu", qg)
+        q_neg = b.op("Sub", qg, q_pos)
+        w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
+        w = b.op("Transpose", b.op("Concat", q_neg, w_hi, axis=-1), perm=[0, 1, 3, 2])  # [B, Hkv, 2D, G*S]
+        i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
+        rows = b.op("Concat", b.op("Shape", levels, start=0, end=2), i64(-1), b.op("Shape", levels, start=4, end=5),
+                    axis=0)
+        corr = b.op("MatMul", b.op("Reshape", scaled, rows), w)  # [B, Hkv, K1*r, G*S]
+        shape5 = b.op("Concat", b.op("Shape", levels, start=0, end=4), i64(-1), axis=0)
+        coarse_t = b.unsqueeze(b.op("Transpose", coarse, perm=[0, 1, 3, 2]), [3])  # [B, Hkv, K1, 1, G*S]
+        return b.op("Add", b.op("Reshape", corr, shape5), coarse_t)
 
     def score_torch(self, q, key_min, key_max, page_mass):
         # the ONNX body's two-MatMul form of max(q*lo, q*hi)

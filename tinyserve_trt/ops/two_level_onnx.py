@@ -1,8 +1,10 @@
 """The two-level selection of the ONNX function body (``ops/two_level.py`` is the rule).
 
 A first TopK keeps the candidate pages by the coarse scores; their compact
-sub-page bounds (``key_sub_bounds``, decoded as ``ops/fine_bounds.py``) are
-gathered and scored with the policy's own ONNX score; a second TopK over the
+sub-page bounds (``key_sub_bounds``, ``ops/fine_bounds.py``) are gathered,
+their high 4-bit level split off on the bytes, and scored by the policy's
+``sub_page_score_onnx`` from the codes and the candidates' per-head coarse
+scores (no decoded lo/hi tensors); a second TopK over the
 candidates' sub-pages keeps the forced pages' written sub-pages (score +inf)
 and the best others. Only the candidates' fine bounds are read, so the cost
 per step lies between page size and sub-page size. Standard ops only.
@@ -14,17 +16,17 @@ import numpy as np
 from onnx import TensorProto
 
 from .fine_bounds import BITS, INV_LEVELS
-from .policies import OnnxScoreContext
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
 
 
-def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gather_rows, policy, qg, reduce_op,
+def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax, sub_bounds, gather_rows, policy, qg, reduce_op,
                         past64, budget, ps, NP, n_b, pidx_row, forced, keep_n, S, B, Hkv, D) -> dict:
     """Kept sub-pages of each (sequence, KV head) as ONNX tensors.
 
-    scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); forced ``[B, NP]``;
+    scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); coarse_per_head
+    ``[B, Hkv, G*S, NP]`` the policy's per-head scores before the group reduce; forced ``[B, NP]``;
     keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax).
     Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
     used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each sub-page),
@@ -53,19 +55,14 @@ def two_level_selection(b, *, scores, top_k, pt_bh, kmin, kmax, sub_bounds, gath
     # --- level 2: the candidates' sub-pages, scored from their compact bounds ---
     def page_rows(m):  # [Ptot, Hkv, D] -> [B, Hkv, K1, 1, D] float32
         return gather_rows(b.unsqueeze(m, [2]), phys1)
-    pmin, pmax = page_rows(kmin), page_rows(kmax)
-    codes = gather_rows(sub_bounds, phys1)  # [B, Hkv, K1, r, D] as float: exact
-    radix = b.const(float(1 << BITS), np.float32)
-    hi_c = b.op("Floor", b.op("Div", codes, radix))
-    lo_c = b.op("Sub", codes, b.op("Mul", radix, hi_c))
-    step = b.op("Mul", b.op("Sub", pmax, pmin), b.const(INV_LEVELS, np.float32))
-    lo = b.op("Add", pmin, b.op("Mul", lo_c, step))  # same float32 steps as fine_bounds.decode
-    hi = b.op("Sub", pmax, b.op("Mul", hi_c, step))
-
-    def as_T(x):  # [B, Hkv, K1, r, D] -> [B, Hkv, D, K1*r]
-        return b.op("Transpose", b.op("Reshape", x, b.cat(B, Hkv, i64(-1), D)), perm=[0, 1, 3, 2])
-    fine_ctx = OnnxScoreContext(b, qg, None, lambda: (as_T(lo), as_T(hi)), None)
-    fine = b.reduce(reduce_op, policy.score_onnx(fine_ctx), [2])  # [B, Hkv, K1*r]
+    step = b.op("Mul", b.op("Sub", page_rows(kmax), page_rows(kmin)), b.const(INV_LEVELS, np.float32))
+    codes = gather_rows(sub_bounds, phys1, cast=False)  # [B, Hkv, K1, r, D] uint8
+    hi_c = b.op("BitShift", codes, b.const(BITS, np.uint8), direction="RIGHT")  # on the bytes: no float Floor/Div
+    GS = b.dim(qg, 2)
+    coarse = b.op("GatherElements", coarse_per_head,
+                  b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
+    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, hi_c, step)  # [B, Hkv, K1, r, GS]
+    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [4]), b.cat(B, Hkv, i64(-1)))  # [B, Hkv, K1*r]
 
     sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
                    b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
