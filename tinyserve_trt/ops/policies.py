@@ -132,11 +132,12 @@ class QueryAware(SelectionPolicy):
         q_neg = b.op("Sub", qg, q_pos)
         w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
         w = b.op("Transpose", b.op("Concat", q_neg, w_hi, axis=-1), perm=[0, 1, 3, 2])  # [B, Hkv, 2D, G*S]
-        i64 = lambda *xs: b.const(list(xs), np.int64, "i")  # noqa: E731
-        rows = b.op("Concat", b.op("Shape", levels, start=0, end=2), i64(-1), b.op("Shape", levels, start=4, end=5),
+        # explicit dims, no -1: K1 is 0 when every sequence is dense (empty tensors)
+        k1r = b.op("ReduceProd", b.op("Shape", levels, start=2, end=4), keepdims=1)
+        rows = b.op("Concat", b.op("Shape", levels, start=0, end=2), k1r, b.op("Shape", levels, start=4, end=5),
                     axis=0)
         corr = b.op("MatMul", b.op("Reshape", scaled, rows), w)  # [B, Hkv, K1*r, G*S]
-        shape5 = b.op("Concat", b.op("Shape", levels, start=0, end=4), i64(-1), axis=0)
+        shape5 = b.op("Concat", b.op("Shape", levels, start=0, end=4), b.op("Shape", w, start=3, end=4), axis=0)
         coarse_t = b.unsqueeze(b.op("Transpose", coarse, perm=[0, 1, 3, 2]), [3])  # [B, Hkv, K1, 1, G*S]
         return b.op("Add", b.op("Reshape", corr, shape5), coarse_t)
 

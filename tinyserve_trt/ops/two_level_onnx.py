@@ -29,9 +29,12 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     ``[B, Hkv, G*S, NP]`` the policy's per-head scores before the group reduce; forced ``[B, NP]``;
     keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax).
     Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
-    used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each sub-page),
-    ``selected`` ``[B, Hkv, NP]``
-    (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64).
+    used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each slot),
+    ``selected`` ``[B, Hkv, NP]`` (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64): the
+    sub-pages per slot and the slot's tokens. When every sequence is dense (a budget that covers
+    it, budget <= 0, prefill), the slots are whole pages (``r`` 1, ``sp`` ps, ``j`` 0) and the
+    two TopKs and the fine scores run on empty tensors: a dense step costs what the
+    single-level op's does.
     """
     def i64(*xs):
         return b.const(list(xs), np.int64, "i")
@@ -44,11 +47,14 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     keep2 = b.op("Max", b.op("Div", b.op("Cast", budget, to=I64), sp), n_forced_sub)
     dense = b.op("Or", b.op("LessOrEqual", budget, b.const(0, np.int32)), b.op("GreaterOrEqual", keep2, n_sub))
     dense = b.op("Or", dense, b.op("Greater", S, one))  # prefill attends everything
+    # 1 if any sequence selects, else 0 (a per-step value): when every sequence is dense, the
+    # sub-page tensors below are empty and whole pages are gathered instead (the dense part)
+    sparse_any = b.reduce("ReduceMax", b.op("Cast", b.op("Not", dense), to=I64), [0], keepdims=1)  # [1]
 
     # --- level 1: candidate pages ---------------------------------------------
     share = b.attr_const("candidate_share", "float")
     by_share = b.op("Cast", b.op("Floor", b.op("Mul", share, b.op("Cast", n_b, to=F))), to=I64)
-    k1 = b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b))
+    k1 = b.op("Mul", b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b)), sparse_any)
     top1, ok1, _ = top_k(scores, k1, NP)  # [B, Hkv, K1] logical pages
     phys1 = b.op("GatherElements", pt_bh, top1, axis=2)
 
@@ -62,7 +68,8 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     coarse = b.op("GatherElements", coarse_per_head,
                   b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
     per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, hi_c, step)  # [B, Hkv, K1, r, GS]
-    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [4]), b.cat(B, Hkv, i64(-1)))  # [B, Hkv, K1*r]
+    k1r = b.op("Mul", b.dim(top1, 2), r)  # not -1 in the reshapes: K1 may be 0
+    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [4]), b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
 
     sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
                    b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
@@ -70,11 +77,11 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     forced1 = b.op("GatherElements", b.op("Expand", b.unsqueeze(forced, [1]), b.cat(B, Hkv, NP)), top1, axis=2)
 
     def flat(x):  # [B, Hkv, K1, r] -> [B, Hkv, K1*r]
-        return b.op("Reshape", x, b.cat(B, Hkv, i64(-1)))
+        return b.op("Reshape", x, b.cat(B, Hkv, k1r))
     cand = flat(b.op("And", b.unsqueeze(ok1, [3]), written))  # candidates' written sub-pages (forced included)
     fine = b.op("Where", cand, fine, b.const(-np.inf, np.float32))
     fine = b.op("Where", flat(b.op("And", b.unsqueeze(forced1, [3]), written)), b.const(np.inf, np.float32), fine)
-    top2, ok2, k2 = top_k(fine, b.op("Where", dense, n_sub, keep2))  # [B, Hkv, K2] into K1*r
+    top2, ok2, k2 = top_k(fine, b.op("Mul", b.op("Where", dense, n_sub, keep2), sparse_any))  # [B, Hkv, K2] into K1*r
     ok2 = b.op("And", ok2, b.op("GatherElements", cand, top2, axis=2))  # too few candidates: keep what there is
 
     slot, j = b.op("Div", top2, r), b.op("Mod", top2, r)
@@ -83,6 +90,20 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     target = b.op("Where", ok2, logical, NP)
     marks = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, b.op("Add", NP, one))),
                  target, b.op("Expand", b.const(True, np.bool_), b.op("Shape", target)), axis=2)
-    return dict(selected=b.op("Slice", marks, i64(0), NP, i64(2)), phys=b.op("GatherElements", phys1, slot, axis=2),
-                j=j, ok=ok2, slots=k2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)),
-                r=r, sp=sp)
+
+    # --- the dense part: every page whole, present only when no sequence selects ---
+    np_d = b.op("Mul", NP, b.op("Sub", one, sparse_any))  # NP or 0
+    logical_d = b.op("Expand", b.op("Reshape", b.op("Range", zero, b.scalar(np_d), one), i64(1, 1, -1)),
+                     b.cat(B, Hkv, np_d))  # [B, Hkv, NP | 0]
+    valid_d = b.op("Less", logical_d, b.op("Reshape", n_b, i64(-1, 1, 1)))
+    all_valid = b.op("Less", pidx_row, b.unsqueeze(n_b, [1]))  # [B, NP]
+    dense_marks = b.op("And", b.unsqueeze(all_valid, [1]), b.op("Equal", sparse_any, zero))
+    r_eff = b.op("Add", b.op("Mul", b.op("Sub", r, one), sparse_any), one)  # sub-pages per gathered slot
+
+    def both(x, y):
+        return b.op("Concat", x, y, axis=2)
+    return dict(selected=b.op("Or", b.op("Slice", marks, i64(0), NP, i64(2)), dense_marks),
+                phys=both(b.op("GatherElements", phys1, slot, axis=2), b.op("Slice", pt_bh, i64(0), np_d, i64(2))),
+                j=both(j, b.op("Mul", logical_d, zero)), ok=both(ok2, valid_d), slots=b.op("Add", k2, np_d),
+                first_token=both(b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)), b.op("Mul", logical_d, ps)),
+                r=r_eff, sp=b.op("Div", ps, r_eff))
