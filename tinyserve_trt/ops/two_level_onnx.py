@@ -1,11 +1,10 @@
 """The two-level selection of the ONNX function body (``ops/two_level.py`` is the rule).
 
 A first TopK keeps the candidate pages by the coarse scores; their compact
-sub-page bounds (``key_sub_bounds``, ``ops/fine_bounds.py``) are gathered,
-their high 4-bit level split off on the bytes, and scored by the policy's
-``sub_page_score_onnx`` from the codes and the candidates' per-head coarse
-scores (no decoded lo/hi tensors); a second TopK over the
-candidates' sub-pages keeps the forced pages' written sub-pages (score +inf)
+sub-page bounds (``key_sub_bounds``, ``ops/fine_bounds.py``) are gathered
+and scored by the policy's ``sub_page_score_onnx`` from the codes and the
+candidates' per-head coarse scores (no decoded lo/hi tensors); a second TopK
+over the candidates' sub-pages keeps the forced pages' written sub-pages (score +inf)
 and the best others. Only the candidates' fine bounds are read, so the cost
 per step lies between page size and sub-page size. Standard ops only.
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from .fine_bounds import BITS, INV_LEVELS
+from .fine_bounds import INV_LEVELS
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -63,13 +62,12 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
         return gather_rows(b.unsqueeze(m, [2]), phys1)
     step = b.op("Mul", b.op("Sub", page_rows(kmax), page_rows(kmin)), b.const(INV_LEVELS, np.float32))
     codes = gather_rows(sub_bounds, phys1, cast=False)  # [B, Hkv, K1, r, D] uint8
-    hi_c = b.op("BitShift", codes, b.const(BITS, np.uint8), direction="RIGHT")  # on the bytes: no float Floor/Div
     GS = b.dim(qg, 2)
     coarse = b.op("GatherElements", coarse_per_head,
                   b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
-    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, hi_c, step)  # [B, Hkv, K1, r, GS]
+    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, step)  # [B, Hkv, GS, K1, r]
     k1r = b.op("Mul", b.dim(top1, 2), r)  # not -1 in the reshapes: K1 may be 0
-    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [4]), b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
+    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [2]), b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
 
     sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
                    b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
