@@ -55,7 +55,7 @@ class SelectionPolicy(ABC):
         """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
 
     def sub_page_score_onnx(self, builder, qg: str, coarse: str, codes: str, step: str) -> str:
-        """Per-head sub-page scores ``[B, Hkv, G*S, K1, r]`` for two-level selection, from the
+        """Per-head sub-page scores ``[r, B, Hkv, G*S, K1]`` for two-level selection, from the
         candidate pages' per-head coarse scores ``coarse [B, Hkv, G*S, K1]`` and their compact
         bounds (``fine_bounds``: ``codes`` uint8 ``[B, Hkv, K1, r, D]``,
         ``lo = key_min + (codes & 15) * step``, ``hi = key_max - (codes >> 4) * step``,
@@ -117,31 +117,28 @@ class QueryAware(SelectionPolicy):
     def sub_page_score_onnx(self, builder, qg, coarse, codes, step):
         # With lo = min + lo_c*step and hi = max - hi_c*step the bound is the page's own
         # relu(q).max + min(q,0).min (coarse) + sum_d (min(q,0)_d*lo_c - relu(q)_d*hi_c)*step_d,
-        # and lo_c = code - 16*hi_c: two MatMuls per (sequence, KV head) over the scaled code
-        # and hi_c, no decoded lo/hi tensors. The MatMuls put the G*S query rows first (M = G*S,
-        # N = K1*r): the other way round N is tiny and the GEMM pads it. Equal to score_ref on
-        # the decoded bounds up to float32 rounding (as the coarse MatMuls are); the reference
-        # and the CUDA kernel keep the decoded form.
+        # and lo_c = code - 16*hi_c: two MatMuls over the scaled code and hi_c, no decoded
+        # lo/hi tensors. Layout for ORT CPU: the (uint8) codes go sub-page-major first, so the
+        # per-page step broadcasts over the leading axis (a broadcast over the inner r axis runs
+        # one short span per (page, sub-page), ~2x slower), and the MatMuls put the G*S query
+        # rows first (the other way round N = G*S is tiny and the GEMM pads it). Equal to
+        # score_ref on the decoded bounds up to float32 rounding (as the coarse MatMuls are);
+        # the reference and the CUDA kernel keep the decoded form.
         from onnx import TensorProto
 
         from .fine_bounds import BITS
 
         b = builder
-        c = b.op("Cast", codes, to=TensorProto.FLOAT)  # [B, Hkv, K1, r, D]
+        c = b.op("Cast", b.op("Transpose", codes, perm=[3, 0, 1, 2, 4]), to=TensorProto.FLOAT)  # [r, B, Hkv, K1, D]
         hi_c = b.op("Floor", b.op("Mul", c, b.const(1.0 / (1 << BITS), np.float32)))  # exact: c <= 255
+        step4 = b.op("Squeeze", step, b.const([3], np.int64, "ax"))  # [B, Hkv, K1, D]
         q_pos = b.op("Relu", qg)
         q_neg = b.op("Sub", qg, q_pos)
         w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
-        # explicit dims, no -1: K1 is 0 when every sequence is dense (empty tensors)
-        k1r = b.op("ReduceProd", b.op("Shape", c, start=2, end=4), keepdims=1)
-        rows = b.op("Concat", b.op("Shape", c, start=0, end=2), k1r, b.op("Shape", c, start=4, end=5), axis=0)
 
-        def term(w, levels):  # [B, Hkv, G*S, D] x scaled levels -> [B, Hkv, G*S, K1*r]
-            scaled = b.op("Reshape", b.op("Mul", levels, step), rows)
-            return b.op("MatMul", w, b.op("Transpose", scaled, perm=[0, 1, 3, 2]))
-        corr = b.op("Add", term(q_neg, c), term(w_hi, hi_c))
-        shape5 = b.op("Concat", b.op("Shape", qg, start=0, end=3), b.op("Shape", c, start=2, end=4), axis=0)
-        return b.op("Add", b.op("Reshape", corr, shape5), b.unsqueeze(coarse, [4]))  # [B, Hkv, G*S, K1, r]
+        def term(w, levels):  # w [B, Hkv, G*S, D] (broadcast over r) -> [r, B, Hkv, G*S, K1]
+            return b.op("MatMul", w, b.op("Transpose", b.op("Mul", levels, step4), perm=[0, 1, 2, 4, 3]))
+        return b.op("Add", b.op("Add", term(q_neg, c), term(w_hi, hi_c)), coarse)  # [r, B, Hkv, G*S, K1]
 
     def score_torch(self, q, key_min, key_max, page_mass):
         # the ONNX body's two-MatMul form of max(q*lo, q*hi)

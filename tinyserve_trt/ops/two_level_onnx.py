@@ -65,9 +65,10 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     GS = b.dim(qg, 2)
     coarse = b.op("GatherElements", coarse_per_head,
                   b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
-    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, step)  # [B, Hkv, GS, K1, r]
+    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, step)  # [r, B, Hkv, GS, K1]
     k1r = b.op("Mul", b.dim(top1, 2), r)  # not -1 in the reshapes: K1 may be 0
-    fine = b.op("Reshape", b.reduce(reduce_op, per_head, [2]), b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
+    fine = b.op("Transpose", b.reduce(reduce_op, per_head, [3]), perm=[1, 2, 3, 0])  # [B, Hkv, K1, r]
+    fine = b.op("Reshape", fine, b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
 
     sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
                    b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
