@@ -185,7 +185,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     else:
         sel = two_level_selection(
             b,
-            scores=scores, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax, sub_bounds=schema.TWO_LEVEL_INPUTS[0],
+            scores=scores, coarse_per_head=per_head, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax, sub_bounds=schema.TWO_LEVEL_INPUTS[0],
             gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op, past64=past64, budget=budget,
             ps=ps, NP=NP, n_b=n_b, pidx_row=pidx_row, forced=forced, keep_n=keep_n, S=S, B=B, Hkv=Hkv, D=D)
         selected = b.op("Identity", sel["selected"], _name=schema.OUTPUT_NAMES[1])

@@ -54,6 +54,15 @@ class SelectionPolicy(ABC):
     def score_onnx(self, ctx: OnnxScoreContext) -> str:
         """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
 
+    def sub_page_score_onnx(self, builder, qg: str, coarse: str, codes: str, step: str) -> str:
+        """Per-head sub-page scores ``[r, B, Hkv, G*S, K1]`` for two-level selection, from the
+        candidate pages' per-head coarse scores ``coarse [B, Hkv, G*S, K1]`` and their compact
+        bounds (``fine_bounds``: ``codes`` uint8 ``[B, Hkv, K1, r, D]``,
+        ``lo = key_min + (codes & 15) * step``, ``hi = key_max - (codes >> 4) * step``,
+        ``step [B, Hkv, K1, 1, D]`` float32).
+        Only the policies in ``schema.TWO_LEVEL_POLICIES`` define it."""
+        raise ValueError(f"policy {self.name!r} has no two-level (sub-page) score")
+
     @abstractmethod
     def score_torch(self, q, key_min, key_max, page_mass):
         """Per-head scores ``[Hkv, G, C, NP]`` (torch) for ``C`` decode positions at once.
@@ -104,6 +113,32 @@ class QueryAware(SelectionPolicy):
         q_pos = b.op("Relu", ctx.qg)
         q_neg = b.op("Sub", ctx.qg, q_pos)
         return b.op("Add", b.op("MatMul", q_pos, kmax_t), b.op("MatMul", q_neg, kmin_t))
+
+    def sub_page_score_onnx(self, builder, qg, coarse, codes, step):
+        # With lo = min + lo_c*step and hi = max - hi_c*step the bound is the page's own
+        # relu(q).max + min(q,0).min (coarse) + sum_d (min(q,0)_d*lo_c - relu(q)_d*hi_c)*step_d,
+        # and lo_c = code - 16*hi_c: two MatMuls over the scaled code and hi_c, no decoded
+        # lo/hi tensors. Layout for ORT CPU: the (uint8) codes go sub-page-major first, so the
+        # per-page step broadcasts over the leading axis (a broadcast over the inner r axis runs
+        # one short span per (page, sub-page), ~2x slower), and the MatMuls put the G*S query
+        # rows first (the other way round N = G*S is tiny and the GEMM pads it). Equal to
+        # score_ref on the decoded bounds up to float32 rounding (as the coarse MatMuls are);
+        # the reference and the CUDA kernel keep the decoded form.
+        from onnx import TensorProto
+
+        from .fine_bounds import BITS
+
+        b = builder
+        c = b.op("Cast", b.op("Transpose", codes, perm=[3, 0, 1, 2, 4]), to=TensorProto.FLOAT)  # [r, B, Hkv, K1, D]
+        hi_c = b.op("Floor", b.op("Mul", c, b.const(1.0 / (1 << BITS), np.float32)))  # exact: c <= 255
+        step4 = b.op("Squeeze", step, b.const([3], np.int64, "ax"))  # [B, Hkv, K1, D]
+        q_pos = b.op("Relu", qg)
+        q_neg = b.op("Sub", qg, q_pos)
+        w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
+
+        def term(w, levels):  # w [B, Hkv, G*S, D] (broadcast over r) -> [r, B, Hkv, G*S, K1]
+            return b.op("MatMul", w, b.op("Transpose", b.op("Mul", levels, step4), perm=[0, 1, 2, 4, 3]))
+        return b.op("Add", b.op("Add", term(q_neg, c), term(w_hi, hi_c)), coarse)  # [r, B, Hkv, G*S, K1]
 
     def score_torch(self, q, key_min, key_max, page_mass):
         # the ONNX body's two-MatMul form of max(q*lo, q*hi)
