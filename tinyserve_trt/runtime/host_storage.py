@@ -16,6 +16,7 @@ import numpy as np
 
 from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+from tinyserve_trt.runtime.append_bounds import append_bounds
 from tinyserve_trt.runtime.kv_storage import KVStorage
 
 
@@ -108,13 +109,17 @@ class HostKVStorage(KVStorage):
         self._refresh_minmax(layer, pages, self._k[layer, pages], valid)
 
     def write_layers(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, pages: np.ndarray,
-                     valid: np.ndarray) -> None:
+                     valid: np.ndarray, before: np.ndarray | None = None) -> None:
         self.check_range("write", slots // self.page_size, 0, self.num_hot)
         page, off = slots // self.page_size, slots % self.page_size
         # the advanced indices are split by a slice: numpy puts the token axis first
         self._k[:, page, :, off, :] = np.swapaxes(k, 0, 1)
         self._v[:, page, :, off, :] = np.swapaxes(v, 0, 1)
-        self._refresh_minmax(slice(None), pages, self._k[:, pages], valid)
+        if before is not None and _one_append_per_page(page, off, pages, before):
+            append_bounds(self._k, self._key_min, self._key_max, self._sub if self.sub_page_size else None,
+                          page, off, k)
+        else:
+            self._refresh_minmax(slice(None), pages, self._k[:, pages], valid)
 
     def copy_page(self, src: int, dst: int) -> None:
         self.check_range("copy target", dst, 0, self.num_hot)
@@ -164,3 +169,12 @@ class HostKVStorage(KVStorage):
             self._sub[layer, pages] = pages_sub_bounds(self._k[layer, pages], self.sub_page_size,
                                                        self._key_min[layer, pages], self._key_max[layer, pages],
                                                        valid[layer])
+
+
+def _one_append_per_page(page: np.ndarray, off: np.ndarray, pages: np.ndarray, before: np.ndarray) -> bool:
+    """Whether each token is its page's only one and lands at the page's valid count in every
+    layer (``before [L, len(pages)]``, ``pages`` sorted): a decode step's write."""
+    if page.shape[0] != pages.shape[0]:
+        return False
+    at = np.searchsorted(pages, page)
+    return bool(np.all(before[:, at] == off))

@@ -272,7 +272,7 @@ class PagePool:
         phys, upages, new = plan
         k_tok = np.stack([np.swapaxes(k, 1, 2)[keep] for k in keys])  # [L, tokens, Hkv, D]
         v_tok = np.stack([np.swapaxes(v, 1, 2)[keep] for v in values])
-        self.storage.write_layers(phys, k_tok, v_tok, upages, new)
+        self.storage.write_layers(phys, k_tok, v_tok, upages, new, before=self._num_valid[:, upages])
         self._num_valid[:, upages] = new
 
     def _write_plan(self, slots: np.ndarray, layer) -> tuple | None:
