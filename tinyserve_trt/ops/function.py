@@ -42,7 +42,7 @@ F = TensorProto.FLOAT
 I64 = TensorProto.INT64
 MIN_OPSET = 15  # CastLike
 # what a layer attends: gathered K/V [B, Hkv, K, ps|sp, D], selected pages, which of the T key slots are real
-_KEPT = dict(keys=F, vals=F, selected=TensorProto.BOOL, tok_ok=TensorProto.BOOL, T=I64)
+_KEPT = dict(keys=None, vals=None, selected=TensorProto.BOOL, tok_ok=TensorProto.BOOL, T=I64)  # None: the pool's
 
 
 def _attr_protos() -> list[onnx.AttributeProto]:
@@ -116,9 +116,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         return b.op("Cast", rows, to=F) if cast else rows
 
     def gather_pages(cache, phys, sub=None, flat=True):  # phys [B, Hkv, K] -> [B, Hkv, K*(ps|sp), D] float32
-        # (flat=False: [B, Hkv, K, ps|sp, D], for an If branch: a Reshape there would copy)
+        # flat=False: [B, Hkv, K, ps|sp, D] in the pool dtype (hot pages only), for an If branch whose
+        # output the caller casts and reshapes: a Cast or Reshape as a branch's output is a copy
         if not cold_pages:
-            pages = gather_rows(cache, phys, sub)
+            pages = gather_rows(cache, phys, sub, cast=flat)
         else:
             # Both tiers are gathered with clipped ids and Where picks per page: one
             # static graph for any hot/cold mix (the CUDA kernel branches instead).
@@ -223,7 +224,8 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     else:
         kept = every_page()
         kept["selected"] = b.op("Identity", kept["selected"], _name=schema.OUTPUT_NAMES[1])
-    keys, vals = (b.op("Reshape", kept[x], b.cat(B, Hkv, i64(-1), D)) for x in ("keys", "vals"))  # [B, Hkv, T, D]
+    keys, vals = (b.op("Reshape", b.op("Cast", kept[x], to=F), b.cat(B, Hkv, i64(-1), D))  # [B, Hkv, T, D]
+                  for x in ("keys", "vals"))
     tok_ok, T = kept["tok_ok"], kept["T"]
 
     # --- attention over the kept pages (or sub-pages) + the new tokens --------

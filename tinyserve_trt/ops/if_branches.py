@@ -25,7 +25,7 @@ from . import schema
 def if_branches(b, cond: str, then_fn, else_fn, types: dict[str, int], step_inputs,
                 names: dict[str, str] | None = None) -> dict[str, str]:
     """``If(cond)`` over the two branches; ``types``: ONNX elem type of each output key (in
-    order); ``step_inputs``: the function inputs that are per-step (not a layer's);
+    order; None: left to inference, e.g. a pool's dtype); ``step_inputs``: the function inputs that are per-step (not a layer's);
     ``names``: fixed output names by key (e.g. the op's own outputs)."""
     outer = b.nodes
     available = set(schema.INPUT_NAMES) | {o for n in outer for o in n.output}
@@ -57,7 +57,8 @@ def if_branches(b, cond: str, then_fn, else_fn, types: dict[str, int], step_inpu
             if name not in local:  # a branch output must be made inside the branch
                 name = b._name(f"{side}_{key}")
                 kept.append(helper.make_node("Identity", [out[key]], [name]))
-            outputs.append(helper.make_tensor_value_info(name, types[key], None))
+            outputs.append(helper.make_tensor_value_info(name, types[key], None) if types[key] is not None
+                           else helper.make_empty_tensor_value_info(name))  # a type the inputs decide
         branches.append(helper.make_graph(kept, f"{side}_branch", [], outputs))
     names = names or {}
     results = [names.get(key) or b._name(f"if_{key}") for key in types]
