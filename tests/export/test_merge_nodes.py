@@ -49,7 +49,9 @@ def test_duplicates_merge_and_subgraphs_follow(past):
                     for i in n.input}
     assert "n0f" in branch_reads and "n1f" not in branch_reads
     feeds = {"x": np.arange(3, dtype=np.float32), "past": np.array(past, np.int64)}
-    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
     for want, got in zip(run(model), run(merged)):
         np.testing.assert_array_equal(got, want)
 

@@ -25,8 +25,9 @@ from . import schema
 def if_branches(b, cond: str, then_fn, else_fn, types: dict[str, int], step_inputs,
                 names: dict[str, str] | None = None) -> dict[str, str]:
     """``If(cond)`` over the two branches; ``types``: ONNX elem type of each output key (in
-    order; None: left to inference, e.g. a pool's dtype); ``step_inputs``: the function inputs that are per-step (not a layer's);
-    ``names``: fixed output names by key (e.g. the op's own outputs)."""
+    order; None: left to inference, e.g. a pool's dtype); ``step_inputs``: the function
+    inputs that are per-step (not a layer's); ``names``: fixed output names by key (e.g.
+    the op's own outputs)."""
     outer = b.nodes
     available = set(schema.INPUT_NAMES) | {o for n in outer for o in n.output}
     layer = set(schema.INPUT_NAMES) - set(step_inputs)

@@ -251,13 +251,8 @@ class PagePool:
             self._num_valid[layer, upages] = new[0]
 
     def write_step(self, slot_mapping: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
-        """Every layer's new K/V of one step as the model returns them (one call per step, not
-        per layer: the page checks run once and the storage writes all layers together).
-
-        slot_mapping: ``[batch, new_tokens]`` int, -1 for padding (``ScheduledBatch.slot_mapping``).
-        keys, values: per layer ``[batch, num_kv_heads, new_tokens, head_dim]``.
-        Same checks and result as :meth:`write_batch` on each layer.
-        """
+        """:meth:`write_batch` of every layer in one call (``keys``/``values``: one array per
+        layer): the page checks run once and the storage writes all layers together."""
         slot_mapping = np.asarray(slot_mapping)
         b, t = slot_mapping.shape
         want = (b, self.num_kv_heads, t, self.head_dim)
