@@ -67,13 +67,31 @@ def test_sparse_budget_reads_the_fine_bounds(two_level_pkg, monkeypatch):
     rewritten = ort.InferenceSession(str(pkg / "model.onnx"), providers=["CPUExecutionProvider"])
     run = dict(lengths=(60, 45), decode_steps=6)
     dense = validate_mod.validate(original, rewritten, manifest, budget=0, **run)
-    sparse = validate_mod.validate(original, rewritten, manifest, budget=24, **run)
+    sparse_logits = _Recorded(rewritten)
+    sparse = validate_mod.validate(original, sparse_logits, manifest, budget=24, **run)
     assert dense.max_abs_diff <= manifest["validation"]["tolerance"]
     assert np.isfinite(sparse.max_abs_diff) and sparse.max_abs_diff > 10 * dense.max_abs_diff
     monkeypatch.setattr(validate_mod, "page_sub_bounds", lambda keys, sp, *a: np.zeros(
         (keys.shape[0], keys.shape[1] // sp, keys.shape[2]), np.uint8))
-    coarse_only = validate_mod.validate(original, rewritten, manifest, budget=24, **run)
-    assert coarse_only.max_abs_diff != sparse.max_abs_diff
+    coarse_logits = _Recorded(rewritten)
+    validate_mod.validate(original, coarse_logits, manifest, budget=24, **run)
+    # the worst step vs the original may not be one the fine bounds decide: compare the logits
+    assert max(np.abs(a - b).max() for a, b in zip(sparse_logits.logits, coarse_logits.logits)) > 1e-3
+
+
+class _Recorded:
+    """A session that keeps the first output (the logits) of every run."""
+
+    def __init__(self, session):
+        self.session, self.logits = session, []
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, names, feeds):
+        out = self.session.run(names, feeds)
+        self.logits.append(np.array(out[0]))
+        return out
 
 
 def test_config_and_cli_refuse_bad_sub_pages(capsys):

@@ -120,8 +120,17 @@ def test_int4_body_for_every_opset(rng, opset):
     _check4(case, schema.OpAttributes(), "float32", opset)
     model = make_op_model("float32", schema.OpAttributes(), cold_pages=True, cold_format="int4", opset=opset)
     onnx.checker.check_model(model, full_check=True)
-    ops = {n.op_type for f in model.functions for n in f.node}
+    ops = {n.op_type for f in model.functions for n in _nodes(f.node)}
     assert ("BitwiseAnd" in ops) == (opset >= 18)
+
+
+def _nodes(nodes):
+    """Every node, those of If branches included."""
+    for n in nodes:
+        yield n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(a.g.node)
 
 
 def test_int4_prefill_and_two_level(rng):

@@ -104,3 +104,20 @@ def test_function_body_for_the_model_opset(rng, opset):
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out, _ = sess.run(None, {n: case[n] for n in schema.INPUT_NAMES[:10]})
     np.testing.assert_allclose(out, sparse_attention_ref(**case)[0], **schema.TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("sub_page_size", [0, 4])
+def test_dense_steps_skip_the_selection(sub_page_size):
+    """A step where every row keeps all its pages runs a branch with no scoring or TopK; a
+    dense layer's body has no selection at all."""
+    def ops(graph_nodes):
+        return [n.op_type for n in graph_nodes]
+
+    attrs = schema.OpAttributes(sub_page_size=sub_page_size)
+    body = make_op_model("float32", attrs).functions[0].node
+    (branch,) = [n for n in body if n.op_type == "If"]
+    graphs = {a.name: a.g for a in branch.attribute}
+    assert "TopK" not in ops(graphs["then_branch"].node) and "TopK" in ops(graphs["else_branch"].node)
+    assert "TopK" not in ops(body)  # the selection lives in its branch only
+    dense = make_op_model("float32", schema.OpAttributes(policy="dense")).functions[0].node
+    assert not {"If", "TopK"} & set(ops(dense))

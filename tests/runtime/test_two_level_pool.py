@@ -59,6 +59,43 @@ def test_codes_follow_appends_copies_and_demotions():
     pool.check_integrity([[a], [a], [b], [c]], check_data=True)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_write_step_equals_per_layer_writes(dtype):
+    """One call for every layer (decode appends take ``append_bounds``' update path; a prefill
+    chunk, an overwrite and a page's first token the full recompute) leaves K/V, min/max and
+    sub-page codes bit-identical to ``write_batch`` layer by layer, and the codes fresh."""
+    rng = np.random.default_rng(3)
+    step_pool, layer_pool = _pool(dtype, tiered=False), _pool(dtype, tiered=False)
+    pages = [step_pool.allocate(2) for _ in range(2)]
+    assert pages == [layer_pool.allocate(2) for _ in range(2)]
+    (a0, a1), (b0, b1) = pages
+    lens = [0, 0]
+
+    def step(new: list[int], overwrite: bool = False):
+        width = max(new)
+        slots = np.full((2, width), -1, np.int64)
+        for row, ((p0, p1), n) in enumerate(zip(pages, new)):
+            pos = np.arange(lens[row] - overwrite, lens[row] - overwrite + n)
+            slots[row, :n] = np.where(pos < PS, p0 * PS + pos, p1 * PS + pos - PS)
+            lens[row] += n - overwrite
+        ks = [(rng.standard_normal((2, H, width, D)) * (1 + 3 * (rng.random(D) < 0.3))).astype(dtype)
+              for _ in range(L)]
+        step_pool.write_step(slots, ks, [k + 1 for k in ks])
+        for layer, k in enumerate(ks):
+            layer_pool.write_batch(layer, slots, k, k + 1)
+
+    step([3, 1])  # prefill chunk / a first token
+    for new in ([1, 1],) * 7 + ([2, 1],):  # decode appends, across the page boundary; then a chunk
+        step(new)
+    step([1, 1], overwrite=True)  # rewrites each row's last token: recomputed, not updated
+    step([1, 1])
+    for name in ("_k", "_v", "_key_min", "_key_max", "_sub"):
+        np.testing.assert_array_equal(getattr(step_pool.storage, name), getattr(layer_pool.storage, name), name)
+    np.testing.assert_array_equal(step_pool.num_valid(1), layer_pool.num_valid(1))
+    _assert_codes_fresh(step_pool, [a0, a1, b0, b1])
+    step_pool.check_integrity([[a0, a1], [b0, b1]], check_data=True)
+
+
 def test_integrity_catches_stale_codes():
     rng = np.random.default_rng(2)
     pool = _pool(tiered=False)

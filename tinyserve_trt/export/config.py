@@ -45,6 +45,9 @@ class ExportConfig:
     # None: the default (``resolved_sub_page_size``).
     sub_page_size: int | None = None
     candidate_share: float = schema.attribute("candidate_share").default
+    # One MatMul (+ Split) per group of projections that read the same activation: QKV,
+    # gate/up (``pack_matmuls.py``); the packed weights replace the originals.
+    pack_projections: bool = True
 
     def __post_init__(self):
         if self.page_size != "auto" and (not isinstance(self.page_size, int) or self.page_size < 1

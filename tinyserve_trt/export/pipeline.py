@@ -44,6 +44,7 @@ class ExportReport:
     seconds: dict = field(default_factory=dict)
     weight_bytes: int = 0  # the model's initializers: the package holds them once
     head_dim: int = 0
+    packed_matmuls: int = 0  # projections folded into a packed MatMul (pack_matmuls.py)
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -97,6 +98,11 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     TopologicalSortPass()(model)
     model.ir_version = max(model.ir_version or 0, 10)  # function overloads need IR 10
     proto = attach_functions(ir.to_proto(model))
+    packed = 0
+    if config.pack_projections:
+        from .pack_matmuls import pack_shared_matmuls
+
+        packed = pack_shared_matmuls(proto)
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as e:
@@ -143,7 +149,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     weights = weight_bytes(proto)
     size, _ = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
-    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"])
+    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed)
 
 
 def _load_calibration(config: ExportConfig):

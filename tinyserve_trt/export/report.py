@@ -10,7 +10,8 @@ from .pipeline import ExportReport
 def print_summary(report: ExportReport, config: ExportConfig) -> None:
     rows = [("output", str(report.outdir)), ("layers rewritten", str(report.layers))]
     rows += [(f"  rule {name}", str(n)) for name, n in sorted(report.rule_counts.items())]
-    rows += [("page size", str(config.resolved_page_size())),
+    rows += [("projections packed", f"{report.packed_matmuls} MatMuls folded into their neighbours' (QKV, gate/up)"),
+             ("page size", str(config.resolved_page_size())),
              ("selection", _selection(config)),
              ("bytes / token / KV head", _bytes_per_token(report, config)),
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),

@@ -173,4 +173,18 @@ def live(nodes: list, outputs: set[str]) -> list:
         if any(o in needed for o in node.output):
             kept.append(node)
             needed.update(node.input)
+            needed.update(_subgraph_reads(node))
     return kept[::-1]
+
+
+def _subgraph_reads(node) -> set[str]:
+    """Names the subgraphs of ``node`` (an If's branches) read, their own values included:
+    the outer values among them must stay alive."""
+    out = set()
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for n in g.node:
+                out.update(n.input)
+                out.update(_subgraph_reads(n))
+            out.update(o.name for o in g.output)
+    return out

@@ -14,7 +14,11 @@ overload.
 
 Decode (S == 1): gather only the selected pages (TopK over page scores), so
 the bytes read scale with the budget, not the context. Prefill (S > 1): every
-valid page, causal over the new tokens - K becomes the page count.
+valid page, causal over the new tokens - K becomes the page count. A step in
+which every row keeps all its pages (prefill, budget 0, a context within the
+budget) takes the ``then`` branch of an ``If`` (``ops/if_branches.py``): the pages
+in page-table order, no scoring, no TopK, no sub-page gathers - the same tokens
+attended, so the same result up to float summation order.
 
 Two-level (overload ``..._two_level``, ``sub_page_size`` > 0): the selection
 is ``ops/two_level_onnx.py`` (a second TopK over the candidates' sub-pages)
@@ -31,11 +35,14 @@ from . import schema
 from .graph_builder import GraphBuilder
 from .int4_onnx import dequantize_int4_rows
 from .policies import OnnxScoreContext, get_policy
+from .if_branches import if_branches
 from .two_level_onnx import two_level_selection
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
 MIN_OPSET = 15  # CastLike
+# what a layer attends: gathered K/V [B, Hkv, K, ps|sp, D], selected pages, which of the T key slots are real
+_KEPT = dict(keys=None, vals=None, selected=TensorProto.BOOL, tok_ok=TensorProto.BOOL, T=I64)  # None: the pool's
 
 
 def _attr_protos() -> list[onnx.AttributeProto]:
@@ -108,9 +115,11 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         rows = b.op("Gather", rows, row, axis=0)
         return b.op("Cast", rows, to=F) if cast else rows
 
-    def gather_pages(cache, phys, sub=None):  # phys [B, Hkv, K] -> [B, Hkv, K*(ps|sp), D] float32
+    def gather_pages(cache, phys, sub=None, flat=True):  # phys [B, Hkv, K] -> [B, Hkv, K*(ps|sp), D] float32
+        # flat=False: [B, Hkv, K, ps|sp, D] in the pool dtype (hot pages only), for an If branch whose
+        # output the caller casts and reshapes: a Cast or Reshape as a branch's output is a copy
         if not cold_pages:
-            pages = gather_rows(cache, phys, sub)
+            pages = gather_rows(cache, phys, sub, cast=flat)
         else:
             # Both tiers are gathered with clipped ids and Where picks per page: one
             # static graph for any hot/cold mix (the CUDA kernel branches instead).
@@ -124,7 +133,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             else:
                 cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale
             pages = b.op("Where", b.unsqueeze(is_cold, [3, 4]), cold, hot)
-        return b.op("Reshape", pages, b.cat(B, Hkv, i64(-1), D))
+        return b.op("Reshape", pages, b.cat(B, Hkv, i64(-1), D)) if flat else pages
 
     def minmax_T():
         def t(m):  # [Ptot, Hkv, D] -> [B, NP, Hkv, D] -> [B, Hkv, D, NP]
@@ -155,16 +164,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         return b.op("Softmax", b.op("Mul", b.op("Concat", cached, new, axis=3), scale), axis=-1)
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
-    ctx = OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass)
-    per_head = policy.score_onnx(ctx) if policy.selects else page_idx_f
-    reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
-    scores = b.reduce(reduce_op, per_head, [2])  # [B|1, Hkv|1, NP]
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
-    # forced pages +inf, invalid -inf: one Where per layer (the condition and the fill are per-step)
-    ranked = b.op("And", valid3, b.op("Not", forced3))
-    fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
-    scores = b.op("Where", ranked, scores, fill)
-    scores = b.op("Expand", scores, b.cat(B, Hkv, NP))
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
     def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices, rank < k_b: [B, Hkv, Kmax]; Kmax)
@@ -175,30 +175,60 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         ok = b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
         return top, ok, kmax
 
-    if not two_level:
-        top, rank_ok, n_slots = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
-        selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
-                        rank_ok, axis=2, _name=schema.OUTPUT_NAMES[1])
-        phys = b.op("GatherElements", pt_bh, top, axis=2)
-        keys, vals = gather_pages(kc, phys), gather_pages(vc, phys)
-        tok_first, tok_len, tok_ok_rank = b.op("Mul", top, ps), ps, rank_ok
-    else:
+    def attended(keys, vals, selected, tok_first, tok_len, tok_ok_rank, n_slots):
+        """The kept slots' K/V with the mask of their real tokens ``tok_ok [B, Hkv, 1, T]`` and ``T``."""
+        tok = b.op("Add", b.unsqueeze(tok_first, [3]),
+                   b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
+        tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))),
+                      b.unsqueeze(tok_ok_rank, [3]))
+        tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
+        T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
+        return dict(keys=keys, vals=vals, selected=selected, tok_ok=tok_ok, T=T)
+
+    def every_page():  # all valid pages in page-table order: no scores, no TopK
+        every = b.op("Expand", valid3, b.cat(B, Hkv, NP))
+        return attended(gather_pages(kc, pt_bh, flat=False), gather_pages(vc, pt_bh, flat=False), every,
+                        b.op("Mul", b.op("Reshape", page_idx, i64(1, 1, -1)), ps), ps, every, NP)
+
+    def kept_pages():  # the policy's pages (or sub-pages): scores -> TopK
+        per_head = policy.score_onnx(OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass))
+        reduce_op = {"max": "ReduceMax", "sum": "ReduceSum"}[attrs.group_reduce]
+        scores = b.reduce(reduce_op, per_head, [2])  # [B|1, Hkv|1, NP]
+        # forced pages +inf, invalid -inf: one Where per layer (the condition and the fill are per-step)
+        ranked = b.op("And", valid3, b.op("Not", forced3))
+        fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
+        scores = b.op("Expand", b.op("Where", ranked, scores, fill), b.cat(B, Hkv, NP))
+        if not two_level:
+            top, rank_ok, n_slots = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
+            selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
+                            rank_ok, axis=2)
+            phys = b.op("GatherElements", pt_bh, top, axis=2)
+            return attended(gather_pages(kc, phys, flat=False), gather_pages(vc, phys, flat=False), selected,
+                            b.op("Mul", top, ps), ps, rank_ok, n_slots)
         sel = two_level_selection(
             b,
             scores=scores, coarse_per_head=per_head, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax, sub_bounds=schema.TWO_LEVEL_INPUTS[0],
             gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op, past64=past64, budget=budget,
             ps=ps, NP=NP, n_b=n_b, pidx_row=pidx_row, forced=forced, keep_n=keep_n, S=S, B=B, Hkv=Hkv, D=D)
-        selected = b.op("Identity", sel["selected"], _name=schema.OUTPUT_NAMES[1])
         sub = (sel["j"], sel["r"])
-        keys, vals = gather_pages(kc, sel["phys"], sub), gather_pages(vc, sel["phys"], sub)
-        tok_first, tok_len, tok_ok_rank, n_slots = sel["first_token"], sel["sp"], sel["ok"], sel["slots"]
+        return attended(gather_pages(kc, sel["phys"], sub, False), gather_pages(vc, sel["phys"], sub, False),
+                        sel["selected"], sel["first_token"], sel["sp"], sel["ok"], sel["slots"])
+
+    # A step where every row keeps all its pages (short contexts, budget 0, prefill) skips the
+    # selection: an If on the per-step dense switch (the same for every layer) - bit-for-bit the
+    # same attended tokens, without scoring, ranking or re-gathering them by sub-page.
+    if policy.selects:
+        all_dense = b.op("Cast", b.reduce("ReduceMin", b.op("Cast", dense_b, to=I64), [0]), to=TensorProto.BOOL)
+        kept = if_branches(b, all_dense, every_page, kept_pages, _KEPT, step_inputs=(pt, past, budget),
+                           names=dict(selected=schema.OUTPUT_NAMES[1]))
+    else:
+        kept = every_page()
+        kept["selected"] = b.op("Identity", kept["selected"], _name=schema.OUTPUT_NAMES[1])
+    keys, vals = (b.op("Reshape", b.op("Cast", kept[x], to=F), b.cat(B, Hkv, i64(-1), D))  # [B, Hkv, T, D]
+                  for x in ("keys", "vals"))
+    tok_ok, T = kept["tok_ok"], kept["T"]
 
     # --- attention over the kept pages (or sub-pages) + the new tokens --------
-    tok = b.op("Add", b.unsqueeze(tok_first, [3]),
-               b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
-    tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))), b.unsqueeze(tok_ok_rank, [3]))
-    tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
-    T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
     probs = attention_probs(keys, tok_ok)
     end = i64(np.iinfo(np.int64).max)
     out = b.op("Add", b.op("MatMul", b.op("Slice", probs, i64(0), T, i64(3)), vals),  # [B, Hkv, G*S, D]

@@ -16,6 +16,7 @@ import numpy as np
 
 from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+from tinyserve_trt.runtime.append_bounds import append_bounds
 from tinyserve_trt.runtime.kv_storage import KVStorage
 
 
@@ -67,6 +68,14 @@ class HostKVStorage(KVStorage):
             out["key_sub_bounds"] = self._sub[layer]
         return out
 
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """Every array :meth:`cache_inputs` takes its views from (a backend that bound those views
+        checks these for a reallocation instead of every layer's views)."""
+        out = (self._k, self._v, self._key_min, self._key_max)
+        if self.granularities:
+            out += (self._kq, self._vq, self._ks, self._vs)
+        return out + ((self._sub,) if self.sub_page_size else ())
+
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
         if not self.sub_page_size:
             return super().read_sub_bounds(layer, page)
@@ -99,6 +108,19 @@ class HostKVStorage(KVStorage):
         self._v[layer, page, :, off, :] = v
         self._refresh_minmax(layer, pages, self._k[layer, pages], valid)
 
+    def write_layers(self, slots: np.ndarray, k: np.ndarray, v: np.ndarray, pages: np.ndarray,
+                     valid: np.ndarray, before: np.ndarray | None = None) -> None:
+        self.check_range("write", slots // self.page_size, 0, self.num_hot)
+        page, off = slots // self.page_size, slots % self.page_size
+        # the advanced indices are split by a slice: numpy puts the token axis first
+        self._k[:, page, :, off, :] = np.swapaxes(k, 0, 1)
+        self._v[:, page, :, off, :] = np.swapaxes(v, 0, 1)
+        if before is not None and _one_append_per_page(page, off, pages, before):
+            append_bounds(self._k, self._key_min, self._key_max, self._sub if self.sub_page_size else None,
+                          page, off, k)
+        else:
+            self._refresh_minmax(slice(None), pages, self._k[:, pages], valid)
+
     def copy_page(self, src: int, dst: int) -> None:
         self.check_range("copy target", dst, 0, self.num_hot)
         self.check_range("copy source", src, 0, self.num_hot + self.num_cold)
@@ -124,17 +146,21 @@ class HostKVStorage(KVStorage):
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
 
-    def _refresh_minmax(self, layer: int, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
+    def _refresh_minmax(self, layer, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
         """key_min/key_max of physical ``pages`` from their ``keys [U, Hkv, ps, D]``, over
         tokens ``[0, valid)``: exact in the storage dtype, whatever the write order; then
-        their sub-page codes."""
-        mask = (np.arange(self.page_size)[None, :] < np.asarray(valid)[:, None])[:, None, :, None]
+        their sub-page codes. ``layer`` an index, or ``slice(None)`` with ``keys [L, U, Hkv, ps, D]``
+        and ``valid [L, U]`` (every layer)."""
+        valid = np.asarray(valid)
+        mask = (np.arange(self.page_size) < valid[..., None])[..., None, :, None]
         big = np.array(np.inf, keys.dtype)
-        self._key_min[layer, pages] = np.where(mask, keys, big).min(axis=2)
-        self._key_max[layer, pages] = np.where(mask, keys, -big).max(axis=2)
+        kmin = self._key_min[layer, pages] = np.where(mask, keys, big).min(axis=-2)
+        kmax = self._key_max[layer, pages] = np.where(mask, keys, -big).max(axis=-2)
         if self.sub_page_size:  # after min/max: the codes are relative to them
-            self._sub[layer, pages] = pages_sub_bounds(keys, self.sub_page_size, self._key_min[layer, pages],
-                                                       self._key_max[layer, pages], valid)
+            h, ps, d = keys.shape[-3:]
+            codes = pages_sub_bounds(keys.reshape(-1, h, ps, d), self.sub_page_size, kmin.reshape(-1, h, d),
+                                     kmax.reshape(-1, h, d), valid.reshape(-1))
+            self._sub[layer, pages] = codes.reshape(keys.shape[:-3] + codes.shape[1:])
 
     def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
         if not self.sub_page_size:
@@ -143,3 +169,12 @@ class HostKVStorage(KVStorage):
             self._sub[layer, pages] = pages_sub_bounds(self._k[layer, pages], self.sub_page_size,
                                                        self._key_min[layer, pages], self._key_max[layer, pages],
                                                        valid[layer])
+
+
+def _one_append_per_page(page: np.ndarray, off: np.ndarray, pages: np.ndarray, before: np.ndarray) -> bool:
+    """Whether each token is its page's only one and lands at the page's valid count in every
+    layer (``before [L, len(pages)]``, ``pages`` sorted): a decode step's write."""
+    if page.shape[0] != pages.shape[0]:
+        return False
+    at = np.searchsorted(pages, page)
+    return bool(np.all(before[:, at] == off))

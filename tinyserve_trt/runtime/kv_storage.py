@@ -109,6 +109,15 @@ class KVStorage(ABC):
         min/max of the touched ``pages`` over their tokens ``[0, valid)``, then their
         sub-page codes. The pool has checked the slots and computed ``valid`` (``[len(pages)]``)."""
 
+    def write_layers(self, slots: np.ndarray, k, v, pages: np.ndarray, valid: np.ndarray,
+                     before: np.ndarray | None = None) -> None:
+        """:meth:`write_tokens` into every layer at once: ``k, v [num_layers, tokens, Hkv, D]``,
+        ``valid [num_layers, len(pages)]`` (one engine step); ``before``: the pages' valid counts
+        before the write, same shape (an implementation may update the bounds of pure appends
+        instead of recomputing them). This default writes layer by layer."""
+        for layer in range(self.num_layers):
+            self.write_tokens(layer, slots, k[layer], v[layer], pages, valid[layer])
+
     @abstractmethod
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write: physical ``src`` (hot, or cold: dequantized) into hot ``dst``,

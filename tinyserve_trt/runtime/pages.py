@@ -241,30 +241,59 @@ class PagePool:
         are exact (in the pool dtype) whatever the write order.
         """
         slots = np.asarray(slots, np.int64).reshape(-1)
+        shape = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        if k.shape != shape or v.shape != shape:
+            raise ValueError(f"k and v must be {shape} for {shape[0]} slots, got {k.shape} and {v.shape}")
+        plan = self._write_plan(slots, layer)
+        if plan is not None:
+            phys, upages, new = plan
+            self.storage.write_tokens(layer, phys, k, v, upages, new[0])
+            self._num_valid[layer, upages] = new[0]
+
+    def write_step(self, slot_mapping: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """:meth:`write_batch` of every layer in one call (``keys``/``values``: one array per
+        layer): the page checks run once and the storage writes all layers together."""
+        slot_mapping = np.asarray(slot_mapping)
+        b, t = slot_mapping.shape
+        want = (b, self.num_kv_heads, t, self.head_dim)
+        if len(keys) != self.num_layers or len(values) != self.num_layers or any(
+                x.shape != want for x in (*keys, *values)):
+            raise ValueError(f"keys/values must be {self.num_layers} layers of {want} for slot_mapping "
+                             f"{slot_mapping.shape}")
+        keep = slot_mapping >= 0
+        plan = self._write_plan(slot_mapping[keep].astype(np.int64), slice(None))
+        if plan is None:
+            return
+        phys, upages, new = plan
+        k_tok = np.stack([np.swapaxes(k, 1, 2)[keep] for k in keys])  # [L, tokens, Hkv, D]
+        v_tok = np.stack([np.swapaxes(v, 1, 2)[keep] for v in values])
+        self.storage.write_layers(phys, k_tok, v_tok, upages, new, before=self._num_valid[:, upages])
+        self._num_valid[:, upages] = new
+
+    def _write_plan(self, slots: np.ndarray, layer) -> tuple | None:
+        """Checks of a write of ``slots`` into ``layer`` (an index or ``slice(None)``: every layer);
+        ``(physical slots, touched physical pages, their valid counts after [layers, pages])``,
+        None for no tokens. ValueError for a bad slot, a page not writable or a gap."""
         if slots.size and (slots.min() < 0 or slots.max() >= self.num_pages * self.page_size):
             raise ValueError(f"slot out of range [0, {self.num_pages * self.page_size})")
         self._check_writable(slots // self.page_size)
         n_tok = slots.shape[0]
-        shape = (n_tok, self.num_kv_heads, self.head_dim)
-        if k.shape != shape or v.shape != shape:
-            raise ValueError(f"k and v must be {shape} for {n_tok} slots, got {k.shape} and {v.shape}")
         if n_tok == 0:
-            return
+            return None
         if np.unique(slots).shape[0] != n_tok:
             raise ValueError("duplicate slots in one write")
         phys = self._physical_ids(slots // self.page_size) * self.page_size + slots % self.page_size
         pages, offs = phys // self.page_size, phys % self.page_size
         upages, inv = np.unique(pages, return_inverse=True)
-        old = self._num_valid[layer, upages]
+        old = self._num_valid[layer, upages].reshape(-1, upages.shape[0])  # [layers, U]
         last = np.full(upages.shape, -1, np.int64)
         np.maximum.at(last, inv, offs)
         new = np.maximum(old, last + 1)
-        appended = np.zeros(upages.shape, np.int64)
-        np.add.at(appended, inv, (offs >= old[inv]).astype(np.int64))
+        in_page = (inv[:, None] == np.arange(upages.shape[0])).astype(np.int64)  # [tokens, U]
+        appended = (offs >= old[:, inv]).astype(np.int64) @ in_page  # per layer, tokens past the old count
         if np.any(appended != new - old):
             raise ValueError("write leaves a gap of unwritten tokens inside a page")
-        self.storage.write_tokens(layer, phys, k, v, upages, new)
-        self._num_valid[layer, upages] = new
+        return phys, upages, new
 
     def note_device_writes(self, slot_mapping: np.ndarray) -> None:
         """Valid counts after a backend wrote a step's tokens (``slot_mapping``:

@@ -1,7 +1,7 @@
 """Backend: runs one prepared ScheduledBatch through the model.
 
 A backend reads the batch's arrays and the page pool's storage, runs the
-model, writes each layer's new K/V into the pool (``PagePool.write_batch``
+model, writes each layer's new K/V into the pool (``PagePool.write_step``
 with the batch's slot mapping) and returns the logits of each row's last new
 token. It never allocates or frees pages: the scheduler reserved every slot
 the batch writes.

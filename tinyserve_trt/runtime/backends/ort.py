@@ -5,8 +5,10 @@ Two homes for the pages, chosen by the execution provider (``ort_providers``):
 CPU EP: the page pools and key_min/key_max of every layer are bound once, as
 OrtValues over the pool's numpy arrays (CPU memory shared, not copied), so a
 step feeds only the small per-step arrays (ids, positions, page table, lengths,
-budget, logits index). ``PagePool.write_batch`` updates the same arrays after the
-step, and the next run sees them. No device transfer (the counter says so).
+budget, logits index), each copied into a buffer bound once and rebound only when
+its shape changes; ORT writes the outputs into buffers bound the same way.
+``PagePool.write_step`` updates the pool's arrays after the step (every layer in
+one call), and the next run sees them. No device transfer (the counter says so).
 
 CUDA / TensorRT EP: the pools live on the GPU (``ort_binding.DeviceBinding``:
 ``DevicePages`` bound by device pointer); only the per-step arrays go up and the
@@ -29,7 +31,7 @@ from tinyserve_trt.runtime.backends.base import Backend, StepOutput
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
 _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-             "tensor(float16)": np.float16}
+             "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
 
 class OrtBackend(Backend):
@@ -108,23 +110,26 @@ class OrtBackend(Backend):
     # ---- CPU EP: pages in host memory, shared with ORT ---------------------------
     def _init_host(self, package, pool, want_selected: bool) -> None:
         self._types = {i.name: _NP_TYPES.get(i.type, np.int64) for i in self.session.get_inputs()}
+        self._out_types = {o.name: _NP_TYPES.get(o.type, np.float32) for o in self.session.get_outputs()}
         self._inputs = package.inputs
         self._binding = self.session.io_binding()
         self._pool_values: dict[str, tuple] = {}  # input -> ((buffer address, shape), OrtValue kept alive)
+        self._pool_key = None  # the storage's buffer addresses when the pools were last bound
         plain = "key_cache_int8" not in pool.cache_inputs(0)
         self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else {}
         self._bind_pools()
-        self._fed: dict[str, np.ndarray] = {}
-        self._outputs = [package.logits]
-        for names in package.layers:
-            self._outputs += [names["new_key"], names["new_value"]]
+        self._fed: dict[str, tuple] = {}  # role -> (buffer, its OrtValue): bound once, refilled in place
+        self._out_shape = None  # (batch, new tokens, page-table width) the outputs are bound for
+        self._out: dict[str, np.ndarray] = {}
         self._want_selected = want_selected
-        if self._want_selected:
-            self._outputs += [n["selected_pages"] for n in package.layers]
 
     def _bind_pools(self) -> None:
         """Bind every layer's cache inputs over the pool's arrays (shared, not copied);
-        only those whose buffer changed since the last call are rebound."""
+        only those whose buffer changed since the last call are rebound (none, without
+        a look at each layer, while the storage reports the same buffers)."""
+        key = (id(self.pool.storage), *_buffers(self.pool.storage))
+        if key == self._pool_key and len(key) > 1:
+            return
         for layer, names in enumerate(self.package.layers):
             arrays = {**self.pool.cache_inputs(layer), **self._unused_cold}
             for role, array in arrays.items():
@@ -139,13 +144,39 @@ class OrtBackend(Backend):
                 value = self._ort.OrtValue.ortvalue_from_numpy(array)  # shares the numpy buffer on CPU
                 self._binding.bind_ortvalue_input(name, value)
                 self._pool_values[name] = (address, value)
+        self._pool_key = key
 
     def _feed(self, role: str, array: np.ndarray) -> None:
+        """Copy ``array`` into the buffer bound to ``role``; bind a new buffer only when the
+        shape changed (a decode step's feeds keep theirs until the page table widens)."""
         name = self._inputs[role]
-        array = np.ascontiguousarray(array, self._types[name])
-        self._fed[role] = array  # the binding may point at this buffer: keep it alive until the run
-        self.transfer.fed(role, array.nbytes)
-        self._binding.bind_cpu_input(name, array)
+        bound = self._fed.get(role, (None,))[0]
+        if bound is not None and bound.shape == array.shape:
+            np.copyto(bound, array, casting="unsafe")
+        else:
+            bound = np.array(array, self._types[name], order="C")
+            value = self._ort.OrtValue.ortvalue_from_numpy(bound)  # shares the buffer on CPU: ORT reads it in place
+            self._binding.bind_ortvalue_input(name, value)
+            self._fed[role] = (bound, value)
+        self.transfer.fed(role, bound.nbytes)
+
+    def _bind_outputs(self, b: int, s: int, width: int) -> dict[str, np.ndarray]:
+        """Output buffers ORT writes into, rebound only when the step's shapes change."""
+        if self._out_shape == (b, s, width):
+            return self._out
+        pkg = self.package
+        shapes = {pkg.logits: (b, 1 if "logits_index" in self._inputs else s, pkg.vocab_size)}
+        for names in pkg.layers:
+            shapes[names["new_key"]] = shapes[names["new_value"]] = (b, pkg.num_kv_heads, s, pkg.head_dim)
+        if self._want_selected:
+            shapes.update({n["selected_pages"]: (b, pkg.num_kv_heads, width) for n in pkg.layers})
+        self._binding.clear_binding_outputs()
+        self._out = {}
+        for name, shape in shapes.items():
+            out = self._out[name] = np.empty(shape, self._out_types.get(name, np.float32))
+            self._binding.bind_output(name, "cpu", 0, out.dtype, shape, out.ctypes.data)
+        self._out_shape = (b, s, width)
+        return self._out
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         n_layers = self.package.num_layers
@@ -166,18 +197,17 @@ class OrtBackend(Backend):
         last = batch.num_new_tokens.astype(np.int64) - 1
         if "logits_index" in self._inputs:
             self._feed("logits_index", last)
-        # Rebind outputs every step: a bound output keeps its first shape otherwise.
-        self._binding.clear_binding_outputs()
-        for name in self._outputs:
-            self._binding.bind_output(name, "cpu")
+        out = self._bind_outputs(*batch.input_ids.shape, batch.page_table.shape[1])
         self.session.run_with_iobinding(self._binding)
-        outs = self._binding.copy_outputs_to_cpu()  # CPU EP: the outputs already are host memory
-        logits = outs[0]
-        logits = logits[:, 0] if "logits_index" in self._inputs else logits[np.arange(len(batch)), last]
-        for layer in range(n_layers):
-            self.pool.write_batch(layer, batch.slot_mapping, outs[1 + 2 * layer], outs[2 + 2 * layer])
-        selected = outs[1 + 2 * n_layers:] if self._want_selected else None
-        return StepOutput(np.asarray(logits, np.float32), selected)
+        logits = out[self.package.logits]
+        # copies: the buffers are refilled by the next step
+        logits = np.array(logits[:, 0] if "logits_index" in self._inputs else logits[np.arange(len(batch)), last],
+                          np.float32)
+        layers = self.package.layers
+        self.pool.write_step(batch.slot_mapping, [out[n["new_key"]] for n in layers],
+                             [out[n["new_value"]] for n in layers])
+        selected = [out[n["selected_pages"]].copy() for n in layers] if self._want_selected else None
+        return StepOutput(logits, selected)
 
     def close(self) -> None:
         if self._device is not None:
@@ -185,6 +215,13 @@ class OrtBackend(Backend):
         self._binding = None
         self._pool_values = {}
         self.session = None
+
+
+def _buffers(storage) -> tuple:
+    """(data address, shape) of each array of a host storage (its ``buffers()``), () if it
+    has none to show: then the pools are checked layer by layer every step."""
+    buffers = getattr(storage, "buffers", None)
+    return tuple((a.__array_interface__["data"][0], a.shape) for a in buffers()) if buffers else ()
 
 
 def _kind_of(providers: list) -> str:
