@@ -96,6 +96,17 @@ def test_warmup_ran_on_the_owner_and_its_first_request_hits(fleet):
     assert after[rid]["prefix_tokens_reused"] - before[rid] >= 8  # the warmed pages were reused
 
 
+def test_a_request_extending_the_warm_prefix_hits(fleet):
+    # the request hashes more pages than the warm prefix has when that prefix is shorter than
+    # route_pages pages (the warm-up then runs on every replica), or the same first pages
+    handle, url = fleet
+    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(handle).items()}
+    messages = WARM["messages"] + [{"role": "user", "content": "And which of them rust?"}]
+    raw = _client(url).chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
+    rid = raw.headers["x-tinyserve-replica"]
+    assert _stats(handle)[rid]["prefix_tokens_reused"] - before[rid] >= 8
+
+
 def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
     from tinyserve_trt.runtime.model_package import ModelPackage
     from tinyserve_trt.runtime.server.router import rendezvous_order, route_key

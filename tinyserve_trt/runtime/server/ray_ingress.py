@@ -150,15 +150,22 @@ class Ingress:
         return JSONResponse(json.loads(body), status_code=status, headers={"x-tinyserve-replica": rid})
 
     async def warmup(self, items: list[dict]) -> dict[str, int]:
-        """Prefill each warm-up item on the replica that owns its first pages; replica id -> count."""
+        """Prefill each warm-up item on the replica that owns its first pages; replica id -> count.
+
+        A prefix of fewer than ``route_pages`` full pages is prefilled on every replica: the
+        requests that extend it hash more pages than it has, so their owner is not its owner."""
         from tinyserve_trt.runtime.server.router import route_key
         from tinyserve_trt.runtime.server.warmup import warmup_token_ids
 
         owners: dict[str, int] = {}
         for ids in warmup_token_ids(self.package, items):
-            key = route_key(ids, self.package.page_size, self.route_pages)
-            rid = await self._call("warmup", WARMUP_TIMEOUT, token_ids=ids, route_key=key)
-            owners[rid] = owners.get(rid, 0) + 1
+            if len(ids) // self.package.page_size < self.route_pages:
+                targets = [dict(replica=rid) for rid in await self.replica_ids()]
+            else:
+                targets = [dict(route_key=route_key(ids, self.package.page_size, self.route_pages))]
+            for target in targets:
+                rid = await self._call("warmup", WARMUP_TIMEOUT, token_ids=ids, **target)
+                owners[rid] = owners.get(rid, 0) + 1
         return owners
 
     async def stats(self) -> dict[str, dict]:
