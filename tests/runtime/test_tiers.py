@@ -110,13 +110,9 @@ def test_demote_evicts_a_cached_cold_page_when_the_tier_is_full(rng):
         pool.demote(c)
 
 
-@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
-def test_the_op_reads_a_tiered_pool(rng, dtype):
-    """Pool views + physical page table are the op's mixed-tier inputs; ORT agrees with the reference."""
-    onnxruntime = pytest.importorskip("onnxruntime")
-    from tinyserve_trt.ops.node import make_op_model
-
-    pool = make_pool(hot=8, cold=6, dtype=dtype)
+def mixed_tier_feeds(pool, rng, dtype) -> dict:
+    """Two sequences (14 and 9 tokens) filled, three of their pages demoted, integrity checked:
+    the op's feeds over the pool's mixed-tier cache inputs (budget 8 and dense)."""
     lens = (14, 9)
     pages = [pool.allocate(-(-n // PS)) for n in lens]
     for seq, n in zip(pages, lens):
@@ -131,6 +127,17 @@ def test_the_op_reads_a_tiered_pool(rng, dtype):
                  query=rng.standard_normal((2, 4, 1, D)).astype(dtype),
                  key=rng.standard_normal((2, H, 1, D)).astype(dtype),
                  value=rng.standard_normal((2, H, 1, D)).astype(dtype))
+    return feeds
+
+
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+def test_the_op_reads_a_tiered_pool(rng, dtype):
+    """Pool views + physical page table are the op's mixed-tier inputs; ORT agrees with the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = make_pool(hot=8, cold=6, dtype=dtype)
+    feeds = mixed_tier_feeds(pool, rng, dtype)
     attrs = schema.OpAttributes()
     ref, ref_sel = sparse_attention_ref(**feeds, attrs=attrs)
     sess = onnxruntime.InferenceSession(make_op_model(dtype, attrs, cold_pages=True).SerializeToString(),
@@ -319,20 +326,7 @@ def test_int4_pool_is_what_the_op_reads(rng):
 
     pool = make_pool(hot=8, cold=6, cold_format="int4", group_size=4)
     assert pool.k_pages_int8(0).dtype == np.uint8 and pool.k_pages_int8(0).shape[-1] == D // 2
-    lens = (14, 9)
-    pages = [pool.allocate(-(-n // PS)) for n in lens]
-    for seq, n in zip(pages, lens):
-        for j, p in enumerate(seq):
-            fill(pool, p, rng, n=min(PS, n - j * PS))
-    for p in (pages[0][0], pages[0][2], pages[1][1]):
-        pool.demote(p)
-    pool.check_integrity(pages, check_data=True)
-    table = np.array([seq + [seq[0]] * (4 - len(seq)) for seq in pages])
-    feeds = dict(pool.cache_inputs(0), page_table=pool.physical_table(table),
-                 past_lens=np.array(lens, np.int32), token_budget=np.array([8, 0], np.int32),
-                 query=rng.standard_normal((2, 4, 1, D)).astype(np.float32),
-                 key=rng.standard_normal((2, H, 1, D)).astype(np.float32),
-                 value=rng.standard_normal((2, H, 1, D)).astype(np.float32))
+    feeds = mixed_tier_feeds(pool, rng, np.float32)
     ref, _ = sparse_attention_ref(**feeds, attrs=schema.OpAttributes())
     model = make_op_model("float32", schema.OpAttributes(), cold_pages=True, cold_format="int4")
     sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -17,7 +17,7 @@ by physical id (the op schema's names)::
   key_sub_bounds    [num_pages, num_kv_heads, r, head_dim] uint8, two-level only
                     (``config.sub_page_size``): 4-bit sub-page codes (``ops.fine_bounds``).
 
-Tiers: here every page is hot and a page id is its physical id. Cold INT8 pages
+Invariant checks: ``pool_integrity.py``. Tiers: here every page is hot and a page id is its physical id. Cold INT8 pages
 (issue #6) live in ``tiers.TieredPagePool``, a subclass whose ids are handles
 bound to hot or cold slots; the engine reads both through :meth:`physical_table`
 and :meth:`cache_inputs`, which are identities here.
@@ -25,23 +25,19 @@ and :meth:`cache_inputs`, which are identities here.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from tinyserve_trt.ops.fine_bounds import page_sub_bounds
 from tinyserve_trt.runtime.config import CacheConfig
 from tinyserve_trt.runtime.host_storage import HostKVStorage
 from tinyserve_trt.runtime.kv_storage import KVStorage
+from tinyserve_trt.runtime.pool_integrity import PoolIntegrityError, check_bounds, check_states
 
 
 class OutOfPagesError(RuntimeError):
     """Raised by :meth:`PagePool.allocate` when free + evictable pages are too few."""
-
-
-class PoolIntegrityError(RuntimeError):
-    """Raised by :meth:`PagePool.check_integrity` with the violated invariant."""
 
 
 class PagePool:
@@ -350,59 +346,11 @@ class PagePool:
         refcount equals the number of times holders reference it. ``check_data``
         also reads every live page back from the storage and recomputes its
         key min/max over its valid tokens (and, two-level, its sub-page codes).
+        See ``pool_integrity.py``.
         """
-        n = self.num_pages
-        free = list(self._free)
-        free_set, evict_set = set(free), set(self._evictable)
-        in_use = set(np.flatnonzero(self._refcount > 0).tolist())
-
-        def fail(msg: str):
-            raise PoolIntegrityError(f"page pool integrity: {msg}")
-
-        if len(free_set) != len(free):
-            fail("a page is on the free list twice")
-        if np.any(self._refcount < 0):
-            fail(f"negative refcount on pages {np.flatnonzero(self._refcount < 0).tolist()}")
-        for a, b, name in ((free_set, in_use, "free and in use"), (evict_set, in_use, "evictable and in use"),
-                           (free_set, evict_set, "free and evictable")):
-            if a & b:
-                fail(f"pages {sorted(a & b)[:10]} are both {name}")
-        if len(free_set) + len(evict_set) + len(in_use) != n:
-            fail(f"free {len(free_set)} + in use {len(in_use)} + cached {len(evict_set)} != {n}")
-        if any(self._cached[p] for p in free_set):
-            fail("a free page is marked cached")
-        if not all(self._cached[p] for p in evict_set):
-            fail("an evictable page is not marked cached")
-        if holders is not None:
-            counts = Counter(p for pages in holders for p in pages)
-            expected = np.zeros(n, np.int64)
-            for p, c in counts.items():
-                if not 0 <= p < n:
-                    fail(f"a holder references page {p} outside [0, {n})")
-                expected[p] = c
-            wrong = np.flatnonzero(expected != self._refcount)
-            if wrong.size:
-                p = int(wrong[0])
-                fail(f"page {p} refcount {self._refcount[p]} but {expected[p]} holders "
-                     f"({wrong.size} pages wrong)")
+        check_states(self, holders)
         if check_data:
             self._check_minmax()
 
     def _check_minmax(self) -> None:
-        self.storage.flush()
-        live = np.flatnonzero((self._refcount > 0) | self._cached)
-        for page, p in zip(live.tolist(), self._physical_ids(live).tolist()):
-            for layer in range(self.num_layers):
-                n = int(self._num_valid[layer, p])
-                if n == 0:
-                    continue
-                keys, kmin, kmax = self.storage.read_page(layer, p)
-                if not (np.array_equal(keys[:, :n].min(axis=1), kmin) and
-                        np.array_equal(keys[:, :n].max(axis=1), kmax)):
-                    raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
-                                             "min/max are stale")
-                if self.storage.sub_page_size and not np.array_equal(
-                        self.storage.read_sub_bounds(layer, p),
-                        page_sub_bounds(keys, self.storage.sub_page_size, kmin, kmax, n)):
-                    raise PoolIntegrityError(f"page pool integrity: page {page} (physical {p}) layer {layer} "
-                                             "sub-page bounds are stale")
+        check_bounds(self)
