@@ -37,15 +37,10 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int NP = d.table_width, ps = d.page_size, D = d.head_dim;
     const int G = d.num_heads / d.num_kv_heads;
     const int bh = b * d.num_kv_heads + h;
-    const int past = max(p.past_lens[b], 0);
-    const int n = min((past + ps - 1) / ps, NP);
-    int32_t* kept = ws.kept_idx + size_t(bh) * ws.kept_width;
-    const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
-    if (h == 0) check_page_ids(p, b, past, n);
-
-    const int n_sink = min(p.attrs.sink_pages, n);
-    const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
-    const int forced = n_sink + (n - recent_start);
+    const SelectRow row = select_row(p, ws, b, h);
+    const int n = row.n, n_sink = row.n_sink, recent_start = row.recent_start, forced = row.forced;
+    int32_t* kept = row.kept;
+    const SelOut sel = row.sel;
     const int budget = p.token_budget[b];
     const int keep_n = max(budget / ps, forced);  // budget > 0 whenever keep_n is used
     const bool dense = all_pages || p.attrs.policy == QSA_POLICY_DENSE || budget <= 0 || keep_n >= n;
@@ -61,9 +56,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     // ---- scores of the non-forced pages, one warp per page, lanes over D ----
     float* q_s = smem;  // [G, D], float
     float* scores = scores_in_smem ? smem + G * D : ws.scores + size_t(bh) * NP;
-    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;  // S == 1
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
-    __syncthreads();
+    load_group_query<T>(p, q_s, b, h);
     if (p.attrs.policy == QSA_POLICY_WINDOW) {
         for (int i = n_sink + threadIdx.x; i < recent_start; i += blockDim.x) scores[i] = float(i);
     } else if (p.attrs.policy == QSA_POLICY_QUERY_AWARE) {  // sum_d max(q*min, q*max), combined over the group

@@ -48,15 +48,10 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int G = d.num_heads / Hkv;
     const int sp = p.attrs.sub_page_size, r = ps / sp;
     const int bh = b * Hkv + h;
-    const int past = max(p.past_lens[b], 0);
-    const int n = min((past + ps - 1) / ps, NP);
-    int32_t* kept = ws.kept_idx + size_t(bh) * ws.kept_width;
-    const SelOut sel{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
-    if (h == 0) check_page_ids(p, b, past, n);
-
-    const int n_sink = min(p.attrs.sink_pages, n);
-    const int recent_start = max(n - p.attrs.recent_pages, n_sink);  // forced tail: [recent_start, n)
-    const int forced = n_sink + (n - recent_start);
+    const SelectRow row = select_row(p, ws, b, h);
+    const int past = row.past, n = row.n, n_sink = row.n_sink, recent_start = row.recent_start, forced = row.forced;
+    int32_t* kept = row.kept;
+    const SelOut sel = row.sel;
     const int nw = min((past + sp - 1) / sp, n * r);  // written sub-pages
     const int forced_sub = forced * r - (n * r - nw);
     const int budget = p.token_budget[b];
@@ -73,9 +68,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     // ---- level 1: page scores of the non-forced pages, candidates by radix select ----
     float* q_s = smem;  // [G, D], float
     float* scores = scores_in_smem ? smem + G * D : ws.scores + size_t(bh) * NP;
-    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;  // S == 1
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
-    __syncthreads();
+    load_group_query<T>(p, q_s, b, h);
     query_aware_page_scores<T>(p, q_s, scores, b, h, n_sink, recent_start);
     __syncthreads();
 

@@ -54,6 +54,42 @@ __device__ __forceinline__ void check_page_ids(const QsaForwardParams& p, int b,
     }
 }
 
+// One (sequence, KV head) of a decode step's selection, as both kernels start it: its
+// written pages n, the forced range (sinks [0, n_sink), recent [recent_start, n)), its
+// kept-list row and selected_pages row. The h == 0 block also checks the page ids.
+struct SelectRow {
+    int past, n, n_sink, recent_start, forced;
+    int32_t* kept;
+    SelOut sel;
+};
+
+__device__ __forceinline__ SelectRow select_row(const QsaForwardParams& p, const Workspace& ws, int b, int h) {
+    const QsaDims& d = p.dims;
+    const int NP = d.table_width, ps = d.page_size;
+    const int bh = b * d.num_kv_heads + h;
+    SelectRow row;
+    row.past = max(p.past_lens[b], 0);
+    row.n = min((row.past + ps - 1) / ps, NP);
+    row.kept = ws.kept_idx + size_t(bh) * ws.kept_width;
+    row.sel = SelOut{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
+    if (h == 0) check_page_ids(p, b, row.past, row.n);
+    row.n_sink = min(p.attrs.sink_pages, row.n);
+    row.recent_start = max(row.n - p.attrs.recent_pages, row.n_sink);  // forced tail: [recent_start, n)
+    row.forced = row.n_sink + (row.n - row.recent_start);
+    return row;
+}
+
+// The GQA group's queries of KV head h into q_s [G, D] as fp32 (decode: S == 1); ends with
+// a barrier, so every thread may read q_s after it.
+template <typename T>
+__device__ __forceinline__ void load_group_query(const QsaForwardParams& p, float* q_s, int b, int h) {
+    const QsaDims& d = p.dims;
+    const int D = d.head_dim, G = d.num_heads / d.num_kv_heads;
+    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
+    __syncthreads();
+}
+
 // The group's combined Quest score sum_d max(q*lo, q*hi) of one bound pair held by the
 // warp (lane holds channels lane + 32 e); q_s is the group's [G, D] queries in fp32.
 // Every lane of the warp calls it and gets the same value.
