@@ -86,7 +86,7 @@ def test_prefix_cache_hit_does_not_change_sparse_outputs(llama):
     _, pkg, _ = llama
     prompt = [(i * 5 + 3) % 256 for i in range(37)]  # 9 full pages of 4 + 1 token
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    llm = LLM(pkg, token_budget=16)
+    llm = LLM(pkg, token_budget=16, sparse_min_ratio=0)  # sparse from the first decode step
     cold, warm = (llm.generate(prompt_token_ids=[prompt], params=params)[0] for _ in range(2))
     assert warm.stats.prefix_tokens_reused == 36
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -17,7 +17,7 @@ KV_DTYPES = ("float32", "float16")
 # a decode row selects pages only once its context reaches this many times its token budget;
 # below, it decodes dense (exact, and cheaper: the selection would keep most pages anyway).
 # Chosen by measurement: benchmarks/results/sparse_threshold.md
-SPARSE_MIN_RATIO = 2.0
+SPARSE_MIN_RATIO = 4.0
 ORT_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # backends.ort_providers.PROVIDERS reads this
 
 
