@@ -85,7 +85,8 @@ def main(argv=None) -> int:
              "", "One ORT session over `model.ort.onnx`, random page pool, sparse (budget "
              f"{args.budget}) and dense (budget 0) steps interleaved; medians of {args.steps}. "
              "sparse / dense < 1: selecting pays.", ""] + ([args.note, ""] if args.note else []) + [
-             "| context | context / budget | batch | sparse ms | dense ms | sparse / dense |", "|---|---|---|---|---|---|"]
+             "| context | context / budget | batch | sparse ms | dense ms | sparse / dense |",
+             "|---|---|---|---|---|---|"]
     for context, batch, s, d in rows:
         lines.append(f"| {context} | {context / args.budget:.2f} | {batch} | {s * 1e3:.1f} | {d * 1e3:.1f} | "
                      f"{s / d:.2f} |")

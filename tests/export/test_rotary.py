@@ -57,7 +57,8 @@ def _model(*, second_freqs_scale: float = 1.0, mix_input: bool = False, scaling:
              helper.make_node("Unsqueeze", ["cos", "axis1"], ["cos_u"]),
              helper.make_node("Unsqueeze", ["sin", "axis1"], ["sin_u"])]
     inits = [numpy_helper.from_array(np.zeros((), np.float32), "zero"), _i64("axis2", 2), _i64("axis1", 1),
-             numpy_helper.from_array(inv, "inv_freq"), numpy_helper.from_array(np.float32(second_freqs_scale), "scale2"),
+             numpy_helper.from_array(inv, "inv_freq"),
+             numpy_helper.from_array(np.float32(second_freqs_scale), "scale2"),
              _i64("big", 2**62), _i64("zero_i", 0), _i64("last", -1),
              numpy_helper.from_array(np.float32(scaling or 1.0), "att")]
     inits += _rope(nodes, "q", "q_out", "cos_u", "sin_u") + _rope(nodes, "k", "k_out", "cos_u", "sin_u")
