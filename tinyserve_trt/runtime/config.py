@@ -16,7 +16,7 @@ from tinyserve_trt.runtime.limits import INT32_MAX
 KV_DTYPES = ("float32", "float16")
 # a decode row selects pages only once its context reaches this many times its token budget;
 # below, it decodes dense (exact, and cheaper: the selection would keep most pages anyway).
-# Chosen by measurement: benchmarks/results/sparse_threshold.md
+# Chosen by measurement (benchmarks/results/sparse_threshold.md); lower it when selection gets cheaper
 SPARSE_MIN_RATIO = 4.0
 ORT_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # backends.ort_providers.PROVIDERS reads this
 
