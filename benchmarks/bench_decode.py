@@ -1,7 +1,8 @@
 """Decode tokens/s on CPU: tinyserve sparse vs dense vs the original export vs ORT GenAI.
 
 Side by side in one run, per (context, batch):
-  sparse    - tinyserve runtime, Quest budget --budget tokens
+  sparse    - tinyserve runtime, Quest budget --budget tokens; a context below
+              --sparse-min-ratio x budget decodes dense (the runtime's rule, EngineConfig)
   dense     - tinyserve runtime, dense budget (0)
   original  - the source export in ONNX Runtime with its own past/present cache
   genai     - onnxruntime-genai on --genai-model, when the package and model are there
@@ -71,7 +72,7 @@ def prompts(vocab: int, context: int, batch: int, seed: int = 0) -> list[list[in
 
 
 def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[str, int], steps: int,
-                   threads: int) -> dict[str, float]:
+                   threads: int, sparse_min_ratio: float = EngineConfig.sparse_min_ratio) -> dict[str, float]:
     """Median seconds per decode step of the whole batch, per named budget (0 = dense).
 
     One engine: the shared prefix is prefilled once (a warm-up request) and stays in
@@ -81,7 +82,8 @@ def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[s
     pages = (len(rows) + 1) * -(-(context + steps + 2) // ps) + 8
     page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim, package.dtype)
     engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=len(rows), threads=threads,
-                                          prefill_chunk=512, max_tokens_per_step=2048))
+                                          prefill_chunk=512, max_tokens_per_step=2048,
+                                          sparse_min_ratio=sparse_min_ratio))
     warm = engine.add_request("prefix", rows[0][:-1] + [1], SamplingParams(temperature=0, max_tokens=2))
     while not warm.is_finished:
         engine.step()
@@ -169,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="512,1024,4096,8000")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--sparse-min-ratio", type=float, default=EngineConfig.sparse_min_ratio,
+                    help="sparse decodes dense below this many times the budget (default: the runtime's, %(default)s)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads of every system (default 2)")
@@ -184,7 +188,8 @@ def main(argv=None) -> int:
             rows = prompts(package.vocab_size, context, batch)
             best: dict[str, float] = {}
             for _ in range(args.passes):  # interleaved, so a slow spell hits every column alike
-                res = time_tinyserve(package, rows, {"sparse": args.budget, "dense": 0}, args.steps, args.threads)
+                res = time_tinyserve(package, rows, {"sparse": args.budget, "dense": 0}, args.steps, args.threads,
+                                     args.sparse_min_ratio)
                 if source is not None:
                     res["original"] = time_original(source, package.manifest["source_io"], rows, args.steps,
                                                     args.threads)
@@ -219,7 +224,8 @@ def write_table(args, package: ModelPackage, source, rows) -> None:
         f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}). Original: "
         f"`{source.name if source else 'not found'}`. Command: `python benchmarks/bench_decode.py --model "
         f"{args.model}" + (f" --genai-model {args.genai_model}" if args.genai_model else "")
-        + f" --contexts {args.contexts} --batches {args.batches} --budget {args.budget} --steps {args.steps} "
+        + f" --contexts {args.contexts} --batches {args.batches} --budget {args.budget} "
+        f"--sparse-min-ratio {args.sparse_min_ratio} --steps {args.steps} "
         f"--passes {args.passes} --threads {args.threads}` (median of {args.steps} decode steps, best of "
         f"{args.passes} passes; genai / x > 1 means x is faster than ORT GenAI).",
         "",

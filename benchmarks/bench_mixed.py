@@ -145,7 +145,8 @@ def run(package: ModelPackage, prompts, fraction: float, args, forced=None, max_
     greedy's own); returns the fed tokens, greedy's choices and NLLs per request, page counts."""
     config = EngineConfig(hot_fraction=fraction, prefix_sharing=False, max_batch=args.batch, kv_scales=args.kv_scales,
                           prefill_chunk=args.prefill_chunk, max_tokens_per_step=args.prefill_chunk * args.batch,
-                          max_seq_len=args.context + args.decode, threads=args.threads)
+                          max_seq_len=args.context + args.decode, threads=args.threads,
+                          sparse_min_ratio=args.sparse_min_ratio)
     engine = Engine(package, config)
     if engine.tiering is None:
         raise SystemExit(f"bench_mixed: {package.path} has no cold tier (export it with --calibration)")
@@ -185,6 +186,9 @@ def main(argv=None) -> int:
     src.add_argument("--text", metavar="FILE", help=f"one long plain text cut into --prompts windows of --context "
                      f"tokens, the text forced ('{HAMLET}': Hamlet, benchmarks/quality.py's default text)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--sparse-min-ratio", type=float, default=0.0,
+                    help="decode dense below this many times the budget (default 0: the op selects at every "
+                         "context, as this benchmark's results so far were measured; the runtime's default is 4)")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-agreement", type=float, default=0.99)

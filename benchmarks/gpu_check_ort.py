@@ -63,7 +63,8 @@ def greedy(pkg: Path, provider: str, prompt: list[int], steps: int) -> tuple[lis
     from tinyserve_trt.runtime.llm import LLM
     from tinyserve_trt.runtime.sampling import SamplingParams
 
-    llm = LLM(pkg, ort_provider=provider, max_batch=1, max_seq_len=len(prompt) + steps + 8)
+    # sparse_min_ratio 0: the short check prompt decodes sparse (the op's selection on the GPU EP)
+    llm = LLM(pkg, ort_provider=provider, max_batch=1, max_seq_len=len(prompt) + steps + 8, sparse_min_ratio=0)
     engine = llm.engine
     seq = engine.add_request("check", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     per_step = []

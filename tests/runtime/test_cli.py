@@ -70,6 +70,8 @@ def test_generate_hot_fraction_and_no_kv_tiers(llama_cold, capsys):
     (["--repetition-penalty", "inf"], "repetition_penalty"),
     (["--max-tokens", "99999999999"], "max_tokens"),
     (["--seed", "-3"], "seed"),
+    (["--sparse-min-ratio", "-1"], "sparse_min_ratio"),
+    (["--sparse-min-ratio", "nan"], "sparse_min_ratio"),
 ])
 def test_out_of_bounds_flags_one_line_exit_2(llama, capsys, args, match):
     assert main(["generate", str(llama[1]), "--prompt-ids", "1,2", *args]) == 2
@@ -101,6 +103,7 @@ def test_readme_chat_command_is_greedy_without_a_generation_config(llama, capsys
     (["--max-batch", "10000000000"], "max_batch must be <= 2147483647"),
     (["--timeout", "nan"], "timeout"),
     (["--token-budget", "1000000000000"], "token_budget"),
+    (["--sparse-min-ratio", "inf"], "sparse_min_ratio"),
 ])
 def test_serve_rejects_out_of_bounds_options_before_loading(llama, capsys, args, match):
     assert main(["serve", str(llama[1]), *args]) == 2

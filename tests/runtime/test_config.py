@@ -27,6 +27,11 @@ def test_cache_config_rejects(kwargs, field):
     ({"max_seq_len": 0}, "max_seq_len"),
     ({"token_budget": -1}, "token_budget"),
     ({"eos_token_id": -3}, "eos_token_id"),
+    ({"sparse_min_ratio": -0.5}, "sparse_min_ratio"),
+    ({"sparse_min_ratio": float("nan")}, "sparse_min_ratio"),
+    ({"sparse_min_ratio": float("inf")}, "sparse_min_ratio"),
+    ({"sparse_min_ratio": True}, "sparse_min_ratio"),
+    ({"sparse_min_ratio": "2"}, "sparse_min_ratio"),
 ])
 def test_scheduler_config_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -51,3 +56,19 @@ def test_from_memory_fraction_and_errors():
         CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8, memory_fraction=1.5)
     with pytest.raises(ValueError, match="holds no page"):
         CacheConfig.from_memory(num_layers=1, num_kv_heads=1, head_dim=8, memory_bytes=10)
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), None, False, "2"])
+def test_engine_config_rejects_sparse_min_ratio_in_one_line(value):
+    from tinyserve_trt.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="sparse_min_ratio must be a finite number >= 0") as e:
+        EngineConfig(sparse_min_ratio=value)
+    assert "\n" not in str(e.value)
+
+
+def test_engine_config_passes_sparse_min_ratio_to_the_scheduler():
+    from tinyserve_trt.runtime.config import SPARSE_MIN_RATIO, EngineConfig
+
+    assert EngineConfig().scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == SPARSE_MIN_RATIO
+    assert EngineConfig(sparse_min_ratio=0).scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == 0

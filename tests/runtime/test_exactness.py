@@ -86,7 +86,7 @@ def test_prefix_cache_hit_does_not_change_sparse_outputs(llama):
     _, pkg, _ = llama
     prompt = [(i * 5 + 3) % 256 for i in range(37)]  # 9 full pages of 4 + 1 token
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    llm = LLM(pkg, token_budget=16)
+    llm = LLM(pkg, token_budget=16, sparse_min_ratio=0)  # sparse from the first decode step
     cold, warm = (llm.generate(prompt_token_ids=[prompt], params=params)[0] for _ in range(2))
     assert warm.stats.prefix_tokens_reused == 36
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -124,3 +124,35 @@ def test_sparse_decode_is_independent_of_a_concurrent_prefill(llama):
     assert together[0] == alone[0]
     assert together[1] == pytest.approx(alone[1], abs=1e-5)
     assert max(together[2]) == pytest.approx(4.0)  # every decode step of the sparse layer kept 4 pages
+
+
+def test_short_contexts_decode_dense_until_sparse_min_ratio(llama):
+    """sparse_min_ratio: a sequence decodes dense - exactly the dense run's greedy ids, every
+    page attended - while its context is below ratio x budget, and selects from there on."""
+    from tinyserve_trt.runtime.config import EngineConfig
+    from tinyserve_trt.runtime.engine import Engine
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    package = ModelPackage.load(llama[1])
+    prompt = PROMPTS[1]  # 23 tokens: decode contexts 24 .. 39
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (dense,) = ids(LLM(package, dense=True).generate(prompt_token_ids=[prompt], params=params))
+    (sparse,) = ids(LLM(package, token_budget=16, sparse_min_ratio=0).generate(prompt_token_ids=[prompt],
+                                                                                params=params))
+
+    def run(ratio):
+        engine = Engine(package, EngineConfig(token_budget=16, sparse_min_ratio=ratio))
+        seq = engine.add_request("a", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.close()
+        return seq.output_token_ids, seq.stats.pages_selected  # per decode step, mean over sparse layers
+
+    always_dense, selected = run(100.0)
+    assert always_dense == dense
+    past = range(len(prompt), len(prompt) + len(selected))  # cached tokens at each decode step
+    assert selected == [-(-p // 4) for p in past]  # every written page of 4
+    crossing, selected = run(2.0)  # dense while context (past + 1) < 32, then 16 tokens = 4 pages
+    assert selected == [-(-p // 4) if p + 1 < 32 else 4 for p in past]
+    assert crossing[:8] == dense[:8]  # the first 8 tokens come from dense steps
+    assert sparse != dense  # (the budget does change this prompt's tokens: the rule is not a no-op)

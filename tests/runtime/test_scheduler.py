@@ -258,3 +258,45 @@ def test_engine_loop_shape():
     (seq,) = [s for s in batch.seqs if s.request_id == "a"]
     assert seq.num_output_tokens == 4 and len(seq.output_logprobs) == 4
     assert len(seq.output_top_logprobs[0]) == 1
+
+
+def test_short_contexts_decode_dense_per_row_in_a_mixed_batch():
+    """sparse_min_ratio 2: a decode row keeps its budget (the engine's 8, or its request's)
+    only once its context (cached + the new token) reaches twice that budget; below, budget 0.
+    One decode batch holds both kinds; the boundary (context == 2 x budget) is sparse."""
+    sched = make(token_budget=8, sparse_min_ratio=2.0)
+    prompts = {"short": (3, None), "long": (20, None), "own4": (10, 4), "own0": (30, 0), "own16": (12, 16)}
+    seqs = {k: sched.add(k, list(range(n)), SamplingParams(max_tokens=64, ignore_eos=True, token_budget=tb))
+            for k, (n, tb) in prompts.items()}
+    rng = np.random.default_rng(0)
+    while any(s.num_output_tokens == 0 for s in seqs.values()):
+        step(sched, rng)
+    b = sched.schedule()
+    assert len(b) == 5 and b.num_new_tokens.tolist() == [1] * 5
+    got = {s.request_id: int(budget) for s, budget in zip(b.seqs, b.token_budget)}
+    context = {s.request_id: int(p) + 1 for s, p in zip(b.seqs, b.past_lens)}
+    assert context["short"] < 16 <= context["long"] and 8 <= context["own4"] < 32 and context["own16"] < 32
+    assert got == {"short": 0, "long": 8, "own4": 4, "own0": 0, "own16": 0}
+    run_model(sched.pool, b)
+    sched.postprocess(b, np.zeros(len(b), np.int64))
+
+    off = make(token_budget=8, sparse_min_ratio=0.0)  # 0: every decode row keeps its budget
+    off.add("short", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    while off.running == [] or off.running[0].num_output_tokens == 0:
+        step(off, rng)
+    assert off.schedule().token_budget.tolist() == [8]
+
+
+def test_sparse_min_ratio_boundary_is_sparse():
+    from tinyserve_trt.runtime.batch import ScheduledBatch
+    from tinyserve_trt.runtime.sequence import Sequence
+
+    rows = []
+    for n in (15, 16):  # contexts after the step: 15 (< 2 x 8: dense) and 16 (sparse)
+        seq = Sequence(f"c{n}", list(range(n - 1)), SamplingParams())
+        seq.token_ids.append(0)  # one generated token, not yet cached
+        seq.pages, seq.num_cached_tokens = [0, 1, 2, 3], n - 1
+        rows.append((seq, 1))
+    assert ScheduledBatch.build(rows, 4, 8, 2.0).token_budget.tolist() == [0, 8]
+    assert ScheduledBatch.build(rows, 4, 8, 1.5).token_budget.tolist() == [8, 8]
+    assert ScheduledBatch.build(rows, 4, 0, 2.0).token_budget.tolist() == [0, 0]

@@ -100,7 +100,8 @@ def test_gpu_cold_tier_engine_agrees_with_ort(tiny_root):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens, demoted = {}, {}
     for backend in ("ort", "trt"):
-        llm = LLM(pkg, backend=backend, hot_fraction=0.1, prefix_sharing=False)
+        # sparse_min_ratio 0: both prompts decode sparse (the cold pages' selection path) from the start
+        llm = LLM(pkg, backend=backend, hot_fraction=0.1, prefix_sharing=False, sparse_min_ratio=0)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
         demoted[backend] = llm.stats()["pages_demoted"]
     same = [a == b for x, y in zip(tokens["ort"], tokens["trt"]) for a, b in zip(x, y)]

@@ -56,8 +56,10 @@ class EngineSource(ObservationSource):
         self.max_context = package.max_context
         self.token_budget = package.token_budget if token_budget is None else token_budget
         self.decode_steps = decode_steps
+        # sparse_min_ratio 0: observe the op's own selection at every context, never the runtime's dense rule
         self.engine = Engine(package, EngineConfig(backend=backend, token_budget=self.token_budget, max_batch=1,
-                                                   prefix_sharing=False, kv_tiers=False, threads=threads))
+                                                   prefix_sharing=False, kv_tiers=False, threads=threads,
+                                                   sparse_min_ratio=0))
         self._SampleOutput, self._SamplingParams = SampleOutput, SamplingParams
         self._ids = itertools.count()
 

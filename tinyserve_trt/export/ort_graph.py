@@ -35,16 +35,23 @@ PREPARED_FILE = ".model.ort-prepared.onnx"
 def prepared_graph(model):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
     loaded or external) with the op inlined, its shapes shared (``shared_shapes.py``), identical
-    per-step nodes merged across layers (``merge_nodes.py``) and rotary's rotate_half as one
-    MatMul (``rotate_half.py``).
+    per-step nodes merged across layers (``merge_nodes.py``), rotary's rotate_half as one
+    MatMul (``rotate_half.py``), each residual Add + RMSNorm as ORT's
+    SkipSimplifiedLayerNormalization (``skip_norm.py``) and each rotary as ORT's
+    RotaryEmbedding (``rotary.py``).
     The exporter validates this graph against the source too."""
     from .merge_nodes import merge_identical_nodes
     from .rotate_half import fuse_rotate_half
     from .shared_shapes import inferred, live, share_shape_dims
+    from .rotary import fuse_rotary
+    from .skip_norm import fuse_skip_rms_norm
 
     prepared = share_shape_dims(model)[0]
     merge_identical_nodes(prepared)  # the layers' per-step values, also those If branches read
-    if fuse_rotate_half(prepared, inferred(prepared)):
+    shapes = inferred(prepared)
+    fused = fuse_rotate_half(prepared, shapes) + fuse_skip_rms_norm(prepared, shapes)
+    fused += fuse_rotary(prepared, shapes)  # reads the MatMuls rotate_half made
+    if fused:
         nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
         del prepared.graph.node[:]
         prepared.graph.node.extend(nodes)

@@ -31,7 +31,8 @@ class ScheduledBatch:
                     is page 0 (a valid id, never read past ``past_lens``).
     slot_mapping:   ``[batch, new]`` int64 ``page * page_size + offset`` where each new
                     token's K/V goes; -1 for padding (and for rows cancelled in flight).
-    token_budget:   ``[batch]`` int32 Quest decode budget in tokens, 0 = dense.
+    token_budget:   ``[batch]`` int32 Quest decode budget in tokens, 0 = dense (prompt tokens,
+                    and decode rows whose context is below ``sparse_min_ratio`` x budget).
     sample_mask:    ``[batch]`` bool, True where the row's last new token is the sequence's
                     last token, so its logits are sampled (False mid chunked prefill).
     """
@@ -70,8 +71,12 @@ class ScheduledBatch:
                 seq.stats.pages_selected.append(float(n))
 
     @classmethod
-    def build(cls, rows: list[tuple[Sequence, int]], page_size: int, default_budget: int) -> ScheduledBatch:
-        """Arrays for ``rows`` of (sequence, new tokens); pages must already cover the slots."""
+    def build(cls, rows: list[tuple[Sequence, int]], page_size: int, default_budget: int,
+              sparse_min_ratio: float = 0.0) -> ScheduledBatch:
+        """Arrays for ``rows`` of (sequence, new tokens); pages must already cover the slots.
+
+        A row whose context after this step (``start + n`` tokens) is below ``sparse_min_ratio``
+        times its budget gets budget 0: dense, exact, and no selection cost (``SchedulerConfig``)."""
         b = len(rows)
         width = max((n for _, n in rows), default=1)
         max_pages = max([len(s.pages) for s, _ in rows] + [1])
@@ -94,9 +99,10 @@ class ScheduledBatch:
             num_new[i], past[i] = n, start
             override = seq.params.token_budget
             budget[i] = default_budget if override is None else override
-            if start + n <= seq.num_prompt_tokens:
+            if start + n <= seq.num_prompt_tokens or start + n < sparse_min_ratio * budget[i]:
                 # prompt tokens attend densely, as in a full prefill: a one-token step after a
-                # prefix-cache hit (or a fork's recomputed last prompt token) is not a decode step
+                # prefix-cache hit (or a fork's recomputed last prompt token) is not a decode step;
+                # and a context short for its budget decodes dense (the selection would not pay)
                 budget[i] = 0
             sample[i] = start + n == seq.num_tokens
         return cls([s for s, _ in rows], input_ids, positions, num_new, past, page_table,

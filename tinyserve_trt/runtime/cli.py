@@ -1,7 +1,7 @@
 """``tinyserve``: the runtime's command line.
 
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
-                       [--temperature T] [--dense | --token-budget N] [--json]
+                       [--temperature T] [--dense | --token-budget N] [--sparse-min-ratio R] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
                     [--served-model-name NAME] [--api-key KEY] [--warmup FILE]
                     [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
@@ -118,6 +118,9 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     budget.add_argument("--dense", action="store_true", help="attend every page (no sparse selection)")
     budget.add_argument("--token-budget", type=int, default=ec.token_budget,
                         help="decode token budget (default: the package's)")
+    p.add_argument("--sparse-min-ratio", type=float, default=ec.sparse_min_ratio,
+                   help="decode dense while a sequence's context is below this many times its token "
+                        "budget (0: sparse whenever the budget is below the context; default %(default)s)")
     p.add_argument("--backend", default=ec.backend)
     p.add_argument("--threads", type=int, default=ec.threads)
     p.add_argument("--no-prefix-sharing", action="store_true")
@@ -153,6 +156,7 @@ def _generate(args) -> int:
                             repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
     llm = LLM(package, backend=args.backend, dense=args.dense, token_budget=args.token_budget,
+              sparse_min_ratio=args.sparse_min_ratio,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
               hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
               ort_provider=args.ort_provider)
@@ -188,7 +192,8 @@ def _serve(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                           max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
                           api_key=api_key)
-    engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget, threads=args.threads,
+    engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget,
+                  sparse_min_ratio=args.sparse_min_ratio, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,

@@ -14,12 +14,21 @@ import numpy as np
 from tinyserve_trt.runtime.limits import INT32_MAX
 
 KV_DTYPES = ("float32", "float16")
+# a decode row selects pages only once its context reaches this many times its token budget;
+# below, it decodes dense (exact, and cheaper: the selection would keep most pages anyway).
+# Chosen by measurement (benchmarks/results/sparse_threshold.md); lower it when selection gets cheaper
+SPARSE_MIN_RATIO = 4.0
 ORT_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")  # backends.ort_providers.PROVIDERS reads this
 
 
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_sparse_min_ratio(value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < float("inf"):
+        raise ValueError(f"sparse_min_ratio must be a finite number >= 0, got {value!r}")
 
 
 def total_ram_bytes() -> int:
@@ -107,6 +116,10 @@ class SchedulerConfig:
     max_seq_len:         prompt + generated tokens allowed per sequence (None: the pool's capacity).
     token_budget:        default Quest decode budget in tokens (0 = dense); a request's
                          ``SamplingParams.token_budget`` overrides it.
+    sparse_min_ratio:    a decode row whose context (cached + new tokens) is below this many
+                         times its budget decodes dense (budget 0); 0 (here the default: the
+                         scheduler alone does what the budgets say) = select at any context.
+                         ``EngineConfig`` passes its own, whose default is ``SPARSE_MIN_RATIO``.
     eos_token_id:        finishes a sequence unless its params set ``ignore_eos``; None = no EOS.
     """
 
@@ -116,6 +129,7 @@ class SchedulerConfig:
     max_seq_len: int | None = None
     token_budget: int = 0
     eos_token_id: int | None = None
+    sparse_min_ratio: float = 0.0
 
     def __post_init__(self):
         _positive_int("max_batch", self.max_batch)
@@ -132,6 +146,7 @@ class SchedulerConfig:
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int)
                                               or self.eos_token_id < 0):
             raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")
+        check_sparse_min_ratio(self.sparse_min_ratio)
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,12 @@ class EngineConfig:
     backend:             backend registry name (``ort``; ``trt`` with issue #5).
     token_budget:        default Quest decode budget in tokens; None = the package's default.
     dense:               attend every page at decode (budget 0); overrides token_budget.
+    sparse_min_ratio:    a sequence decodes dense while its context is below this many times its
+                         token budget (the engine's or its request's), sparse from there on: at
+                         short contexts the selection keeps most pages and costs more than it
+                         saves, and dense is exact. 0 = sparse whenever the budget is below the
+                         context. Default ``SPARSE_MIN_RATIO``, measured in
+                         benchmarks/results/sparse_threshold.md.
     memory:              KV pool size: bytes (int > 1) or a fraction of RAM (float in (0, 1]);
                          None = room for ``max_batch`` sequences of the package's max context,
                          capped at half the RAM.
@@ -162,6 +183,7 @@ class EngineConfig:
     backend: str = "ort"
     token_budget: int | None = None
     dense: bool = False
+    sparse_min_ratio: float = SPARSE_MIN_RATIO
     memory: int | float | None = None
     prefix_sharing: bool = True
     max_batch: int = 64
@@ -179,6 +201,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.ort_provider not in ORT_PROVIDERS:
             raise ValueError(f"ort_provider must be one of {ORT_PROVIDERS}, got {self.ort_provider!r}")
+        check_sparse_min_ratio(self.sparse_min_ratio)
         if self.kv_scales not in ("dynamic", "static"):
             raise ValueError(f"kv_scales must be 'dynamic' or 'static', got {self.kv_scales!r}")
         if self.hot_fraction is not None and (not isinstance(self.hot_fraction, (int, float))
@@ -232,4 +255,5 @@ class EngineConfig:
     def scheduler_config(self, *, token_budget: int, eos_token_id: int | None) -> SchedulerConfig:
         return SchedulerConfig(max_batch=self.max_batch, max_tokens_per_step=self.max_tokens_per_step,
                                prefill_chunk=self.prefill_chunk, max_seq_len=self.max_seq_len,
-                               token_budget=token_budget, eos_token_id=eos_token_id)
+                               token_budget=token_budget, eos_token_id=eos_token_id,
+                               sparse_min_ratio=self.sparse_min_ratio)

@@ -52,7 +52,8 @@ def engine_from(model_dir: str | Path | ModelPackage, seed: int | None, backend_
 
 class LLM:
     """Synchronous generation over one Engine. Keyword arguments are EngineConfig's
-    (``backend``, ``token_budget`` (None = the package's default), ``dense``, ``memory``,
+    (``backend``, ``token_budget`` (None = the package's default), ``dense``, ``sparse_min_ratio``
+    (dense decode below that many times the budget), ``memory``,
     ``prefix_sharing``, ``max_batch``, ``max_tokens_per_step``, ``prefill_chunk``,
     ``max_seq_len``, ``threads``, and for a package with an INT8 cold tier ``kv_tiers``,
     ``hot_fraction``, ``hot_pages``, ``hot_decay``); ``backend_options`` go to the backend.

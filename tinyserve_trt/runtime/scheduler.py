@@ -157,7 +157,8 @@ class Scheduler:
             if rows:
                 self._last_wide = want_wide
                 break
-        batch = ScheduledBatch.build(rows, self.pool.page_size, self.config.token_budget)
+        batch = ScheduledBatch.build(rows, self.pool.page_size, self.config.token_budget,
+                                     self.config.sparse_min_ratio)
         self._in_flight = batch
         return batch
 
