@@ -8,8 +8,9 @@ page of the cache with each (K granularity, V granularity) of
 sink pages, recent ones included; the query's own token exact) with the unquantized one:
 relative error ``||o_q - o|| / ||o||`` per (layer, head, query), averaged.
 Bytes = int8 values + float32 scales per token and KV head (fp16 = 2 * D).
-``--bits 4``: the packed INT4 format (``ops/cold_codec.py``, float16 scales) with
-K per channel or per token, V per token in channel groups of ``--groups``
+``--bits 4``: the packed INT4 format (``ops/cold_codec.py``) with K per channel on
+the page bounds (``int4_key_error.py`` compares that with symmetric scales), V per
+token, channel or head, float16 scales, in channel groups of ``--groups``
 (``token/32`` = one scale per token and 32 channels); writes
 ``quant_granularity_int4.md``.
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: E402
+from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds  # noqa: E402
 from tinyserve_trt.ops.quantization import GRANULARITIES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,18 +46,20 @@ def local_texts(n: int) -> list[str]:
 
 
 def codec_of(bits: int, name: str) -> ColdCodec:
-    """``channel`` / ``token`` / ``token/32`` ... as a codec whose K and V both use it."""
+    """``channel`` / ``token`` / ``token/32`` ... as a codec whose V (and INT8 K) use it; INT4 keys
+    are per channel on the page bounds whatever the name (``ops/cold_codec.py``)."""
     gran, _, group = name.partition("/")
-    return ColdCodec("int8" if bits == 8 else "int4", gran, gran, int(group or 0))
+    return ColdCodec("int8" if bits == 8 else "int4", gran if bits == 8 else "channel", gran, int(group or 0))
 
 
-def fake_quant(x: np.ndarray, ps: int, codec: ColdCodec, hot_sinks: int = 0) -> np.ndarray:
-    """Quantize-dequantize the full pages of ``x [Hkv, T, D]`` after the first ``hot_sinks``
-    (a partial tail stays exact)."""
+def fake_quant(x: np.ndarray, ps: int, codec: ColdCodec, hot_sinks: int = 0, which: str = "v") -> np.ndarray:
+    """Quantize-dequantize the full pages of ``x [Hkv, T, D]`` (``which``: "k" or "v") after the
+    first ``hot_sinks`` (a partial tail stays exact)."""
     Hkv, T, D = x.shape
     n = T // ps
     pages = np.transpose(x[:, : n * ps].reshape(Hkv, n, ps, D), (1, 0, 2, 3))  # [n, Hkv, ps, D]
-    deq = codec.dequantize(*codec.quantize(pages, "k"))
+    q, s = codec.quantize(pages, which)
+    deq = codec.dequantize_keys(q, s, *page_bounds(pages)) if which == "k" else codec.dequantize(q, s)
     out = x.copy()
     out[:, hot_sinks * ps: n * ps] = np.transpose(deq, (1, 0, 2, 3)).reshape(Hkv, n * ps, D)[:, hot_sinks * ps:]
     return out
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
         names = list(GRANULARITIES)
     else:
         names = ["channel", "token", "head"] + [f"{g}/{n}" for n in args.groups.split(",") for g in ("token", "head")]
+    k_names = names if args.bits == 8 else ["channel"]  # INT4 keys: per channel on the page bounds
 
     from tinyserve_trt.calibration.hf_source import HFSource
 
@@ -118,23 +122,23 @@ def main(argv=None) -> int:
           f"in {time.perf_counter() - t0:.0f} s", flush=True)
 
     rows = {}  # (ps, kg, vg) -> list of errors; kg/vg None = exact
-    combos = [(kg, None) for kg in names] + [(None, vg) for vg in names] + list(itertools.product(names, names))
+    combos = [(kg, None) for kg in k_names] + [(None, vg) for vg in names] + list(itertools.product(k_names, names))
     for ps in page_sizes:
         for q, k, v in captures:
             T = k.shape[2]
             positions = list(range(T - args.queries, T))
             for layer in range(L):
                 ref = attention(q[layer], k[layer], v[layer], positions, scale)
-                kq = {g: fake_quant(k[layer], ps, codec_of(args.bits, g), args.hot_sink_pages) for g in names}
-                vq = {g: fake_quant(v[layer], ps, codec_of(args.bits, g), args.hot_sink_pages) for g in names}
+                kq = {g: fake_quant(k[layer], ps, codec_of(args.bits, g), args.hot_sink_pages, "k") for g in k_names}
+                vq = {g: fake_quant(v[layer], ps, codec_of(args.bits, g), args.hot_sink_pages, "v") for g in names}
                 for kg, vg in combos:
                     out = attention(q[layer], kq[kg] if kg else k[layer], vq[vg] if vg else v[layer], positions,
                                     scale)
                     rows.setdefault((ps, kg, vg), []).append(rel_err(out, ref).ravel())
     print(f"measured in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    def nbytes(g, ps):  # per token and KV head
-        return 2 * D if g is None else codec_of(args.bits, g).bytes_per_page("k", 1, ps, D) / ps
+    def nbytes(g, ps, which):  # per token and KV head
+        return 2 * D if g is None else codec_of(args.bits, g).bytes_per_page(which, 1, ps, D) / ps
 
     fmt = f"INT{args.bits}"
     cmd = "python benchmarks/quant_granularity.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
         entries = []
         for kg, vg in combos:
             e = np.concatenate(rows[(ps, kg, vg)])
-            b = nbytes(kg, ps) + nbytes(vg, ps)
+            b = nbytes(kg, ps, "k") + nbytes(vg, ps, "v")
             entries.append((kg or "fp16", vg or "fp16", b, float(e.mean()), float(np.quantile(e, 0.99))))
         both = [x for x in entries if "fp16" not in x[:2]]
         pareto = {x for x in both if not any(y[2] <= x[2] and y[3] < x[3] for y in both)}

@@ -112,10 +112,11 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
 
     Hot pages keep ids ``[0, P)``, cold ones get ``[P, P + Pcold)`` (both tiers
     hold at least one page). Cold pages are quantized with ``ops.cold_codec``
-    from their valid tokens, and their ``key_min``/``key_max`` are recomputed
-    from the DEQUANTIZED keys: metadata must bound what the op attends, and
-    rounding can move a key up to scale/2 past the original extremes. So are
-    their ``key_sub_bounds`` when ``spec.sub_page_size`` is set.
+    from their valid tokens. INT8: their ``key_min``/``key_max`` are recomputed
+    from the DEQUANTIZED keys (metadata must bound what the op attends, and
+    rounding can move a key up to scale/2 past the original extremes); INT4 keys
+    are quantized on those bounds, which then stay. Their ``key_sub_bounds``
+    (``spec.sub_page_size`` set) encode the dequantized keys.
     """
     from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: PLC0415 (cases only)
 
@@ -138,13 +139,16 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     sub = case["key_sub_bounds"][old_of_new].copy() if spec.sub_page_size else None
     kq, vq, ks, vs = [], [], [], []
     for i, old in enumerate(cold_old):
-        qk, sk = codec.quantize(case["key_cache"][old], "k", int(valid[old]))
+        new = hot_old.size + i
+        qk, sk = codec.quantize(case["key_cache"][old], "k", int(valid[old]), bounds=(key_min[new], key_max[new]))
         qv, sv = codec.quantize(case["value_cache"][old], "v", int(valid[old]))
         kq.append(qk), ks.append(sk), vq.append(qv), vs.append(sv)
-        deq = codec.dequantize(qk, sk, dt)
-        new = hot_old.size + i
-        for h in range(deq.shape[0]):
-            key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
+        if codec.keys_on_bounds:  # INT4: dequantized inside the page's own bounds, which stay
+            deq = codec.dequantize_keys(qk, sk, key_min[new], key_max[new])  # float32, as the op attends
+        else:
+            deq = codec.dequantize(qk, sk, dt)
+            for h in range(deq.shape[0]):
+                key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
         if sub is not None:
             sub[new] = page_sub_bounds(deq, spec.sub_page_size, key_min[new], key_max[new], int(valid[old]))
     case.update(
@@ -167,7 +171,9 @@ def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     codec = ColdCodec("int4" if case["key_cache_int8"].dtype == np.uint8 else "int8")
     out = {k: v for k, v in case.items() if k not in ("key_cache_int8", "value_cache_int8",
                                                        "key_scale", "value_scale")}
-    cold_k = codec.dequantize(case["key_cache_int8"], case["key_scale"], dt)
+    P = case["key_cache"].shape[0]
+    cold_k = codec.dequantize_keys(case["key_cache_int8"], case["key_scale"], case["key_min"][P:],
+                                   case["key_max"][P:], dt)
     cold_v = codec.dequantize(case["value_cache_int8"], case["value_scale"], dt)
     out["key_cache"] = np.concatenate([case["key_cache"], cold_k])
     out["value_cache"] = np.concatenate([case["value_cache"], cold_v])

@@ -90,7 +90,7 @@ __host__ __device__ inline ScaleView scale_view(const void* scale, int32_t token
 }
 
 // Quantized value of channel dd of cold row `row` (= cold page * Hkv + KV head) * ps + token,
-// as float: INT8 is the int8 itself; INT4 is nibble - 8, channel dd < D/2 in the low nibble
+// as float: INT8 is the int8 itself; INT4 is nibble - 8 (values; keys: cold_key), channel dd < D/2 in the low nibble
 // of byte dd and dd >= D/2 in the high nibble of byte dd - D/2 (ops/cold_codec.py::pack_int4).
 template <int CF>
 __device__ __forceinline__ float cold_value(const void* pool, size_t row, int D, int dd) {
@@ -101,6 +101,26 @@ __device__ __forceinline__ float cold_value(const void* pool, size_t row, int D,
         return float(int(high ? b >> 4 : b & 15) - 8);
     } else {
         return float(static_cast<const int8_t*>(pool)[row * D + dd]);
+    }
+}
+
+constexpr float kInvLevels = 1.0f / 15.0f;  // fine_bounds.INV_LEVELS: float32(1/15)
+
+// Cold key of channel dd, row `row` (as cold_value), of physical page `page` and KV head h, as
+// float. INT8: q * scale. INT4: the nibble q in [0, 15] on the page's bounds (ops/cold_codec.py),
+// min(kmin + q * step, kmax) with step = (kmax - kmin) * f32(1/15), single-rounded float32 ops
+// (no FMA contraction), so the key stays inside key_min/key_max (the selection's bounds).
+template <typename T, int CF>
+__device__ __forceinline__ float cold_key(const QsaForwardParams& p, const ScaleView& ksv, int page, int h,
+                                          size_t page_head, size_t row, int off, int D, int dd) {
+    if constexpr (CF == kColdInt4) {
+        const size_t m = (size_t(page) * p.dims.num_kv_heads + h) * D + dd;
+        const float lo = to_f(static_cast<const T*>(p.key_min)[m]);
+        const float hi = to_f(static_cast<const T*>(p.key_max)[m]);
+        const float step = __fmul_rn(__fsub_rn(hi, lo), kInvLevels);
+        return fminf(__fadd_rn(lo, __fmul_rn(cold_value<CF>(p.key_cache_int8, row, D, dd) + 8.f, step)), hi);
+    } else {
+        return cold_value<CF>(p.key_cache_int8, row, D, dd) * ksv.at<CF>(page_head, off, dd);
     }
 }
 

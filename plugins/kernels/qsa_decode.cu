@@ -93,7 +93,7 @@ __device__ __forceinline__ bool load_kv(const QsaForwardParams& p, int page, int
 #pragma unroll
         for (int e = 0; e < L::E; ++e) {
             const int dd = L::elem(gl, e);
-            kr[e] = dd < D ? cold_value<CF>(p.key_cache_int8, row, D, dd) * ksv.at<CF>(page_head, off, dd) : 0.f;
+            kr[e] = dd < D ? cold_key<T, CF>(p, ksv, page, h, page_head, row, off, D, dd) : 0.f;
             vr[e] = dd < D ? cold_value<CF>(p.value_cache_int8, row, D, dd) * vsv.at<CF>(page_head, off, dd) : 0.f;
         }
         return true;

@@ -20,11 +20,14 @@
  *     T in {1, ps} and C in {1, D}: one scale broadcast over the page's tokens
  *     and/or channels (K per channel is [.., 1, D], V per token [.., ps, 1]).
  *   INT4: the pools are uint8 [Pcold, Hkv, ps, D/2] (D even): channel j < D/2 in
- *     the low nibble of byte j, channel j + D/2 in the high one, each q + 8 (q in
- *     [-8, 7]); scales float16 [Pcold, Hkv, T, C] with C = 1 or D / C a power of
- *     two: channel c uses column c / (D / C) (channel groups).
- * A page id p in [P, P + Pcold) is cold page p - P, read as q * scale in
- * fp32. key_min/key_max keep one exact row per page id, hot or cold
+ *     the low nibble of byte j, channel j + D/2 in the high one. Values: each q + 8
+ *     (q in [-8, 7]) times float16 scales [Pcold, Hkv, T, C] with C = 1 or D / C a
+ *     power of two: channel c uses column c / (D / C) (channel groups). Keys: each
+ *     q in [0, 15] on the page's bounds, min(kmin + q * step, kmax) with
+ *     step = (kmax - kmin) * f32(1/15) (key_min/key_max of the page id); key_scale
+ *     ([Pcold, Hkv, 1, 1], float16) is not read.
+ * A page id p in [P, P + Pcold) is cold page p - P, read in fp32. key_min/key_max
+ * keep one row per page id, hot (exact) or cold (bounds of what the kernels read)
  * (Ptot >= P + Pcold).
  *
  * Two-level selection (attrs.sub_page_size = sp, 0 < sp < ps, ps % sp == 0;

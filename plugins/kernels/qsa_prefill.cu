@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
                 } else if (CF != kNoCold && page >= d.num_pages && page - d.num_pages < p.cold.num_pages) {
                     constexpr int F = CF == kNoCold ? kColdInt8 : CF;  // compiled out when kNoCold
                     const size_t page_head = size_t(page - d.num_pages) * Hkv + h, row = page_head * ps + off;
-                    kv = cold_value<F>(p.key_cache_int8, row, D, dd) * ksv.at<F>(page_head, off, dd);
+                    kv = cold_key<T, F>(p, ksv, page, h, page_head, row, off, D, dd);
                     vv = cold_value<F>(p.value_cache_int8, row, D, dd) * vsv.at<F>(page_head, off, dd);
                 } else {
                     ok = false;

@@ -33,8 +33,6 @@
 namespace qsa {
 namespace {
 
-constexpr float kInvLevels = 1.0f / 15.0f;  // fine_bounds.INV_LEVELS: float32(1/15)
-
 template <typename T>
 __global__ void __launch_bounds__(kSelectThreads)
     select_two_level_kernel(QsaForwardParams p, Workspace ws, int scores_in_smem) {

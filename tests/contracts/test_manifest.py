@@ -9,6 +9,7 @@ import pytest
 
 from tinyserve_trt.contracts.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, ColdTier, Manifest,
                                               OrtOptimized, PackageError, PackageIO)
+from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
 LAYER = {r: f"{r}.0" for r in ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new_value")}
 COLD = {r: f"{r}.0" for r in ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")}
@@ -60,6 +61,13 @@ def test_round_trip_keeps_every_field_and_unknown_keys(tmp_path):
     (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
                                        sink_pages=1, recent_pages=1, decay=0.9)), "lacks the cold-tier inputs"),
     (lambda d: d.update(ort_optimized={"file": "x"}), "ort_optimized must hold"),
+    # an INT4 package from before keys moved onto the page bounds (no version: symmetric keys)
+    (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
+                                       sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
+                                       group_size=16)), "INT4 cold-page format version 1, this tinyserve reads 2"),
+    (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
+                                       sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
+                                       cold_format_version=3)), "re-export the package with --cold-pages int4"),
 ])
 def test_bad_manifest_is_one_line_naming_the_file(tmp_path, change, message):
     data = manifest().to_dict()
@@ -69,6 +77,18 @@ def test_bad_manifest_is_one_line_naming_the_file(tmp_path, change, message):
         Manifest.load(pkg)
     text = str(err.value)
     assert message in text and text.startswith(str(pkg)) and "\n" not in text
+
+
+def test_int4_cold_tier_records_its_format_version(tmp_path):
+    cold = ColdTier(k_granularity="channel", v_granularity="token", hot_fraction=0.5, sink_pages=1,
+                    recent_pages=2, decay=0.9, cold_format="int4", group_size=16)
+    assert cold.cold_format_version == INT4_FORMAT_VERSION
+    io = PackageIO(manifest().io.inputs, {"logits": "logits"}, [{**LAYER, **COLD}])
+    manifest(io=io, cold_tier=cold).save(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"")
+    data = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    assert data["cold_tier"]["cold_format_version"] == INT4_FORMAT_VERSION
+    assert Manifest.load(tmp_path).cold_tier == cold
 
 
 def test_missing_pieces(tmp_path):

@@ -55,9 +55,10 @@ def test_cold_dims_refuse_inconsistent_shapes(rng):
         library.cold_dims({**shapes, "value_scale": (Pc, 2, 8)})
 
 
-@pytest.mark.parametrize("k_gran,v_gran,group", [("channel", "token", 4), ("head", "head", 0), ("token", "channel", 8)])
+@pytest.mark.parametrize("k_gran,v_gran,group", [("channel", "token", 4), ("channel", "head", 0), ("channel", "channel", 8)])
 def test_int4_cold_dims(rng, k_gran, v_gran, group):
-    """int4: packed pools [.., D/2], scale columns per channel group, the format id from the schema."""
+    """int4: packed pools [.., D/2], V scale columns per channel group (K: a [.., 1, 1] placeholder),
+    the format id from the schema."""
     Hkv, ps, D = 2, 8, 16
     case = make_mixed_case(CaseSpec((40, 7), 4, Hkv, D, ps, 1, "float32", 16), rng, 0.5, k_gran, v_gran,
                            cold_format="int4", group_size=group)

@@ -2,9 +2,10 @@
 
 The INT4 twin of the mixed hot + INT8 tests in ``test_kernels_gpu.py`` and
 ``test_two_level_kernels.py``: the cold pools are uint8 ``[Pcold, Hkv, ps, D/2]``
-(channel j in the low nibble of byte j, j + D/2 in the high one) with float16
-scales per channel group (``ops/cold_codec.py``), and the kernels dequantize on
-load (``qsa_common.cuh::cold_value`` / ``ScaleView``). ``sparse_attention_ref``
+(channel j in the low nibble of byte j, j + D/2 in the high one): V with float16
+scales per channel group, K on the page's key_min/key_max (``ops/cold_codec.py``),
+and the kernels dequantize on load (``qsa_common.cuh::cold_key`` / ``cold_value`` /
+``ScaleView``). ``sparse_attention_ref``
 dequantizes with the codec itself, so a swapped nibble order or a wrong scale
 column moves the outputs far past the tolerance. Marked ``gpu``; without CUDA the
 ``cuda_lib`` fixture runs the same kernel sources in the CPU emulation.
@@ -25,10 +26,10 @@ from .test_two_level_kernels import BUDGETS, run_two_level
 
 pytestmark = pytest.mark.gpu
 
-# (K granularity, V granularity, group_size): KIVI with whole-head and 16-channel V groups,
-# one scale per 32-channel group over the page, and the transpose of KIVI in groups of 8.
-INT4_GRANULARITIES = [("channel", "token", 0), ("channel", "token", 16), ("head", "head", 32),
-                      ("token", "channel", 8)]
+# (K granularity, V granularity, group_size): INT4 keys are per channel on the page bounds; V per
+# token in whole-head and 16-channel groups, one scale per 32-channel group over the page, per channel.
+INT4_GRANULARITIES = [("channel", "token", 0), ("channel", "token", 16), ("channel", "head", 32),
+                      ("channel", "channel", 8)]
 
 
 def _int4_case(spec, rng, granularity, cold_fraction=0.5):

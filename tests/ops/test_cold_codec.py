@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tinyserve_trt.ops import quantization
-from tinyserve_trt.ops.cold_codec import ColdCodec, expand_scale, pack_int4, unpack_int4
+from tinyserve_trt.ops.cold_codec import ColdCodec, expand_scale, pack_int4, page_bounds, unpack_int4
+from tinyserve_trt.ops.fine_bounds import level_step
 
 PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8, 16])),
                    elements=st.floats(-1e4, 1e4, width=32))
@@ -24,18 +25,64 @@ def test_pack_unpack_round_trip(q):
 
 @settings(max_examples=300, deadline=None)
 @given(PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]), st.data())
-def test_int4_error_is_at_most_half_a_scale(x, granularity, group, data):
-    """|x - deq(q(x))| <= scale / 2 elementwise over the valid tokens, with the stored float16 scale."""
+def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, data):
+    """V: |x - deq(q(x))| <= scale / 2 elementwise over the valid tokens, with the stored float16 scale."""
     Hkv, ps, D = x.shape
     valid = data.draw(st.integers(1, ps))
-    codec = ColdCodec("int4", granularity, granularity, group)
-    q, scale = codec.quantize(x, "k", valid)
+    codec = ColdCodec("int4", "channel", granularity, group)
+    q, scale = codec.quantize(x, "v", valid)
     assert q.dtype == np.uint8 and q.shape == (Hkv, ps, D // 2)
-    assert scale.dtype == np.float16 and scale.shape == codec.scale_shape("k", Hkv, ps, D)
+    assert scale.dtype == np.float16 and scale.shape == codec.scale_shape("v", Hkv, ps, D)
     err = np.abs(x.astype(np.float64) - codec.dequantize(q, scale, np.float64))[:, :valid]
     bound = expand_scale(scale, ps, D)[:, :valid].astype(np.float64) / 2
     assert np.all(err <= bound * (1 + 1e-6) + 1e-30)
     assert np.all(np.abs(unpack_int4(q)) <= 7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PAGES, st.sampled_from([np.float32, np.float16]), st.data())
+def test_int4_keys_on_the_page_bounds(x, dtype, data):
+    """K: ``min(key_min + q * step, key_max)`` stays inside the page bounds (the selection metadata
+    stays an upper bound) and |x - k'| <= step / 2 (+ float32 rounding) over the valid tokens;
+    the extremes of each channel come back exactly."""
+    x = x.astype(dtype)
+    if not np.all(np.isfinite(x)):
+        return
+    Hkv, ps, D = x.shape
+    valid = data.draw(st.integers(1, ps))
+    codec = ColdCodec("int4", "channel", "token", 2)
+    kmin, kmax = page_bounds(x, valid)
+    q, scale = codec.quantize(x, "k", valid, bounds=(kmin, kmax))
+    assert q.dtype == np.uint8 and q.shape == (Hkv, ps, D // 2) and scale.shape == (Hkv, 1, 1)
+    deq = codec.dequantize_keys(q, scale, kmin, kmax)
+    assert deq.dtype == np.float32
+    lo, hi = kmin.astype(np.float32)[:, None, :], kmax.astype(np.float32)[:, None, :]
+    assert np.all(deq >= lo) and np.all(deq <= hi)
+    step = level_step(kmin, kmax)[:, None, :].astype(np.float64)
+    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
+    err = np.abs(x.astype(np.float64) - deq)[:, :valid]
+    assert np.all(err <= step / 2 + rounding)
+    np.testing.assert_array_equal(deq[:, :valid].min(axis=1), lo[:, 0])  # q = 0 is key_min exactly
+    assert np.all(unpack_int4(q) + 8 >= 0) and np.all(unpack_int4(q) + 8 <= 15)
+
+
+def test_int4_keys_beat_symmetric_absmax_on_offset_channels():
+    """The point of the bounds rule: a channel offset from 0 (keys often are) gets 15 steps over
+    its range instead of 7 over its absmax."""
+    rng = np.random.default_rng(0)
+    x = (5.0 + rng.uniform(-0.5, 0.5, (2, 32, 8))).astype(np.float32)
+    codec = ColdCodec("int4", "channel", "token")
+    kmin, kmax = page_bounds(x)
+    err = np.abs(codec.dequantize_keys(*codec.quantize(x, "k"), kmin, kmax) - x).max()
+    sym = 5.5 / 7 / 2  # half a symmetric absmax step
+    assert err <= (kmax - kmin).max() / 15 / 2 + 1e-6 < sym / 10
+
+
+def test_int4_keys_take_the_channel_rule_only():
+    with pytest.raises(ValueError, match="k_granularity must be 'channel'"):
+        ColdCodec("int4", "token", "token")
+    with pytest.raises(ValueError, match="no scale"):
+        ColdCodec("int4").quantize(np.zeros((1, 4, 2), np.float32), "k", scale=np.ones((1, 1, 1)))
 
 
 @settings(max_examples=100, deadline=None)
@@ -82,7 +129,7 @@ def test_int8_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, data
 @given(TINY_PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]), st.data())
 def test_int4_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, group, data):
     valid = data.draw(st.integers(1, x.shape[1]))
-    codec = ColdCodec("int4", granularity, granularity, group)
+    codec = ColdCodec("int4", "channel", granularity, group)
     q, scale = codec.quantize(x, "v", valid)
     _assert_tiny_round_trip(x, q, scale, codec.dequantize(q, scale), np.float16, valid)
 
@@ -98,8 +145,9 @@ def test_tiny_absmax_scale_is_clamped_not_zero():
 
 def test_bytes_and_shapes():
     int4 = ColdCodec("int4", "channel", "token", 32)
-    # SmolLM2 page: K 16x64 nibbles + 64 fp16 channel scales; V + 16 tokens x 2 groups
-    assert int4.bytes_per_page("k", 1, 16, 64) == 512 + 128
+    # SmolLM2 page: K 16x64 nibbles (+ one unused fp16 placeholder: keys read the page bounds);
+    # V + 16 tokens x 2 groups
+    assert int4.bytes_per_page("k", 1, 16, 64) == 512 + 2
     assert int4.bytes_per_page("v", 1, 16, 64) == 512 + 64
     assert ColdCodec().bytes_per_page("k", 3, 16, 64) == quantization.bytes_per_page("channel", 3, 16, 64)
     with pytest.raises(ValueError, match="int4 cold pages only"):

@@ -102,7 +102,7 @@ def _check4(case, attrs, dtype, opset=schema.OPSET):
 
 @pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
 @pytest.mark.parametrize("granularity,group", [(("channel", "token"), 8), (("channel", "token"), 0),
-                                               (("head", "head"), 4)])
+                                               (("channel", "head"), 4)])
 def test_int4_decode_matches_reference(rng, dtype, granularity, group):
     lens = tuple(int(x) for x in rng.integers(1, 16 * 10, 3))
     for budget_pages in (2, 0):

@@ -132,7 +132,10 @@ class FakeSession:
             if f"key_cache_int8.{layer}" in x:  # physical ids >= P are cold: dequantized, as the op
                 pool = x[f"key_cache_int8.{layer}"]
                 codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
-                cache = np.concatenate([cache, codec.dequantize(pool, x[f"key_scale.{layer}"])])
+                P = cache.shape[0]  # INT4 keys read their page's bounds (by physical id)
+                cold = codec.dequantize_keys(pool, x[f"key_scale.{layer}"], x[f"key_min.{layer}"][P:],
+                                             x[f"key_max.{layer}"][P:])
+                cache = np.concatenate([cache, cold])
             for b in range(b_rows):
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()

@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tinyserve_dev.kernels.references import append_kv_ref  # noqa: E402
-from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: E402
+from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds  # noqa: E402
 from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noqa: E402
 from tinyserve_trt.runtime.backends.device_pages import (COLD_ROLES, HOT_ROLES, DevicePages,  # noqa: E402
-                                                         dequantize_pages, quantize_pages)
+                                                         dequantize_keys, dequantize_pages, quantize_pages)
 from tinyserve_trt.runtime.config import CacheConfig  # noqa: E402
 from tinyserve_trt.runtime.kv_storage import KVStorage  # noqa: E402
 from tinyserve_trt.runtime.pages import PagePool, PoolIntegrityError  # noqa: E402
@@ -35,7 +35,7 @@ def device(request):
 
 # (cold format, K granularity, V granularity, group size): the INT8 tier's shapes and INT4's channel groups.
 CODECS = [("int8", g, g, 0) for g in GRANULARITIES] + [("int4", "channel", "token", 0), ("int4", "channel", "token", 4),
-                                                       ("int4", "head", "head", 2), ("int4", "token", "channel", 4)]
+                                                       ("int4", "channel", "head", 2), ("int4", "channel", "channel", 4)]
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c)))
@@ -47,13 +47,20 @@ def test_quantize_matches_the_numpy_codec(codec, dtype, device):
     x[0, 1] = 0  # an all-zero group takes scale 1
     x[1, :, :, 3] *= 50  # an outlier channel
     x[2, :, :, 5] = 1e-9  # int4: float16 scales clamp at its smallest normal
+    kmin, kmax = page_bounds(x)
     for which in ("k", "v"):
         want = [codec.quantize(page, which) for page in x]
-        q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, which)
+        bounds = tuple(torch.from_numpy(b).to(device) for b in (kmin, kmax)) if which == "k" else None
+        q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, which, bounds=bounds)
         np.testing.assert_array_equal(q.cpu().numpy(), np.stack([w[0] for w in want]))
         np.testing.assert_array_equal(s.cpu().numpy(), np.stack([w[1] for w in want]))
-        np.testing.assert_array_equal(dequantize_pages(q, s, torch.float32, codec).cpu().numpy(),
-                                      codec.dequantize(*(np.stack(a) for a in zip(*want))))
+        qn, sn = (np.stack(a) for a in zip(*want))
+        if which == "k":  # INT4: on the page bounds (float32); INT8 by the scales
+            got = dequantize_keys(q, s, *bounds, torch.float32, codec).cpu().numpy()
+            np.testing.assert_array_equal(got, codec.dequantize_keys(qn, sn, kmin, kmax))
+        else:
+            np.testing.assert_array_equal(dequantize_pages(q, s, torch.float32, codec).cpu().numpy(),
+                                          codec.dequantize(qn, sn))
 
 
 def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False, cold_format="int8",
@@ -120,8 +127,8 @@ def _assert_same(host, dev, pages, handles):
                                                (("head", "channel"), False, ("int8", 0)),
                                                (("channel", "token"), True, ("int8", 0)),
                                                (("channel", "token"), False, ("int4", 0)),
-                                               (("head", "token"), False, ("int4", 4))],
-                         ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-head-token-g4"])
+                                               (("channel", "head"), False, ("int4", 4))],
+                         ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-channel-head-g4"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel-writes", "pool-writes"])
 def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, cold, kernel, device):
     rng = np.random.default_rng()

@@ -155,12 +155,14 @@ OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "write", "write", "d
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(OPS, st.sampled_from(["channel", "token", "head"]), st.sampled_from([("int8", 0), ("int4", 0), ("int4", 4)]),
-       st.sampled_from([0, 1, 2]))
-def test_random_operations_keep_integrity(ops, granularity, fmt, sub_page_size):
-    """INT8 and INT4 cold tiers; two-level pools (sub_page_size > 0) too: check_data recomputes
-    every live page's sub-page codes."""
+       st.sampled_from([0, 1, 2]), st.sampled_from(["float32", "float16"]))
+def test_random_operations_keep_integrity(ops, granularity, fmt, sub_page_size, dtype):
+    """INT8 and INT4 cold tiers (INT4 keys per channel on the page bounds, float16 pools too:
+    rounding the dequantized keys must not leave the bounds); two-level pools (sub_page_size > 0)
+    too: check_data recomputes every live page's sub-page codes."""
     rng = np.random.default_rng(0)
-    pool = make_pool(hot=5, cold=3, sub_page_size=sub_page_size, k_granularity=granularity,
+    pool = make_pool(hot=5, cold=3, dtype=dtype, sub_page_size=sub_page_size,
+                     k_granularity="channel" if fmt[0] == "int4" else granularity,
                      v_granularity=granularity, cold_format=fmt[0], group_size=fmt[1])
     holders: list[list[int]] = []  # each holder references one page
     for op, x in ops:
@@ -182,7 +184,9 @@ def test_random_operations_keep_integrity(ops, granularity, fmt, sub_page_size):
                 page = cands[x % len(cands)]
                 keys = pool.dequantized_keys(1, page).copy() if pool.physical(page) >= 0 else None
                 pool.promote(page)
-                assert pool.is_hot(page) and np.array_equal(pool.dequantized_keys(1, page), keys)
+                # promotion rounds INT4's float32 keys to the pool dtype (inside the page bounds)
+                assert pool.is_hot(page) and np.array_equal(pool.dequantized_keys(1, page),
+                                                            keys.astype(pool.k_pages(0).dtype))
             elif op == "decref" and holders:
                 pool.decref(holders.pop(x % len(holders))[0])
             elif op == "incref":

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from tests.runtime.trt_fakes import (COLD_TIER, DIM, HEADS, LAYERS, PAGE_SIZE, PAGES, REQUESTS,  # noqa: E402
                                      fake_backend, require_trt_gpu)  # noqa: F401
 from tinyserve_trt.contracts.cold_tier import tier_codec  # noqa: E402
+from tinyserve_trt.ops.cold_codec import page_bounds  # noqa: E402
 from tinyserve_trt.runtime.config import SchedulerConfig  # noqa: E402
 from tinyserve_trt.runtime.sampling import SamplingParams  # noqa: E402
 from tinyserve_trt.runtime.scheduler import Scheduler  # noqa: E402
@@ -56,7 +57,7 @@ def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(f
                     n = min(PAGE_SIZE, past - lp * PAGE_SIZE)
                     if seq.pages[lp] in cold_pages[row]:
                         keys = _toy_page_keys(seq.token_ids, lp, layer)
-                        keys = codec.dequantize(*codec.quantize(keys, "k"))
+                        keys = codec.dequantize_keys(*codec.quantize(keys, "k"), *page_bounds(keys))
                         read_cold += 1
                     else:
                         keys = _toy_page_keys(seq.token_ids + [0] * PAGE_SIZE, lp, layer)

@@ -143,7 +143,10 @@ class FakeContext:
             if f"key_cache_int8.{layer}" in self.shapes:  # physical ids >= P are cold: dequantized, as the op
                 pool = self._view(f"key_cache_int8.{layer}")
                 codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
-                cache = np.concatenate([cache, codec.dequantize(pool, self._view(f"key_scale.{layer}"))])
+                P = cache.shape[0]  # INT4 keys read their page's bounds (by physical id)
+                cold = codec.dequantize_keys(pool, self._view(f"key_scale.{layer}"),
+                                             self._view(f"key_min.{layer}")[P:], self._view(f"key_max.{layer}")[P:])
+                cache = np.concatenate([cache, cold])
             for b in range(b_rows):  # never reads a page-table column past past_lens
                 slots = np.arange(past[b])
                 context[b] += cache[table[b, slots // PAGE_SIZE], 0, slots % PAGE_SIZE, 0].sum()

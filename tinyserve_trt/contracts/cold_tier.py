@@ -20,9 +20,9 @@ from tinyserve_trt.ops.quantization import GRANULARITIES
 
 SCALES = ("dynamic", "static")
 # Channels per V (per-token) scale of INT4 pages: on SmolLM2 (benchmarks/results/
-# quant_granularity_int4.md, page 16) K per channel / V per token in groups of 16 has the lowest
-# attention error of the pairs measured (0.125 vs 0.131 at 32, 0.138 ungrouped) for 6 more bytes
-# per token and KV head; K's error dominates either way.
+# quant_granularity_int4.md, page 16) V per token in groups of 16 has the lowest attention error
+# of the pairs measured (0.125 vs 0.131 at 32, 0.138 ungrouped) for 6 more bytes per token and KV
+# head. INT4 keys take no scale: per channel on the page bounds (ops/cold_codec.py).
 INT4_GROUP_SIZE = 16
 
 

@@ -23,6 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
+from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
 MANIFEST_FILE = "tinyserve.json"
 MODEL_FILE = "model.onnx"
@@ -74,11 +75,17 @@ class PackageIO:
             raise PackageError("io.outputs lacks 'logits'")
 
 
+def _old_int4(version) -> str:
+    return (f"cold_tier: INT4 cold-page format version {version!r}, this tinyserve reads {INT4_FORMAT_VERSION} "
+            "(keys on the page bounds, ops/cold_codec.py): re-export the package with --cold-pages int4")
+
+
 @dataclass(frozen=True)
 class ColdTier:
     """The cold tier the model was exported with (``tinyserve-export --calibration``
     or ``--cold-pages int8|int4``): ``cold_format`` (the op overload's and the cold inputs'
-    types; a manifest without it is int8), scale granularities and ``group_size``, the
+    types; a manifest without it is int8; ``cold_format_version``: int4's, a package written
+    before version 2 - symmetric INT4 keys - is refused), scale granularities and ``group_size``, the
     hot/cold policy defaults (``contracts.cold_tier.TierConfig`` / ``HotnessConfig``
     fields), and ``calibration``: where they came from (``file`` in the package, model,
     ...), None for defaults."""
@@ -93,8 +100,14 @@ class ColdTier:
     calibration: dict | None = None
     cold_format: str = "int8"
     group_size: int = 0
+    cold_format_version: int | None = None  # int4: ops.cold_codec.INT4_FORMAT_VERSION (set when None)
 
     def __post_init__(self):
+        if self.cold_format == "int4":
+            if self.cold_format_version is None:  # built in code: the current format
+                object.__setattr__(self, "cold_format_version", INT4_FORMAT_VERSION)
+            elif self.cold_format_version != INT4_FORMAT_VERSION:
+                raise PackageError(_old_int4(self.cold_format_version))
         try:
             TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity,
                        cold_format=self.cold_format, group_size=self.group_size)
@@ -205,6 +218,8 @@ class Manifest:
             tier_fields = [f.name for f in fields(ColdTier) if f.default is MISSING and f.default_factory is MISSING]
             if not isinstance(cold, dict) or any(k not in cold for k in tier_fields):
                 raise PackageError(f"cold_tier must hold {tier_fields}")
+            if cold.get("cold_format") == "int4" and cold.get("cold_format_version") is None:
+                raise PackageError(_old_int4(1))  # written before the version: symmetric INT4 keys
             kw["cold_tier"] = ColdTier(**{k: v for k, v in cold.items() if k in {f.name for f in fields(ColdTier)}})
         if kw.get("ort_optimized") is not None:
             opt = kw["ort_optimized"]

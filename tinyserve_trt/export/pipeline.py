@@ -185,8 +185,9 @@ def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_l
                       evaluation=artifact.evaluation)
     # the op reads its own sinks / recent pages every step: never demote fewer than it keeps
     fmt = config.resolved_cold_format
+    k_gran = "channel" if fmt == "int4" else grans[0]  # INT4 keys: per channel on the page bounds (cold_codec)
     return ColdTier(inputs=list(schema.COLD_INPUTS), cold_format=fmt,
-                    group_size=INT4_GROUP_SIZE if fmt == "int4" else 0, k_granularity=grans[0], v_granularity=grans[1],
+                    group_size=INT4_GROUP_SIZE if fmt == "int4" else 0, k_granularity=k_gran, v_granularity=grans[1],
                     hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
                     recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
 

@@ -4,25 +4,44 @@ Formats (``COLD_FORMATS``), per (page, KV head) of ``[ps, D]`` values:
 
   ``int8``  int8 ``[ps, D]``, float32 scales (``ops/quantization.py``), |q| <= 127
   ``int4``  uint8 ``[ps, D/2]``: channel ``j`` in the low nibble of byte ``j``, ``j + D/2`` in
-            the high one, each ``q + 8`` (offset binary, ``q`` in [-7, 7]); float16 scales.
-            Halves, not neighbours: unpacking is a Concat of the two nibble planes
-            (no interleaving reshape in the ONNX body or the kernels).
+            the high one (halves, not neighbours: unpacking is a Concat of the two nibble
+            planes, no interleaving reshape in the ONNX body or the kernels). V: each nibble
+            is ``q + 8`` (offset binary, ``q`` in [-7, 7]) times a float16 scale. K: the
+            nibble is ``q`` in [0, 15] on the page's own bounds (below).
+
+INT4 keys are asymmetric, per channel over the page's tokens, on the page's
+``key_min``/``key_max`` (the selection metadata every page stores anyway, in the
+pool dtype; KIVI's zero point + scale at no extra bytes)::
+
+    step = (key_max - key_min) * float32(1/15)       # fine_bounds.level_step, float32
+    k'   = min(key_min + q * step, key_max)           # single-rounded float32 ops
+
+so ``key_min <= k' <= key_max``: the page's bounds (and the fine codes computed
+from the dequantized keys) stay upper bounds of what the op attends, and a
+page's metadata does not change when it is demoted. Keys have offset channels
+(not centred on 0); on SmolLM2 this cuts the attention error K quantization
+causes 3.3x against symmetric absmax scales (0.133 -> 0.041 at page 32) (benchmarks/results/
+int4_cold_keys.md). The INT4 ``key_scale`` input is a ``[.., 1, 1]`` placeholder
+(ones) the op does not read. Format version: ``INT4_FORMAT_VERSION`` (the
+manifest records it; a package with symmetric INT4 keys is refused).
 
 Scales ``[ps|1, C]`` with ``C`` dividing ``D``: channel ``c`` uses column
 ``c // (D / C)``, token ``t`` row ``t`` (or row 0). Granularity names which
 axes one scale spans (``quantization.GRANULARITIES``) and ``group_size`` how many
 channels a ``token``/``head`` scale covers (0 = all ``D``)::
 
-  channel  [1, D]              one scale per channel over the page's tokens (K, KIVI)
+  channel  [1, D]              one scale per channel over the page's tokens (INT8 K, KIVI)
   token    [ps, D/group]       one per token and channel group (V, KIVI)
   head     [1, D/group]        one per channel group over the page
 
 INT8 takes ``group_size`` 0 only (its scales stay ``[ps|1, D|1]``, what the
-CUDA kernels read). Symmetric: ``scale = absmax / qmax`` of the group (1 when
-all zero), clamped to the normal range of the scale's dtype (float32 for INT8,
-float16 for INT4: ``quantization.group_scale``, so a tiny absmax never gives a
-0 or denormal scale), ``q = clip(rint(x / scale), -qmax, qmax)``, so
-``|x - q * scale| <= scale / 2`` for values inside ``qmax * scale``.
+CUDA kernels read); INT4 keys take ``channel`` only (the bounds rule). Symmetric:
+``scale = absmax / qmax`` of the group (1 when all zero), clamped to the normal
+range of the scale's dtype (float32 for INT8, float16 for INT4:
+``quantization.group_scale``, so a tiny absmax never gives a 0 or denormal
+scale), ``q = clip(rint(x / scale), -qmax, qmax)``, so ``|x - q * scale| <= scale / 2``
+for values inside ``qmax * scale``; INT4 keys: ``|x - k'| <= step / 2`` (plus
+float32 rounding) for values inside the bounds.
 Pure numpy; does not modify its inputs.
 """
 
@@ -32,9 +51,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fine_bounds import LEVELS, level_step
 from .quantization import GRANULARITIES, group_scale
 from .schema import COLD_FORMATS
+
 QMAX = {"int8": 127, "int4": 7}
+INT4_FORMAT_VERSION = 2  # 2: keys on the page bounds (1, symmetric INT4 keys, is no longer read)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -80,6 +102,9 @@ class ColdCodec:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0:
             raise ValueError(f"group_size must be an int >= 0 (0 = the whole head dim), got {self.group_size!r}")
+        if self.cold_format == "int4" and self.k_granularity != "channel":
+            raise ValueError("int4 keys are quantized per channel on the page's key_min/key_max: "
+                             f"k_granularity must be 'channel', got {self.k_granularity!r}")
         if self.cold_format == "int8" and self.group_size:
             raise ValueError("group_size applies to int4 cold pages only (int8 scales are [ps|1, D|1])")
         if self.group_size & (self.group_size - 1):
@@ -88,6 +113,11 @@ class ColdCodec:
     @property
     def qmax(self) -> int:
         return QMAX[self.cold_format]
+
+    @property
+    def keys_on_bounds(self) -> bool:
+        """INT4: keys dequantize on the page's key_min/key_max (no K scale)."""
+        return self.cold_format == "int4"
 
     @property
     def storage_dtype(self):
@@ -109,6 +139,8 @@ class ColdCodec:
     def scale_shape(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int, int]:
         """One page's ``which`` ("k"/"v") scales ``[Hkv, ps|1, C]``."""
         g = self.granularity(which)
+        if which == "k" and self.keys_on_bounds:
+            return (num_kv_heads, 1, 1)  # placeholder: INT4 keys read the page bounds
         group = self.group_size or head_dim
         if head_dim % group:
             raise ValueError(f"group_size {group} must divide the head dim {head_dim}")
@@ -124,13 +156,21 @@ class ColdCodec:
 
     # ---- quantize / dequantize ----------------------------------------------------
     def quantize(self, x: np.ndarray, which: str, valid: int | None = None,
-                 scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 scale: np.ndarray | None = None, bounds: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Pages ``x [..., Hkv, ps, D]`` -> ``(values, scales [..., Hkv, ps|1, C])``.
 
         Scales come from the first ``valid`` tokens (a partial page's tail must not
-        widen them), or are the given (calibrated) ``scale``, whose clip is the point."""
+        widen them), or are the given (calibrated) ``scale``, whose clip is the point.
+        INT4 keys: ``bounds = (key_min, key_max) [..., Hkv, D]``, the page's metadata
+        (default: :func:`page_bounds` of ``x``, what a pool stores for it)."""
         x = np.asarray(x)
         Hkv, ps, D = x.shape[-3:]
+        if which == "k" and self.keys_on_bounds:
+            if scale is not None:
+                raise ValueError("int4 keys take no scale (they quantize on the page bounds)")
+            kmin, kmax = page_bounds(x, valid) if bounds is None else bounds
+            return quantize_on_bounds(x, kmin, kmax), np.ones(x.shape[:-3] + self.scale_shape("k", Hkv, ps, D),
+                                                                self.scale_dtype)
         shape = self.scale_shape(which, Hkv, ps, D)
         xf = x.astype(np.float64)
         if scale is None:
@@ -151,6 +191,42 @@ class ColdCodec:
 
     def dequantize(self, values: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
         """``values [..., Hkv, ps, D|D/2]``, ``scale [..., Hkv, ps|1, C]`` -> ``[..., Hkv, ps, D]``
-        in ``dtype`` (math in float32, as the op)."""
+        in ``dtype`` (math in float32, as the op). Values and INT8 keys; INT4 keys: :meth:`dequantize_keys`."""
         q = unpack_int4(values) if self.cold_format == "int4" else np.asarray(values)
         return (q.astype(np.float32) * expand_scale(scale, q.shape[-2], q.shape[-1])).astype(dtype)
+
+    def dequantize_keys(self, values: np.ndarray, scale: np.ndarray, key_min: np.ndarray, key_max: np.ndarray,
+                        dtype=np.float32) -> np.ndarray:
+        """Cold keys as the op reads them: INT4 on the page bounds ``key_min/key_max [..., Hkv, D]``
+        (the rule above; ``scale`` unused), INT8 by ``scale`` (the bounds unused)."""
+        if not self.keys_on_bounds:
+            return self.dequantize(values, scale, dtype)
+        return dequantize_on_bounds(values, key_min, key_max).astype(dtype)
+
+
+def page_bounds(x: np.ndarray, valid: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(min, max) [..., Hkv, D]`` of pages ``x [..., Hkv, ps, D]`` over their first ``valid`` tokens,
+    in ``x``'s dtype: a pool's key_min/key_max of those keys."""
+    x = np.asarray(x)
+    n = x.shape[-2] if valid is None else int(valid)
+    if not 1 <= n <= x.shape[-2]:
+        raise ValueError(f"valid must be in [1, {x.shape[-2]}], got {valid}")
+    return x[..., :n, :].min(axis=-2), x[..., :n, :].max(axis=-2)
+
+
+def quantize_on_bounds(x: np.ndarray, key_min: np.ndarray, key_max: np.ndarray) -> np.ndarray:
+    """INT4 keys ``x [..., Hkv, ps, D]`` on the bounds ``[..., Hkv, D]``: nibbles ``q`` in [0, 15],
+    packed (``q = clip(rint((x - key_min) / step), 0, 15)``; a zero-width channel gives 0)."""
+    lo = np.asarray(key_min).astype(np.float32)[..., None, :].astype(np.float64)
+    step = level_step(np.asarray(key_min), np.asarray(key_max))[..., None, :].astype(np.float64)
+    q = np.where(step > 0, np.rint((np.asarray(x, np.float64) - lo) / np.where(step > 0, step, 1.0)), 0.0)
+    return pack_int4(np.clip(q, 0, LEVELS) - 8)
+
+
+def dequantize_on_bounds(values: np.ndarray, key_min: np.ndarray, key_max: np.ndarray) -> np.ndarray:
+    """float32 ``min(key_min + q * step, key_max)`` of packed nibbles ``values [..., Hkv, ps, D/2]``."""
+    q = (unpack_int4(values).astype(np.int16) + 8).astype(np.float32)
+    lo = np.asarray(key_min).astype(np.float32)[..., None, :]
+    hi = np.asarray(key_max).astype(np.float32)[..., None, :]
+    step = level_step(np.asarray(key_min), np.asarray(key_max))[..., None, :]
+    return np.minimum(lo + q * step, hi)

@@ -33,7 +33,9 @@ LEVELS = (1 << BITS) - 1  # 15 steps between the coarse min and max
 INV_LEVELS = np.float32(1.0 / LEVELS)
 
 
-def _step(page_min, page_max) -> np.ndarray:
+def level_step(page_min, page_max) -> np.ndarray:
+    """``(key_max - key_min) * float32(1/15)`` in float32: one of the 15 steps between a page's
+    bounds (the fine codes' unit, and the INT4 cold keys' quantization step: ``ops/cold_codec.py``)."""
     return (page_max.astype(np.float32) - page_min.astype(np.float32)) * INV_LEVELS
 
 
@@ -41,7 +43,7 @@ def decode(codes: np.ndarray, page_min: np.ndarray, page_max: np.ndarray) -> tup
     """``codes [..., r, D]`` uint8 with the page bounds ``[..., D]`` -> ``(lo, hi)`` float32 ``[..., r, D]``."""
     kmin = page_min.astype(np.float32)[..., None, :]
     kmax = page_max.astype(np.float32)[..., None, :]
-    step = _step(page_min, page_max)[..., None, :]
+    step = level_step(page_min, page_max)[..., None, :]
     c = codes.astype(np.float32)
     hi_c = np.floor(c / np.float32(1 << BITS))
     lo_c = c - np.float32(1 << BITS) * hi_c
@@ -56,7 +58,7 @@ def encode(sub_min: np.ndarray, sub_max: np.ndarray, page_min: np.ndarray, page_
     kmax = page_max.astype(np.float32)[..., None, :]
     if np.any(sub_min.astype(np.float32) < kmin) or np.any(sub_max.astype(np.float32) > kmax):
         raise ValueError("sub-page bounds fall outside the page's key_min/key_max")
-    step = _step(page_min, page_max)[..., None, :].astype(np.float64)
+    step = level_step(page_min, page_max)[..., None, :].astype(np.float64)
     safe = np.where(step > 0, step, 1.0)
     lo_c = np.where(step > 0, np.floor((sub_min.astype(np.float64) - kmin) / safe), 0)
     hi_c = np.where(step > 0, np.floor((kmax - sub_max.astype(np.float64)) / safe), 0)

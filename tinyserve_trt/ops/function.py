@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 
 from . import schema
 from .graph_builder import GraphBuilder
-from .int4_onnx import dequantize_int4_rows
+from .int4_onnx import dequantize_int4_keys, dequantize_int4_rows
 from .policies import OnnxScoreContext, get_policy
 from .if_branches import if_branches
 from .two_level_onnx import two_level_selection
@@ -128,7 +128,9 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             is_cold = b.op("GreaterOrEqual", phys, P)
             hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)), sub)
             cold_id = b.op("Max", b.op("Sub", phys, P), zero)
-            if cold_format == "int4":  # packed nibbles, float16 scales per channel group: ops/int4_onnx.py
+            if cold_format == "int4" and cache == kc:  # keys on the page bounds: ops/int4_onnx.py
+                cold = dequantize_int4_keys(b, gather_rows, q8, kmin, kmax, cold_id, b.op("Max", phys, zero), sub)
+            elif cold_format == "int4":  # packed nibbles, float16 scales per channel group
                 cold = dequantize_int4_rows(b, gather_rows, q8, sc, cold_id, sub)
             else:
                 cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale

@@ -3,7 +3,8 @@
 Per layer, by physical id (see ``kv_storage``): hot K/V ``[num_hot, Hkv, ps, D]``
 in the pool dtype, key min/max ``[num_hot + num_cold, Hkv, D]``, and with a cold
 tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales, or packed int4
-``[num_cold, Hkv, ps, D/2]`` uint8 with float16 scales; with two-level selection
+``[num_cold, Hkv, ps, D/2]`` uint8 (V with float16 scales, K on the page's key
+min/max, which a demoted INT4 page keeps); with two-level selection
 uint8 ``key_sub_bounds [num_hot + num_cold, Hkv, r, D]``. Quantization is
 ``ops.cold_codec``'s and the sub-page codes ``ops.fine_bounds``', so the op's
 reference reads exactly what was stored.
@@ -87,10 +88,14 @@ class HostKVStorage(KVStorage):
         return self._keys(layer, page), self._key_min[layer, page], self._key_max[layer, page]
 
     def _keys(self, layer: int, page: int) -> np.ndarray:
-        """``[Hkv, ps, D]`` keys of physical ``page`` as the op reads them."""
+        """``[Hkv, ps, D]`` keys of physical ``page`` as the op reads them (pool dtype; a cold INT4
+        page's float32: the op dequantizes them in float32 and never rounds to the pool dtype)."""
         if page < self.num_hot:
             return self._k[layer, page]
         c = page - self.num_hot
+        if self.codec.keys_on_bounds:  # float32, as the op attends them (the fine codes hold these)
+            return self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], self._key_min[layer, page],
+                                              self._key_max[layer, page])
         return self.codec.dequantize(self._kq[layer, c], self._ks[layer, c], self.dtype)
 
     # ---- data moves -------------------------------------------------------------
@@ -128,10 +133,16 @@ class HostKVStorage(KVStorage):
             self._k[:, dst], self._v[:, dst] = self._k[:, src], self._v[:, src]
         else:
             c = src - self.num_hot
-            self._k[:, dst] = self.codec.dequantize(self._kq[:, c], self._ks[:, c], self.dtype)
+            self._k[:, dst] = self.codec.dequantize_keys(self._kq[:, c], self._ks[:, c], self._key_min[:, src],
+                                                         self._key_max[:, src], self.dtype)
             self._v[:, dst] = self.codec.dequantize(self._vq[:, c], self._vs[:, c], self.dtype)
         for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
+        if src >= self.num_hot and self.codec.keys_on_bounds:
+            # INT4 keys rounded to the pool dtype stay inside the page bounds (monotone rounding), but
+            # a hot page's metadata is exact: recompute it (and fine codes of these keys)
+            self._refresh_minmax(slice(None), np.array([dst]), self._k[:, [dst]],
+                                 np.full((self.num_layers, 1), self.page_size))
 
     def demote_page(self, hot: int, cold: int) -> None:
         if not self.granularities:
@@ -141,8 +152,17 @@ class HostKVStorage(KVStorage):
         c = cold - self.num_hot
         for layer in range(self.num_layers):
             ks, vs = (None, None) if self.static_scales is None else (s[layer] for s in self.static_scales)
-            self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
             self._vq[layer, c], self._vs[layer, c] = self.codec.quantize(self._v[layer, hot], "v", scale=vs)
+            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's bounds, which stay
+                bounds = self._key_min[layer, hot], self._key_max[layer, hot]
+                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds)
+                self._key_min[layer, cold], self._key_max[layer, cold] = bounds
+                if self.sub_page_size:  # fine codes of the float32 keys the op attends
+                    keys = self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], *bounds)
+                    self._sub[layer, cold] = pages_sub_bounds(keys[None], self.sub_page_size, bounds[0][None],
+                                                              bounds[1][None], np.array([self.page_size]))[0]
+                continue
+            self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
 

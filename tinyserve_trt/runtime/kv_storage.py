@@ -19,8 +19,10 @@ Two-level selection (``sub_page_size`` > 0, ``r = page_size / sub_page_size``):
 ``key_sub_bounds`` holds each page's 4-bit sub-page codes relative to its
 min/max (``ops.fine_bounds``), indexed the same way and kept with them: a write
 recomputes the touched pages' codes over their valid tokens after their min/max
-(a new min/max moves every code of the page), a copy copies them, a demotion
-recomputes them from the dequantized keys against the recomputed min/max.
+(a new min/max moves every code of the page), a copy copies them (from a cold
+INT4 page: recomputes both from the copied keys), a demotion recomputes them from
+the dequantized keys against the recomputed min/max (INT4: the kept min/max,
+``ops.cold_codec``).
 
 Implementations: ``host_storage.HostKVStorage`` (numpy, what the ORT backend
 reads) and ``backends.device_pages.DevicePages`` (torch tensors on the TensorRT
@@ -127,7 +129,8 @@ class KVStorage(ABC):
     def demote_page(self, hot: int, cold: int) -> None:
         """Quantize the full hot page ``hot`` into cold slot ``cold`` (physical ids),
         every layer; the cold page's min/max (and sub-page codes) become those of its
-        dequantized keys. May be deferred until :meth:`flush`."""
+        dequantized keys (INT4: min/max stay, the keys were quantized on them). May be
+        deferred until :meth:`flush`."""
 
     def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
         """Recompute the sub-page codes of hot physical ``pages`` (``valid [len(pages), ]`` per layer:

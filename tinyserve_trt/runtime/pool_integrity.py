@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from tinyserve_trt.ops.fine_bounds import page_sub_bounds
+from tinyserve_trt.ops.fine_bounds import decode, page_sub_bounds
 
 
 class PoolIntegrityError(RuntimeError):
@@ -58,7 +58,9 @@ def check_states(pool, holders: Iterable[Sequence[int]] | None = None) -> None:
 
 def check_bounds(pool) -> None:
     """Every live page's key min/max (and, two-level, sub-page codes) equal a recompute over
-    its valid tokens as read back from the storage."""
+    its valid tokens as read back from the storage. A cold INT4 page's keys are quantized on
+    its bounds (``ops.cold_codec``): they must lie inside them, reach key_min exactly, and lie
+    inside their decoded sub-page bounds."""
     pool.storage.flush()
     live = np.flatnonzero((pool._refcount > 0) | pool._cached)
     for page, p in zip(live.tolist(), pool._physical_ids(live).tolist()):
@@ -67,6 +69,9 @@ def check_bounds(pool) -> None:
             if n == 0:
                 continue
             keys, kmin, kmax = pool.storage.read_page(layer, p)
+            if _keys_on_bounds(pool, p):
+                _check_int4_cold_bounds(pool, page, p, layer, keys, kmin, kmax)
+                continue
             if not (np.array_equal(keys[:, :n].min(axis=1), kmin) and
                     np.array_equal(keys[:, :n].max(axis=1), kmax)):
                 fail(f"page {page} (physical {p}) layer {layer} min/max are stale")
@@ -74,3 +79,21 @@ def check_bounds(pool) -> None:
                     pool.storage.read_sub_bounds(layer, p),
                     page_sub_bounds(keys, pool.storage.sub_page_size, kmin, kmax, n)):
                 fail(f"page {page} (physical {p}) layer {layer} sub-page bounds are stale")
+
+
+def _keys_on_bounds(pool, physical: int) -> bool:
+    codec = getattr(pool.storage, "codec", None)
+    return bool(codec is not None and codec.keys_on_bounds and physical >= getattr(pool, "num_hot", physical + 1))
+
+
+def _check_int4_cold_bounds(pool, page, p, layer, keys, kmin, kmax) -> None:
+    k32 = keys.astype(np.float32)
+    lo, hi = kmin.astype(np.float32), kmax.astype(np.float32)
+    if not (np.all(k32 >= lo[:, None]) and np.all(k32 <= hi[:, None]) and np.array_equal(k32.min(axis=1), lo)):
+        fail(f"cold page {page} (physical {p}) layer {layer} keys leave their bounds")
+    if pool.storage.sub_page_size:
+        sp = pool.storage.sub_page_size
+        sub_lo, sub_hi = decode(pool.storage.read_sub_bounds(layer, p), kmin, kmax)  # [Hkv, r, D]
+        k = k32.reshape(k32.shape[0], -1, sp, k32.shape[-1])
+        if not (np.all(k >= sub_lo[:, :, None]) and np.all(k <= sub_hi[:, :, None])):
+            fail(f"cold page {page} (physical {p}) layer {layer} sub-page bounds do not hold its keys")

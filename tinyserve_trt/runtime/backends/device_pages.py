@@ -27,8 +27,8 @@ next :meth:`flush` (the backend calls it before each step; a copy flushes
 first, since it may read or overwrite a queued page). The math is
 ``ops.cold_codec``'s, in float64 like the numpy reference (each group's
 absmax, or the pool's static calibrated scales; INT4 packs the nibbles as
-``cold_codec.pack_int4``), so a page demoted here holds the same int8/int4
-values, scales and min/max as one demoted by ``HostKVStorage``
+``cold_codec.pack_int4`` and quantizes keys on the page's own min/max), so a page
+demoted here holds the same int8/int4 values, scales and min/max as one demoted by ``HostKVStorage``
 (``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
 written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata. torch is imported by the constructor only.
@@ -50,24 +50,32 @@ import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import tier_codec
 from tinyserve_trt.ops.cold_codec import ColdCodec
-from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+from tinyserve_trt.ops.fine_bounds import INV_LEVELS, LEVELS, pages_sub_bounds
 from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, SUB_ROLES, KVStorage
 
-__all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages", "dequantize_pages", "quantize_pages"]
+__all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages", "dequantize_keys", "dequantize_pages",
+           "quantize_pages"]
 
 
 def _torch_dtype(torch, np_dtype):
     return getattr(torch, np.dtype(np_dtype).name)
 
 
-def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None):
+def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None, bounds=None):
     """``ColdCodec.quantize`` in torch, for full pages: ``x [N, Hkv, ps, D]`` ->
     ``(values [N, *codec.pool_shape], scales [N, *codec.scale_shape(which)])`` on ``x``'s
     device (int8 + float32, or packed uint8 + float16). ``scale`` (one page's
-    ``[Hkv, ps|1, C]``): a static scale for every page instead of each group's absmax."""
+    ``[Hkv, ps|1, C]``): a static scale for every page instead of each group's absmax.
+    INT4 keys: on ``bounds = (key_min, key_max) [N, Hkv, D]``, the pages' metadata."""
     N, Hkv, ps, D = x.shape
     _, T, C = codec.scale_shape(which, Hkv, ps, D)
     sdt = _torch_dtype(torch, codec.scale_dtype)
+    if which == "k" and codec.keys_on_bounds:  # cold_codec.quantize_on_bounds
+        lo, step = bounds[0].float()[:, :, None], _level_step(*bounds)[:, :, None]
+        ok = step > 0
+        q = torch.where(ok, torch.round((x.double() - lo.double()) / torch.where(ok, step, 1.0).double()),
+                        torch.zeros((), dtype=torch.float64, device=x.device)).clamp(0, LEVELS).to(torch.uint8)
+        return q[..., : D // 2] | (q[..., D // 2:] << 4), torch.ones((N, Hkv, T, C), dtype=sdt, device=x.device)
     xf = x.double()
     if scale is not None:
         s = scale.to(sdt).expand(N, *scale.shape)
@@ -93,6 +101,20 @@ def dequantize_pages(q, scale, dtype, codec: ColdCodec):
         q = _unpack_int4(q)
     D = q.shape[-1]
     return (q.float() * scale.float().repeat_interleave(D // scale.shape[-1], dim=-1)).to(dtype)
+
+
+def dequantize_keys(q, scale, key_min, key_max, dtype, codec: ColdCodec):
+    """``ColdCodec.dequantize_keys`` in torch: INT4 ``min(key_min + q * step, key_max)`` in float32
+    (bounds ``[..., Hkv, D]``), cast to ``dtype``; INT8 keys by their scale."""
+    if not codec.keys_on_bounds:
+        return dequantize_pages(q, scale, dtype, codec)
+    lo, hi, step = key_min.float()[..., None, :], key_max.float()[..., None, :], _level_step(key_min, key_max)
+    return (lo + (_unpack_int4(q) + 8).float() * step[..., None, :]).minimum(hi).to(dtype)
+
+
+def _level_step(key_min, key_max):
+    """``fine_bounds.level_step`` in torch (float32)."""
+    return (key_max.float() - key_min.float()) * float(INV_LEVELS)
 
 
 def _unpack_int4(p):
@@ -168,8 +190,9 @@ class DevicePages(KVStorage):
         if page < self.num_hot:
             keys = t["key_cache"][page]
         else:
-            c = page - self.num_hot
-            keys = dequantize_pages(t["key_cache_int8"][c], t["key_scale"][c], self.dtype, self.codec)
+            c = page - self.num_hot  # INT4: float32, as the op attends them (HostKVStorage._keys)
+            keys = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
+                                   self._torch.float32 if self.codec.keys_on_bounds else self.dtype, self.codec)
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -243,13 +266,17 @@ class DevicePages(KVStorage):
                 t["value_cache"][dst].copy_(t["value_cache"][src])
             else:
                 c = src - self.num_hot
-                for n in ("key", "value"):
-                    t[f"{n}_cache"][dst].copy_(dequantize_pages(t[f"{n}_cache_int8"][c], t[f"{n}_scale"][c],
-                                                                self.dtype, self.codec))
+                t["key_cache"][dst].copy_(dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c],
+                                                          t["key_min"][src], t["key_max"][src], self.dtype, self.codec))
+                t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
+                                                             self.dtype, self.codec))
             t["key_min"][dst].copy_(t["key_min"][src])
             t["key_max"][dst].copy_(t["key_max"][src])
             if self.sub_page_size:
                 t["key_sub_bounds"][dst].copy_(t["key_sub_bounds"][src])
+            if src >= self.num_hot and self.codec.keys_on_bounds:  # as HostKVStorage.copy_page: exact hot metadata
+                d = self._torch.tensor([dst], device=self.device)
+                self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
 
     def demote_page(self, hot: int, cold: int) -> None:
         """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id
@@ -277,9 +304,18 @@ class DevicePages(KVStorage):
         cold = meta - self.num_hot
         for layer, t in enumerate(self.layers):
             ks, vs = self.static[layer] if self.static else (None, None)
-            q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)
-            t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
-            keys = dequantize_pages(q, s, self.dtype, self.codec)  # what the op attends: min/max describe these
-            self._refresh_minmax(t, meta, keys, torch.full_like(meta, self.page_size))
+            full = torch.full_like(meta, self.page_size)
+            if self.codec.keys_on_bounds:  # INT4 keys on the hot pages' bounds, which the cold pages keep
+                bounds = t["key_min"][hot], t["key_max"][hot]
+                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", bounds=bounds)
+                t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
+                t["key_min"][meta], t["key_max"][meta] = bounds
+                if self.sub_page_size:  # fine codes of the float32 keys the op attends
+                    self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, self.codec), full)
+            else:
+                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)
+                t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
+                keys = dequantize_pages(q, s, self.dtype, self.codec)  # what the op attends: min/max describe these
+                self._refresh_minmax(t, meta, keys, full)
             q, s = quantize_pages(torch, t["value_cache"][hot], self.codec, "v", vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s

@@ -18,13 +18,14 @@ so none of them changes and demotion is safe at any time between steps; the
 price is one ``np.take`` of the page table per step (:meth:`physical_table`).
 
 Metadata (``key_min``/``key_max`` in the storage, ``num_valid`` here) is indexed
-by physical id, the same id as the K/V page, ``Ptot`` rows. A cold page's min/max are those of its
-dequantized keys (what the op attends; see ``docs/op.md``).
+by physical id, the same id as the K/V page, ``Ptot`` rows. A cold INT8 page's min/max are those of
+its dequantized keys (what the op attends; see ``docs/op.md``); a cold INT4 page keeps its hot min/max,
+on which its keys were quantized (``ops.cold_codec``: they contain the dequantized keys).
 
 New pages are always hot; writes go to hot pages only, and only full pages
 are demoted, so a cold page is immutable. :meth:`TieredPagePool.promote` moves a
-cold page back into a free hot slot (dequantized; its min/max already describe
-those keys). ``hotness.py`` decides which pages to demote and promote; this
+cold page back into a free hot slot (dequantized; INT8's min/max already describe
+those keys, INT4's are recomputed from them: hot metadata is exact). ``hotness.py`` decides which pages to demote and promote; this
 class only does it.
 """
 
@@ -193,7 +194,7 @@ class TieredPagePool(PagePool):
 
         The page must be full in every layer (cold pages are never written). A
         cached unreferenced cold page is evicted (LRU) when no cold slot is free.
-        Metadata becomes min/max of the dequantized keys. Returns (old, new)
+        Metadata becomes min/max of the dequantized keys (INT4: stays). Returns (old, new)
         physical ids. Raises ValueError for a free, cold or partial page and
         OutOfPagesError when the cold tier is full.
         """
