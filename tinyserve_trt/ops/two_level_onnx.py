@@ -71,9 +71,9 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     coarse = b.op("GatherElements", coarse_per_head,
                   b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
     coarse = b.op("Add", coarse, b.unsqueeze(bias, [2]))
-    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, step)  # [r, B, Hkv, GS, K1]
+    fine = policy.sub_page_score_onnx(b, qg, coarse, codes, step,
+                                      lambda x, axis: b.reduce(reduce_op, x, [axis]))  # [B, Hkv, K1, r]
     k1r = b.op("Mul", b.dim(top1, 2), r)  # not -1 in the reshapes: K1 may be 0
-    fine = b.op("Transpose", b.reduce(reduce_op, per_head, [3]), perm=[1, 2, 3, 0])  # [B, Hkv, K1, r]
     # only written sub-pages (the last page's tail is not): j < n_sub - page * r
     left = b.op("Sub", b.op("Reshape", n_sub, i64(-1, 1, 1)), b.op("Mul", top1, r))  # [B, Hkv, K1]
     written = b.op("Less", b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)),
