@@ -74,34 +74,6 @@ class SelectionPolicy(ABC):
         """
 
 
-_FLOAT, _UINT8 = 1, 2  # TensorProto element types
-_BLOCKED_DQ_OPSET = 21  # DequantizeLinear's block_size (blocked quantization) appears in opset 21
-_WHOLE_AXIS = 1 << 30  # a block_size >= r: one scale row [.., 1, D] serves all of a page's sub-pages
-
-
-def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce):
-    """Opset >= 21: code*step and hi_c*step each one DequantizeLinear from the uint8 codes (a scale
-    block spanning the r axis) instead of Cast, Mul and Floor passes over [r, B, Hkv, K1, D]
-    floats, and no Transpose: 0.6x the opset-17 form's time in ORT CPU at 8K, batch 8
-    (benchmarks/results/two_level_stage2_microbench.md). hi_c = Cast(code / 16 -> uint8): the
-    division is exact and the cast truncates. Returns ``[B, Hkv, K1, r]``."""
-    levels = b.op("DequantizeLinear", codes, step, axis=3, block_size=_WHOLE_AXIS)
-    hi_c = b.op("Cast", b.op("DequantizeLinear", codes, b.const(1.0 / 16, np.float32)), to=_UINT8)
-    dims = b.dim(codes, 0, 5)  # B, Hkv, K1, r, D (no -1 in the reshapes: K1 may be 0)
-    bh, k1, r, d = (b.op("Slice", dims, b.const([i], np.int64, "i"), b.const([j], np.int64, "i")) for i, j in
-                    ((0, 2), (2, 3), (3, 4), (4, 5)))
-    rows = b.op("Concat", bh, b.op("Mul", k1, r), d, axis=0)
-
-    def term(w, x):  # [B, Hkv, G*S, D] x [B, Hkv, D, K1*r]
-        return b.op("MatMul", w, b.op("Transpose", b.op("Reshape", x, rows), perm=[0, 1, 3, 2]))
-    hi = b.op("DequantizeLinear", hi_c, step, axis=3, block_size=_WHOLE_AXIS)
-    s = b.op("Add", term(q_neg, levels), term(w_hi, hi))  # [B, Hkv, G*S, K1*r]
-    gs = b.dim(w_hi, 2)
-    s = b.op("Reshape", s, b.op("Concat", bh, gs, k1, r, axis=0))
-    per_head = b.op("Add", s, b.unsqueeze(coarse, [4]))  # [B, Hkv, G*S, K1, r]
-    return group_reduce(per_head, 2)
-
-
 _REGISTRY: dict[str, SelectionPolicy] = {}
 
 
@@ -175,6 +147,34 @@ class QueryAware(SelectionPolicy):
     def score_torch(self, q, key_min, key_max, page_mass):
         # the ONNX body's two-MatMul form of max(q*lo, q*hi)
         return q.clamp(min=0) @ key_max[:, None].transpose(-1, -2) + q.clamp(max=0) @ key_min[:, None].transpose(-1, -2)
+
+
+_FLOAT, _UINT8 = 1, 2  # TensorProto element types
+_BLOCKED_DQ_OPSET = 21  # DequantizeLinear's block_size (blocked quantization) appears in opset 21
+_WHOLE_AXIS = 1 << 30  # a block_size >= r: one scale row [.., 1, D] serves all of a page's sub-pages
+
+
+def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce):
+    """Opset >= 21: code*step and hi_c*step each one DequantizeLinear from the uint8 codes (a scale
+    block spanning the r axis) instead of Cast, Mul and Floor passes over [r, B, Hkv, K1, D]
+    floats, and no Transpose: 0.6x the opset-17 form's time in ORT CPU at 8K, batch 8
+    (benchmarks/results/two_level_stage2_microbench.md). hi_c = Cast(code / 16 -> uint8): the
+    division is exact and the cast truncates. Returns ``[B, Hkv, K1, r]``."""
+    levels = b.op("DequantizeLinear", codes, step, axis=3, block_size=_WHOLE_AXIS)
+    hi_c = b.op("Cast", b.op("DequantizeLinear", codes, b.const(1.0 / 16, np.float32)), to=_UINT8)
+    dims = b.dim(codes, 0, 5)  # B, Hkv, K1, r, D (no -1 in the reshapes: K1 may be 0)
+    bh, k1, r, d = (b.op("Slice", dims, b.const([i], np.int64, "i"), b.const([j], np.int64, "i")) for i, j in
+                    ((0, 2), (2, 3), (3, 4), (4, 5)))
+    rows = b.op("Concat", bh, b.op("Mul", k1, r), d, axis=0)
+
+    def term(w, x):  # [B, Hkv, G*S, D] x [B, Hkv, D, K1*r]
+        return b.op("MatMul", w, b.op("Transpose", b.op("Reshape", x, rows), perm=[0, 1, 3, 2]))
+    hi = b.op("DequantizeLinear", hi_c, step, axis=3, block_size=_WHOLE_AXIS)
+    s = b.op("Add", term(q_neg, levels), term(w_hi, hi))  # [B, Hkv, G*S, K1*r]
+    gs = b.dim(w_hi, 2)
+    s = b.op("Reshape", s, b.op("Concat", bh, gs, k1, r, axis=0))
+    per_head = b.op("Add", s, b.unsqueeze(coarse, [4]))  # [B, Hkv, G*S, K1, r]
+    return group_reduce(per_head, 2)
 
 
 @register
