@@ -157,7 +157,7 @@ _WHOLE_AXIS = 1 << 30  # a block_size >= r: one scale row [.., 1, D] serves all 
 def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce):
     """Opset >= 21: code*step and hi_c*step each one DequantizeLinear from the uint8 codes (a scale
     block spanning the r axis) instead of Cast, Mul and Floor passes over [r, B, Hkv, K1, D]
-    floats, and no Transpose: 0.6x the opset-17 form's time in ORT CPU at 8K, batch 8
+    floats, and no Transpose: 0.66x the opset-17 form's time in ORT CPU at 8K, batch 1 and 8
     (benchmarks/results/two_level_stage2_microbench.md). hi_c = Cast(code / 16 -> uint8): the
     division is exact and the cast truncates. Returns ``[B, Hkv, K1, r]``."""
     levels = b.op("DequantizeLinear", codes, step, axis=3, block_size=_WHOLE_AXIS)
