@@ -39,6 +39,18 @@ def test_decode_matches_reference(rng, dtype, heads, kv_heads, page_size, sub_pa
         _check(*run_op(case, attrs, dtype), *sparse_attention_ref(**case, attrs=attrs), dtype)
 
 
+@pytest.mark.parametrize("sub_page_size", [0, 4])
+def test_equal_and_unequal_keep_counts(rng, sub_page_size):
+    """Rows that all keep the same count rank with an unsorted TopK (any order); rows keeping different
+    counts (per-sequence budgets, a dense row beside sparse ones) need the sorted one for the rank
+    mask: both select what the reference does."""
+    attrs = schema.OpAttributes(sub_page_size=sub_page_size)
+    for lens, budgets in (((300,) * 3, (48,) * 3), ((300,) * 3, (48, 16, 96)), ((300, 300, 40), (64,) * 3)):
+        case = make_case(CaseSpec(lens, 6, 2, 16, 16, 1, "float32", 0, sub_page_size=sub_page_size), rng)
+        case["token_budget"] = np.array(budgets, dtype=np.int32)
+        _check(*run_op(case, attrs, "float32"), *sparse_attention_ref(**case, attrs=attrs), "float32")
+
+
 @pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
 @pytest.mark.parametrize("granularity", [("channel", "token"), ("head", "head"), ("token", "channel")])
 def test_cold_pages_match_reference(rng, dtype, granularity):

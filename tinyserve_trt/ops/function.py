@@ -169,13 +169,23 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
     pt_bh = b.op("Expand", b.unsqueeze(pt64, [1]), b.cat(B, Hkv, NP))
 
-    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices, rank < k_b: [B, Hkv, Kmax]; Kmax)
+    def top_k(x, k_per_seq, width=None):  # x [B, Hkv, N] -> (indices, rank < k_b: [B, Hkv, Kmax]; Kmax; values)
         # Kmax and the rank mask depend on k_b and N only (not on x): shared by all layers.
         kmax = b.op("Min", b.reduce("ReduceMax", k_per_seq, [0], keepdims=1), b.dim(x, 2) if width is None else width)
-        _, top = b.op_multi("TopK", [x, kmax], 2, axis=-1, largest=1, sorted=1)
+        # Only the rank mask needs the order (rows keeping fewer than Kmax). When every row keeps Kmax
+        # (one budget, equal lengths) an unsorted TopK picks the same set - ONNX's tie rule, lower index
+        # first, holds either way - at up to a third of the cost ([24, 1000] -> 256: 0.09 vs 0.29 ms).
+        uniform = b.op("GreaterOrEqual", b.reduce("ReduceMin", k_per_seq, [0], keepdims=1), kmax)  # [1], per step
+        branches = []
+        for order in (0, 1):
+            vals, top = b._name("topk_values"), b._name("topk")
+            branches.append(helper.make_graph(
+                [helper.make_node("TopK", [x, kmax], [vals, top], axis=-1, largest=1, sorted=order)], f"sorted{order}",
+                [], [helper.make_tensor_value_info(vals, F, None), helper.make_tensor_value_info(top, I64, None)]))
+        vals, top = b.op_multi("If", [uniform], 2, then_branch=branches[0], else_branch=branches[1])
         rank = b.op("Reshape", b.op("Range", zero, b.scalar(kmax), one), i64(1, 1, -1))
         ok = b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
-        return top, ok, kmax
+        return top, ok, kmax, vals
 
     def attended(keys, vals, selected, tok_first, tok_len, tok_ok_rank, n_slots):
         """The kept slots' K/V with the mask of their real tokens ``tok_ok [B, Hkv, 1, T]`` and ``T``."""
@@ -201,7 +211,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
         scores = b.op("Expand", b.op("Where", ranked, scores, fill), b.cat(B, Hkv, NP))
         if not two_level:
-            top, rank_ok, n_slots = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
+            top, rank_ok, n_slots, _ = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
             selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
                             rank_ok, axis=2)
             phys = b.op("GatherElements", pt_bh, top, axis=2)

@@ -26,7 +26,7 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
 
     scores: ``[B, Hkv, NP]`` coarse scores (-inf invalid, +inf forced); coarse_per_head
     ``[B, Hkv, G*S, NP]`` the policy's per-head scores before the group reduce; forced ``[B, NP]``;
-    keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax).
+    keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b)`` -> (indices, rank < k_b, Kmax, values).
     Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok`` (bool, slot
     used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each slot),
     ``selected`` ``[B, Hkv, NP]`` (page has a kept sub-page), ``r`` and ``sp`` (``[1]`` int64): the
@@ -54,8 +54,13 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     share = b.attr_const("candidate_share", "float")
     by_share = b.op("Cast", b.op("Floor", b.op("Mul", share, b.op("Cast", n_b, to=F))), to=I64)
     k1 = b.op("Mul", b.op("Where", dense, n_b, b.op("Min", b.op("Max", by_share, keep_n), n_b)), sparse_any)
-    top1, ok1, _ = top_k(scores, k1, NP)  # [B, Hkv, K1] logical pages
+    top1, ok1, _, _ = top_k(scores, k1, NP)  # [B, Hkv, K1] logical pages
     phys1 = b.op("GatherElements", pt_bh, top1, axis=2)
+    forced1 = b.op("GatherElements", b.op("Expand", b.unsqueeze(forced, [1]), b.cat(B, Hkv, NP)), top1, axis=2)
+    # forced candidates rank first (+inf), slots past a row's K1 never (-inf): a bias per candidate page
+    # on its coarse scores, which every sub-page score adds - no masks over the [B, Hkv, K1*r] scores
+    inf, ninf = b.const(np.inf, np.float32), b.const(-np.inf, np.float32)
+    bias = b.op("Where", forced1, inf, b.op("Where", ok1, b.const(0.0, np.float32), ninf))  # [B, Hkv, K1]
 
     # --- level 2: the candidates' sub-pages, scored from their compact bounds ---
     def page_rows(m):  # [Ptot, Hkv, D] -> [B, Hkv, K1, 1, D] float32
@@ -65,23 +70,17 @@ def two_level_selection(b, *, scores, coarse_per_head, top_k, pt_bh, kmin, kmax,
     GS = b.dim(qg, 2)
     coarse = b.op("GatherElements", coarse_per_head,
                   b.op("Expand", b.unsqueeze(top1, [2]), b.cat(B, Hkv, GS, b.dim(top1, 2))), axis=3)  # [B, Hkv, GS, K1]
-    per_head = policy.sub_page_score_onnx(b, qg, coarse, codes, step)  # [r, B, Hkv, GS, K1]
+    coarse = b.op("Add", coarse, b.unsqueeze(bias, [2]))
+    fine = policy.sub_page_score_onnx(b, qg, coarse, codes, step,
+                                      lambda x, axis: b.reduce(reduce_op, x, [axis]))  # [B, Hkv, K1, r]
     k1r = b.op("Mul", b.dim(top1, 2), r)  # not -1 in the reshapes: K1 may be 0
-    fine = b.op("Transpose", b.reduce(reduce_op, per_head, [3]), perm=[1, 2, 3, 0])  # [B, Hkv, K1, r]
-    fine = b.op("Reshape", fine, b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
-
-    sub_idx = b.op("Add", b.op("Mul", b.unsqueeze(top1, [3]), r),
-                   b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)))  # [B, Hkv, K1, r]
-    written = b.op("Less", sub_idx, b.op("Reshape", n_sub, i64(-1, 1, 1, 1)))
-    forced1 = b.op("GatherElements", b.op("Expand", b.unsqueeze(forced, [1]), b.cat(B, Hkv, NP)), top1, axis=2)
-
-    def flat(x):  # [B, Hkv, K1, r] -> [B, Hkv, K1*r]
-        return b.op("Reshape", x, b.cat(B, Hkv, k1r))
-    cand = flat(b.op("And", b.unsqueeze(ok1, [3]), written))  # candidates' written sub-pages (forced included)
-    fine = b.op("Where", cand, fine, b.const(-np.inf, np.float32))
-    fine = b.op("Where", flat(b.op("And", b.unsqueeze(forced1, [3]), written)), b.const(np.inf, np.float32), fine)
-    top2, ok2, k2 = top_k(fine, b.op("Mul", b.op("Where", dense, n_sub, keep2), sparse_any))  # [B, Hkv, K2] into K1*r
-    ok2 = b.op("And", ok2, b.op("GatherElements", cand, top2, axis=2))  # too few candidates: keep what there is
+    # only written sub-pages (the last page's tail is not): j < n_sub - page * r
+    left = b.op("Sub", b.op("Reshape", n_sub, i64(-1, 1, 1)), b.op("Mul", top1, r))  # [B, Hkv, K1]
+    written = b.op("Less", b.op("Reshape", b.op("Range", zero, b.scalar(r), one), i64(1, 1, 1, -1)),
+                   b.unsqueeze(left, [3]))  # [B, Hkv, K1, r]
+    fine = b.op("Reshape", b.op("Where", written, fine, ninf), b.cat(B, Hkv, k1r))  # [B, Hkv, K1*r]
+    top2, ok2, k2, val2 = top_k(fine, b.op("Mul", b.op("Where", dense, n_sub, keep2), sparse_any))  # [B, Hkv, K2]
+    ok2 = b.op("And", ok2, b.op("Greater", val2, ninf))  # too few candidates: keep what there is
 
     slot, j = b.op("Div", top2, r), b.op("Mod", top2, r)
     logical = b.op("GatherElements", top1, slot, axis=2)
