@@ -32,14 +32,15 @@ LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machine
 PREPARED_FILE = ".model.ort-prepared.onnx"
 
 
-def prepared_graph(model):
+def prepared_graph(model, contrib_ops: bool = True):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
     loaded or external) with the op inlined, its shapes shared (``shared_shapes.py``), identical
     per-step nodes merged across layers (``merge_nodes.py``), rotary's rotate_half as one
-    MatMul (``rotate_half.py``), each residual Add + RMSNorm as ORT's
+    MatMul (``rotate_half.py``) and, with ``contrib_ops``, each residual Add + RMSNorm as ORT's
     SkipSimplifiedLayerNormalization (``skip_norm.py``) and each rotary as ORT's
     RotaryEmbedding (``rotary.py``).
-    The exporter validates this graph against the source too."""
+    The exporter validates this graph against the source too, and drops the contrib ops when
+    their rounding alone takes a model past the tolerance (``pipeline.py``)."""
     from .merge_nodes import merge_identical_nodes
     from .rotate_half import fuse_rotate_half
     from .shared_shapes import inferred, live, share_shape_dims
@@ -49,8 +50,10 @@ def prepared_graph(model):
     prepared = share_shape_dims(model)[0]
     merge_identical_nodes(prepared)  # the layers' per-step values, also those If branches read
     shapes = inferred(prepared)
-    fused = fuse_rotate_half(prepared, shapes) + fuse_skip_rms_norm(prepared, shapes)
-    fused += fuse_rotary(prepared, shapes)  # reads the MatMuls rotate_half made
+    fused = fuse_rotate_half(prepared, shapes)
+    if contrib_ops:
+        fused += fuse_skip_rms_norm(prepared, shapes)
+        fused += fuse_rotary(prepared, shapes)  # reads the MatMuls rotate_half made
     if fused:
         nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
         del prepared.graph.node[:]
@@ -90,9 +93,10 @@ def _weights_by_content(package: Path) -> dict[tuple[str, int], tuple[str, int, 
     return out
 
 
-def save_optimized_graph(package: Path) -> OrtOptimized:
+def save_optimized_graph(package: Path, contrib_ops: bool = True) -> OrtOptimized:
     """Write ``model.ort.onnx`` (+ a ``model.ort.onnx.data`` only for initializers ORT made)
-    into the ``package`` directory, which already holds ``model.onnx``; returns its record."""
+    into the ``package`` directory, which already holds ``model.onnx``; returns its record.
+    ``contrib_ops``: as :func:`prepared_graph`."""
     import onnx
     import onnxruntime as ort
 
@@ -109,7 +113,7 @@ def save_optimized_graph(package: Path) -> OrtOptimized:
         # Shapes resolved first (shared_shapes.py) so ORT merges the op's per-step bookkeeping
         # across layers; written beside model.onnx so its weights resolve to the same file.
         prepared = package / PREPARED_FILE
-        onnx.save_model(prepared_graph(onnx.load(str(package / MODEL_FILE), load_external_data=False)),
+        onnx.save_model(prepared_graph(onnx.load(str(package / MODEL_FILE), load_external_data=False), contrib_ops),
                         str(prepared))
         try:
             ort.InferenceSession(str(prepared), so, providers=["CPUExecutionProvider"])
