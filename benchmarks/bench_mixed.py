@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-agreement", type=float, default=0.99)
-    ap.add_argument("--target-ratio", type=float, default=0.55)
+    ap.add_argument("--target-ratio", type=float, default=0.50)  # issue #17: <= 0.50 of all-FP16
     ap.add_argument("--check-integrity", action="store_true", help="pool integrity check after every step")
     ap.add_argument("--kv-scales", choices=("dynamic", "static"), default="dynamic",
                     help="cold-page INT8 scales: per page (dynamic) or the calibration's ranges (static)")
