@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_decode import ours_feeds, session  # noqa: E402
+from profile_decode import ours_feeds, session, wall  # noqa: E402
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -33,18 +31,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def sparse_vs_dense(sess, package: ModelPackage, context: int, batch: int, budget: int,
                     steps: int) -> tuple[float, float]:
-    """Median seconds per step (sparse at ``budget``, dense), interleaved."""
+    """Median seconds per step (sparse at ``budget``, dense), interleaved (``profile_decode.wall``)."""
     sparse = ours_feeds(package, context, batch, budget)
-    dense = dict(sparse)
-    dense[package.inputs["token_budget"]] = np.zeros(batch, np.int32)
-    times: dict[str, list[float]] = {"sparse": [], "dense": []}
-    for _ in range(steps):
-        for name, feeds in (("sparse", sparse), ("dense", dense)):
-            sess.run(None, feeds)
-            t0 = time.perf_counter()
-            sess.run(None, feeds)
-            times[name].append(time.perf_counter() - t0)
-    return statistics.median(times["sparse"]), statistics.median(times["dense"])
+    dense = {**sparse, package.inputs["token_budget"]: np.zeros(batch, np.int32)}
+    med = wall({"sparse": sess, "dense": sess}, {"sparse": sparse, "dense": dense}, steps)
+    return med["sparse"], med["dense"]
 
 
 def main(argv=None) -> int:
