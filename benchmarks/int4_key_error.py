@@ -74,6 +74,23 @@ def asym_groups(p, group):  # V per token, `group` channels, min + scale (float1
     return (lo + np.clip(np.rint((g - lo) / np.where(step > 0, step, 1)), 0, 15) * step).reshape(p.shape)
 
 
+def sub_bounds_keys(p, sp, kmin, kmax):  # K: 16 levels between each sub-page's decoded fine bounds
+    from tinyserve_trt.ops import fine_bounds
+    n, Hkv, ps, D = p.shape
+    codes = fine_bounds.pages_sub_bounds(p, sp, kmin, kmax, np.full(n, ps))
+    lo, hi = (x.astype(np.float64)[:, :, :, None, :] for x in fine_bounds.decode(codes, kmin, kmax))
+    g = p.reshape(n, Hkv, ps // sp, sp, D)
+    step = (hi - lo) / 15
+    q = np.clip(np.rint((g - lo) / np.where(step > 0, step, 1)), 0, 15)
+    return np.minimum(lo + q * step, hi).reshape(p.shape)
+
+
+def sym_groups(p, group):  # V per token, `group` channels, symmetric float16 scale each
+    g = p.reshape(p.shape[:-1] + (p.shape[-1] // group, group))
+    s = f16(np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30) / 7)
+    return (np.clip(np.rint(g / s), -7, 7) * s).reshape(p.shape)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/tinyserve/smollm2-hf"))
@@ -82,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--page-sizes", default="32,16")
     ap.add_argument("--sub-tokens", type=int, default=16, help="sym K over this many tokens too (0: not)")
+    ap.add_argument("--sub-page", type=int, default=4, help="K on the sub-page fine bounds (0: not)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "int4_cold_keys.md"))
     args = ap.parse_args(argv)
@@ -112,12 +130,19 @@ def main(argv=None) -> int:
                 kmin, kmax = page_bounds(kp)
                 K = {"sym": back(kl, sym_channel(kp, ps), ps),
                      "bounds": back(kl, codec.dequantize_keys(*codec.quantize(kp, "k"), kmin, kmax), ps)}
+                if args.sub_page:
+                    K[f"sub-bounds/{args.sub_page}"] = back(kl, sub_bounds_keys(kp, args.sub_page, kmin, kmax), ps)
                 if args.sub_tokens and args.sub_tokens < ps:
                     K[f"sym/{args.sub_tokens} tokens"] = back(kl, sym_channel(kp, args.sub_tokens), ps)
                 V = {"token/16": back(vl, codec.dequantize(*codec.quantize(vp, "v")), ps),
-                     "asym token/16": back(vl, asym_groups(vp, 16), ps)}
+                     "asym token/16": back(vl, asym_groups(vp, 16), ps),
+                     "asym token/32": back(vl, asym_groups(vp, 32), ps),
+                     "token/8": back(vl, sym_groups(vp, 8), ps)}
                 combos = [(kn, None) for kn in K] + [(None, vn) for vn in V] + \
                     [("sym", "token/16"), ("bounds", "token/16"), ("bounds", "asym token/16")]
+                if args.sub_page:
+                    sb = f"sub-bounds/{args.sub_page}"
+                    combos += [(sb, "token/16"), (sb, "asym token/16"), (sb, "asym token/32"), (sb, "token/8")]
                 for kn, vn in combos:
                     out = attention(q[layer], K[kn] if kn else kl, V[vn] if vn else vl, pos, scale)
                     rows.setdefault((ps, kn or "exact", vn or "exact"), []).append(rel_err(out, ref).ravel())
