@@ -121,7 +121,9 @@ class ColdTier:
 class OrtOptimized:
     """ONNX Runtime's optimized graph (``export.ort_graph``): valid for this ORT version and
     the CPU EP only. ``weights``: the file its shared initializers point into;
-    ``shared_bytes`` / ``own_bytes``: weight bytes read from there / from its own data file."""
+    ``shared_bytes`` / ``own_bytes``: weight bytes read from there / from its own data file.
+    ``opset``: its ai.onnx opset (the exporter raises it past the source's, ``export.ort_opset``);
+    ``opset_note``: why it kept an older one (None when raised or already new enough)."""
 
     file: str
     onnxruntime: str
@@ -129,6 +131,13 @@ class OrtOptimized:
     weights: str | None = None
     shared_bytes: int = 0
     own_bytes: int = 0
+    opset: int | None = None  # None: a package from before the field
+    opset_note: str | None = None
+
+    def __post_init__(self):
+        if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
+                                       or self.opset < 1):
+            raise PackageError(f"ort_optimized.opset must be a positive int, got {self.opset!r}")
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ whose bytes equal one in ``model.onnx.data`` points at that file's offset and
 length; an initializer ORT created (folded constants) goes to a small
 ``model.ort.onnx.data``. One copy of the weights, the fast start kept.
 
-Before ORT sees it, the op's functions are inlined and resolvable ``Shape`` dims
-are made constants or shared graph-input dims (``shared_shapes.py``): ORT then
-computes the op's per-step page bookkeeping once per step instead of per layer.
+Before ORT sees it, the graph is raised to ai.onnx opset 21 (``ort_opset.py``: the
+op's body then decodes the sub-page bounds with blocked ``DequantizeLinear``), the
+op's functions are inlined and resolvable ``Shape`` dims are made constants or
+shared graph-input dims (``shared_shapes.py``): ORT then computes the op's per-step
+page bookkeeping once per step instead of per layer.
 
 The graph is tied to the ONNX Runtime version and the CPU EP that wrote it
 (the manifest's ``ort_optimized`` records which); the runtime uses the portable
@@ -32,9 +34,10 @@ LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machine
 PREPARED_FILE = ".model.ort-prepared.onnx"
 
 
-def prepared_graph(model, contrib_ops: bool = True):
+def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
-    loaded or external) with the op inlined, its shapes shared (``shared_shapes.py``), identical
+    loaded or external) raised to ai.onnx ``opset`` when it is older (``ort_opset.raise_opset``,
+    which raises ``OpsetRaiseError``; None: kept) with the op inlined, its shapes shared (``shared_shapes.py``), identical
     per-step nodes merged across layers (``merge_nodes.py``), rotary's rotate_half as one
     MatMul (``rotate_half.py``) and, with ``contrib_ops``, each residual Add + RMSNorm as ORT's
     SkipSimplifiedLayerNormalization (``skip_norm.py``) and each rotary as ORT's
@@ -47,6 +50,10 @@ def prepared_graph(model, contrib_ops: bool = True):
     from .rotary import fuse_rotary
     from .skip_norm import fuse_skip_rms_norm
 
+    if opset is not None:
+        from .ort_opset import raise_opset
+
+        model = raise_opset(model, opset)  # before inlining: the op's bodies are rebuilt at ``opset``
     prepared = share_shape_dims(model)[0]
     merge_identical_nodes(prepared)  # the layers' per-step values, also those If branches read
     shapes = inferred(prepared)
@@ -93,12 +100,16 @@ def _weights_by_content(package: Path) -> dict[tuple[str, int], tuple[str, int, 
     return out
 
 
-def save_optimized_graph(package: Path, contrib_ops: bool = True) -> OrtOptimized:
+def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | None = None) -> OrtOptimized:
     """Write ``model.ort.onnx`` (+ a ``model.ort.onnx.data`` only for initializers ORT made)
     into the ``package`` directory, which already holds ``model.onnx``; returns its record.
-    ``contrib_ops``: as :func:`prepared_graph`."""
+    ``contrib_ops``, ``opset``: as :func:`prepared_graph`; when the opset raise fails the graph
+    keeps the source's opset and the record says why (``opset_note``)."""
     import onnx
     import onnxruntime as ort
+
+    from .ort_opset import OpsetRaiseError, opset_note
+    from ..ops.node import onnx_opset
 
     package = Path(package)
     with tempfile.TemporaryDirectory(prefix=".ort-graph.", dir=package) as tmp:
@@ -113,8 +124,14 @@ def save_optimized_graph(package: Path, contrib_ops: bool = True) -> OrtOptimize
         # Shapes resolved first (shared_shapes.py) so ORT merges the op's per-step bookkeeping
         # across layers; written beside model.onnx so its weights resolve to the same file.
         prepared = package / PREPARED_FILE
-        onnx.save_model(prepared_graph(onnx.load(str(package / MODEL_FILE), load_external_data=False), contrib_ops),
-                        str(prepared))
+        source = onnx.load(str(package / MODEL_FILE), load_external_data=False)
+        note = None
+        try:
+            graph = prepared_graph(source, contrib_ops, opset)
+        except OpsetRaiseError as e:
+            note = opset_note(onnx_opset(source), str(e))
+            graph = prepared_graph(source, contrib_ops)
+        onnx.save_model(graph, str(prepared))
         try:
             ort.InferenceSession(str(prepared), so, providers=["CPUExecutionProvider"])
         finally:
@@ -149,4 +166,5 @@ def save_optimized_graph(package: Path, contrib_ops: bool = True) -> OrtOptimize
             os.remove(own)
         onnx.save_model(optimized, str(package / ORT_GRAPH_FILE))
     return OrtOptimized(file=ORT_GRAPH_FILE, onnxruntime=ort.__version__, level=LEVEL,
-                        shared_bytes=shared, own_bytes=own_bytes, weights=MODEL_DATA_FILE)
+                        shared_bytes=shared, own_bytes=own_bytes, weights=MODEL_DATA_FILE,
+                        opset=onnx_opset(optimized), opset_note=note)

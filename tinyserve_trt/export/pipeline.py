@@ -45,6 +45,9 @@ class ExportReport:
     weight_bytes: int = 0  # the model's initializers: the package holds them once
     head_dim: int = 0
     packed_matmuls: int = 0  # projections folded into a packed MatMul (pack_matmuls.py)
+    source_opset: int | None = None  # ai.onnx opset of the source and of model.onnx
+    ort_opset: int | None = None  # of model.ort.onnx (ort_opset.py); None: no ORT graph (trt backend)
+    ort_opset_note: str | None = None  # why model.ort.onnx kept the source's opset
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -129,19 +132,9 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         figure = _validate(original_bytes, proto, manifest.to_dict())
         validation = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
-            from .ort_graph import prepared_graph
-
-            ort_figure = _validate(original_bytes, prepared_graph(proto), manifest.to_dict())
-            contrib = True
-            if not ort_figure <= config.tolerance():  # the fused kernels' rounding: try standard ops
-                plain = _validate(original_bytes, prepared_graph(proto, contrib_ops=False), manifest.to_dict())
-                if plain < ort_figure:
-                    _progress(f"ORT contrib fusions give max |logit diff| {ort_figure:.3g}; kept standard ops "
-                              f"({plain:.3g})", quiet)
-                    contrib, ort_figure = False, plain
-            validation.update(model_max_abs_logit_diff=figure, ort_graph_max_abs_logit_diff=ort_figure,
-                              ort_contrib_ops=contrib)
-            figure = validation["max_abs_logit_diff"] = max(figure, ort_figure)  # the one checked
+            ort = _validate_ort_graph(original_bytes, proto, manifest.to_dict(), config.tolerance(), quiet)
+            validation.update(model_max_abs_logit_diff=figure, **ort)
+            figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
             validation["pages"] = f"all hot (the cold-tier inputs hold one unused {cold.cold_format.upper()} page)"
         manifest = replace(manifest, validation=validation)
@@ -155,9 +148,12 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     weights = weight_bytes(proto)
-    size, _ = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
+    size, written = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
     times["write"] = time.perf_counter() - t0
-    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed)
+    ort_graph = written.ort_optimized
+    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed,
+                        source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
+                        ort_opset_note=ort_graph.opset_note if ort_graph else None)
 
 
 def _load_calibration(config: ExportConfig):
@@ -212,11 +208,54 @@ def _with_calibration(finalize, artifact: CalibrationArtifact):
 
 def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
     """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
-    file (``ort_graph.py``): the runtime starts ~3x faster from it."""
+    file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions and
+    opset are the validated ones; unvalidated, both are tried (the opset falls back when
+    the conversion fails)."""
     from .ort_graph import save_optimized_graph
+    from .ort_opset import ORT_OPSET
 
-    contrib = (manifest.validation or {}).get("ort_contrib_ops", True)  # False: they failed validation
-    return replace(manifest, ort_optimized=save_optimized_graph(tmp, contrib))
+    validation = manifest.validation or {}
+    contrib = validation.get("ort_contrib_ops", True)  # False: they failed validation
+    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET))
+    if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
+        record = replace(record, opset_note=validation["ort_opset_note"])
+    return replace(manifest, ort_optimized=record)
+
+
+def _validate_ort_graph(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict, tolerance: float,
+                        quiet: bool) -> dict:
+    """The validation fields of ``model.ort.onnx``'s graph (``ort_graph.prepared_graph``): raised to
+    ``ORT_OPSET`` (``ort_opset.py``) and with ORT's contrib fusions when that validates; else without
+    the fusions (when their rounding alone crosses the tolerance); else at the source's opset, with
+    ``ort_opset_note`` saying why."""
+    from .ort_graph import prepared_graph
+    from .ort_opset import ORT_OPSET, opset_note
+
+    def best_at(opset: int | None) -> tuple[float, bool]:  # (max |logit diff|, contrib ops kept)
+        figure = _validate(original_bytes, prepared_graph(proto, True, opset), manifest)
+        if figure <= tolerance:
+            return figure, True
+        plain = _validate(original_bytes, prepared_graph(proto, False, opset), manifest)
+        if plain < figure:  # the fused kernels' rounding: standard ops
+            _progress(f"ORT contrib fusions give max |logit diff| {figure:.3g}; kept standard ops ({plain:.3g})",
+                      quiet)
+            return plain, False
+        return figure, True
+
+    source, note = _onnx_opset(proto), None
+    if source < ORT_OPSET:
+        try:
+            figure, contrib = best_at(ORT_OPSET)
+            if figure <= tolerance:
+                return dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=ORT_OPSET)
+            reason = f"its max |logit diff| {figure:.3g} > {tolerance:g}"
+        except Exception as e:  # OpsetRaiseError, or ORT refusing the converted graph: keep the source's
+            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        note = opset_note(source, reason)
+        _progress(note, quiet)
+    figure, contrib = best_at(None)
+    out = dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=source)
+    return out if note is None else dict(out, ort_opset_note=note)
 
 
 def _build_trt_engine(config: ExportConfig):

@@ -19,6 +19,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("validation max |logit diff|",
               f"{report.validation:.2e} (<= {config.tolerance():g})" if report.validation is not None
               else "skipped"),
+             ("ORT graph opset", _ort_opset(report)),
              ("package size", _size(report)),
              ("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))]
     width = max(len(k) for k, _ in rows)
@@ -49,3 +50,11 @@ def _bytes_per_token(report: ExportReport, config: ExportConfig) -> str:
     meta = fine_bounds.metadata_bytes_per_token(config.resolved_page_size(), config.resolved_sub_page_size(),
                                                 report.head_dim, width)
     return f"KV {kv}, selection metadata {meta:g} ({meta / kv:.1%})"
+
+
+def _ort_opset(report: ExportReport) -> str:
+    """model.ort.onnx's ai.onnx opset beside the source's, and why it was not raised when it was not."""
+    if report.ort_opset is None:
+        return "no ORT graph"
+    text = f"{report.ort_opset} (source {report.source_opset})"
+    return f"{text}; {report.ort_opset_note}" if report.ort_opset_note else text

@@ -39,7 +39,7 @@ def _dims(vi: onnx.ValueInfoProto) -> list | None:
 
 
 @contextmanager
-def _weights_detached(model: onnx.ModelProto):
+def weights_detached(model: onnx.ModelProto):
     """Large initializers' bytes taken out for the block (copying and typing read none);
     yields name -> bytes; restores them after."""
     big = [(t, t.raw_data) for t in model.graph.initializer if len(t.raw_data) > (1 << 16)]
@@ -57,7 +57,7 @@ def inferred(model: onnx.ModelProto) -> dict[str, tuple[int, list | None]]:
     with data propagation. Does not modify ``model``."""
     from onnx import shape_inference
 
-    with _weights_detached(model):
+    with weights_detached(model):
         typed = shape_inference.infer_shapes(model, data_prop=True)
     return {vi.name: (vi.type.tensor_type.elem_type, _dims(vi))
             for vi in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]}
@@ -69,7 +69,7 @@ def share_shape_dims(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     modify ``model``; reads no external data."""
     from onnx import inliner
 
-    with _weights_detached(model) as big:
+    with weights_detached(model) as big:
         inlined = inliner.inline_local_functions(model)
     for t in inlined.graph.initializer:
         if t.name in big:

@@ -129,7 +129,7 @@ class QueryAware(SelectionPolicy):
         q_pos = b.op("Relu", qg)
         q_neg = b.op("Sub", qg, q_pos)
         w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
-        if b.opset >= _BLOCKED_DQ_OPSET:
+        if b.opset >= BLOCKED_DQ_OPSET:
             return _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce)
         # Opset < 21 (the legacy exporter's 17), measured fastest in ORT CPU of the forms tried
         # (benchmarks/bench_two_level_stage2.py): the (uint8) codes go sub-page-major, so the
@@ -150,7 +150,7 @@ class QueryAware(SelectionPolicy):
 
 
 _FLOAT, _UINT8 = 1, 2  # TensorProto element types
-_BLOCKED_DQ_OPSET = 21  # DequantizeLinear's block_size (blocked quantization) appears in opset 21
+BLOCKED_DQ_OPSET = 21  # DequantizeLinear's block_size (blocked quantization) appears in opset 21
 _WHOLE_AXIS = 1 << 30  # a block_size >= r: one scale row [.., 1, D] serves all of a page's sub-pages
 
 

@@ -1,0 +1,67 @@
+"""Raise the ORT graph's ai.onnx opset, so the op's body can use the newer ops' faster forms.
+
+The op's function body is written at its model's opset (a function imports the
+same ai.onnx version as the model). The legacy torch exporter writes opset 17, where
+the two-level fine score decodes its 4-bit sub-page bounds with Cast, Mul and
+Floor passes; from opset 21 it is two blocked ``DequantizeLinear`` ops
+(``ops/policies.py``: 0.66x the time per layer at 8K, batch 8,
+``benchmarks/results/two_level_stage2_microbench.md``).
+
+:func:`raise_opset` converts the main graph with ``onnx.version_converter`` and
+rebuilds the op's bodies at the new opset (``ops/node.attach_functions``) before
+``ort_graph.prepared_graph`` inlines them. Only ``model.ort.onnx`` is raised: the
+portable ``model.onnx`` (what TensorRT parses) keeps the source's opset. The
+exporter validates the raised graph like the portable one and keeps the source
+opset, with a note in the manifest, when conversion or validation fails
+(``pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from ..ops import schema
+from ..ops.node import attach_functions, onnx_opset
+from ..ops.policies import BLOCKED_DQ_OPSET
+
+ORT_OPSET = BLOCKED_DQ_OPSET  # the lowest opset with every fast form the op's body has
+
+
+class OpsetRaiseError(Exception):
+    """``onnx.version_converter`` could not convert the graph; the message is one line."""
+
+
+def raise_opset(model: onnx.ModelProto, target: int = ORT_OPSET) -> onnx.ModelProto:
+    """``model`` (weights loaded or external) at ai.onnx opset ``target``: the main graph converted,
+    other local functions inlined first (the converter does not convert function bodies), the op's
+    bodies rebuilt at ``target``. A model already at ``target`` or later is returned as is.
+    Does not modify ``model``; raises :class:`OpsetRaiseError` when the converter fails."""
+    from onnx import inliner, version_converter
+
+    from .shared_shapes import weights_detached
+
+    if onnx_opset(model) >= target:
+        return model
+    work = onnx.ModelProto()
+    with weights_detached(model) as big:
+        work.CopyFrom(model)
+    others = [onnx.FunctionProto.FromString(f.SerializeToString()) for f in work.functions
+              if (f.domain, f.name) != (schema.DOMAIN, schema.OP_TYPE)]
+    del work.functions[:]  # the op's bodies are rebuilt at ``target`` below
+    if others:
+        work.functions.extend(others)
+        work = inliner.inline_local_functions(work)
+    try:
+        converted = version_converter.convert_version(work, target)
+    except Exception as e:  # the converter raises RuntimeError, ValueError, onnx's own errors
+        raise OpsetRaiseError(f"onnx.version_converter {onnx_opset(model)} -> {target} failed: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}") from None
+    for t in converted.graph.initializer:
+        if t.name in big:
+            t.raw_data = big[t.name]
+    return attach_functions(converted)
+
+
+def opset_note(source_opset: int, reason: str) -> str:
+    """The one-line note of a graph kept at the source opset."""
+    return f"model.ort.onnx kept at ai.onnx opset {source_opset} (not {ORT_OPSET}): {reason}"
