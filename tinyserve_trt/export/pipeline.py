@@ -132,7 +132,11 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         figure = _validate(original_bytes, proto, manifest.to_dict())
         validation = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
-            ort = _validate_ort_graph(original_bytes, proto, manifest.to_dict(), config.tolerance(), quiet)
+            from .ort_validation import validate_ort_graph
+
+            ort = validate_ort_graph(proto, manifest.to_dict(), config.tolerance(),
+                                     lambda graph: _validate(original_bytes, graph, manifest.to_dict()),
+                                     lambda msg: _progress(msg, quiet))
             validation.update(model_max_abs_logit_diff=figure, **ort)
             figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
@@ -209,8 +213,8 @@ def _with_calibration(finalize, artifact: CalibrationArtifact):
 def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
     """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
     file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions and
-    opset are the validated ones; unvalidated, both are tried (the opset falls back when
-    the conversion fails)."""
+    opset are the validated ones (``ort_validation.py``); unvalidated, the fusions and the
+    raised opset (the source's when the conversion fails)."""
     from .ort_graph import save_optimized_graph
     from .ort_opset import ORT_OPSET
 
@@ -220,42 +224,6 @@ def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
     if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
         record = replace(record, opset_note=validation["ort_opset_note"])
     return replace(manifest, ort_optimized=record)
-
-
-def _validate_ort_graph(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict, tolerance: float,
-                        quiet: bool) -> dict:
-    """The validation fields of ``model.ort.onnx``'s graph (``ort_graph.prepared_graph``): raised to
-    ``ORT_OPSET`` (``ort_opset.py``) and with ORT's contrib fusions when that validates; else without
-    the fusions (when their rounding alone crosses the tolerance); else at the source's opset, with
-    ``ort_opset_note`` saying why."""
-    from .ort_graph import prepared_graph
-    from .ort_opset import ORT_OPSET, opset_note
-
-    def best_at(opset: int | None) -> tuple[float, bool]:  # (max |logit diff|, contrib ops kept)
-        figure = _validate(original_bytes, prepared_graph(proto, True, opset), manifest)
-        if figure <= tolerance:
-            return figure, True
-        plain = _validate(original_bytes, prepared_graph(proto, False, opset), manifest)
-        if plain < figure:  # the fused kernels' rounding: standard ops
-            _progress(f"ORT contrib fusions give max |logit diff| {figure:.3g}; kept standard ops ({plain:.3g})",
-                      quiet)
-            return plain, False
-        return figure, True
-
-    source, note = _onnx_opset(proto), None
-    if source < ORT_OPSET:
-        try:
-            figure, contrib = best_at(ORT_OPSET)
-            if figure <= tolerance:
-                return dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=ORT_OPSET)
-            reason = f"its max |logit diff| {figure:.3g} > {tolerance:g}"
-        except Exception as e:  # OpsetRaiseError, or ORT refusing the converted graph: keep the source's
-            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-        note = opset_note(source, reason)
-        _progress(note, quiet)
-    figure, contrib = best_at(None)
-    out = dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=source)
-    return out if note is None else dict(out, ort_opset_note=note)
 
 
 def _build_trt_engine(config: ExportConfig):

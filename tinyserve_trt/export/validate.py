@@ -104,15 +104,9 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
     """``original``/``rewritten``: ORT sessions. Teacher-forced random tokens, so
     both see the same inputs at every step whatever they predict."""
     rng = np.random.default_rng(seed)
-    io = manifest["io"]
-    layers, vocab = manifest["num_layers"], manifest["vocab_size"]
-    src = manifest["source_io"]
-    dtype = np.float16 if manifest["dtype"] == "float16" else np.float32
-    ps = manifest["page_size"]
+    io, vocab, src = manifest["io"], manifest["vocab_size"], manifest["source_io"]
     total = [n + decode_steps for n in lengths]
-    state = PagedState(layers, manifest["num_kv_heads"], manifest["head_dim"], ps,
-                       sum(-(-t // ps) for t in total) + 3, dtype, rng, manifest.get("cold_tier"),
-                       _sub_page_size(rewritten, io["layers"], ps))
+    state = _state(manifest, rewritten, total, rng)
     tokens = [rng.integers(0, vocab, t) for t in total]
     # original: each sequence alone, with its own cache
     ref_logits = [[] for _ in lengths]
@@ -131,11 +125,46 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
             ref_logits[b].append(outs[src["logits"]][0, -1])
             past = {p: outs[o] for p, o in zip(src["past_inputs"], src["present_outputs"])}
             pos += step_len
-    # rewritten: the whole batch, paged
+    worst = 0.0
+    for b, step, got in _paged_logits(rewritten, state, io, tokens, lengths, decode_steps, budget):
+        worst = max(worst, float(np.abs(got.astype(np.float64) - ref_logits[b][step]).max()))
+    return ValidationResult(worst, decode_steps + 1, len(lengths))
+
+
+def sparse_lengths(page_size: int) -> tuple[int, int]:
+    """Prompt lengths at which a budget of a few pages selects: 5 and 7 pages (+ partial ones)."""
+    return 5 * page_size - 3, 7 * page_size + 2
+
+
+def paged_logits(session, manifest: dict, budget: int, lengths: tuple[int, ...], decode_steps: int = 4,
+                 seed: int = 0) -> list[np.ndarray]:
+    """Last-token logits [V] of a paged graph of the package ``manifest`` describes (an ORT session),
+    sequence-major per step, on teacher-forced random tokens (the same for the same ``seed``): a
+    prefill of ``lengths`` tokens, then ``decode_steps`` steps at decode ``budget``. Unlike
+    :func:`validate` (dense: the source has no selection to compare with), a budget below the
+    lengths runs the selection - two-level's fine score included - so two graphs of one package
+    can be compared with it."""
+    rng = np.random.default_rng(seed)
+    total = [n + decode_steps for n in lengths]
+    tokens = [rng.integers(0, manifest["vocab_size"], t) for t in total]
+    state = _state(manifest, session, total, np.random.default_rng(seed))
+    return [got for _, _, got in _paged_logits(session, state, manifest["io"], tokens, lengths, decode_steps, budget)]
+
+
+def _state(manifest: dict, session, total, rng) -> PagedState:
+    ps = manifest["page_size"]
+    dtype = np.float16 if manifest["dtype"] == "float16" else np.float32
+    return PagedState(manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"], ps,
+                      sum(-(-t // ps) for t in total) + 3, dtype, rng, manifest.get("cold_tier"),
+                      _sub_page_size(session, manifest["io"]["layers"], ps))
+
+
+def _paged_logits(rewritten, state: PagedState, io: dict, tokens, lengths, decode_steps: int, budget: int):
+    """Yields (sequence, step, last-token logits [V]) of the whole batch run paged: a prefill of
+    ``lengths`` tokens, then ``decode_steps`` single tokens (``tokens`` teacher-forced)."""
     for b in range(len(lengths)):
         state.add_sequence()
     out_names = [o.name for o in rewritten.get_outputs()]
-    worst = 0.0
     for step in range(decode_steps + 1):
         counts = list(lengths) if step == 0 else [1] * len(lengths)
         S = max(counts)
@@ -154,11 +183,9 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
         outs = dict(zip(out_names, rewritten.run(None, feeds)))
         logits = outs[io["outputs"]["logits"]]
         for b, c in enumerate(counts):
-            got = logits[b, 0] if "logits_index" in io["inputs"] else logits[b, c - 1]
-            worst = max(worst, float(np.abs(got.astype(np.float64) - ref_logits[b][step]).max()))
+            yield b, step, logits[b, 0] if "logits_index" in io["inputs"] else logits[b, c - 1]
             state.write(b, [outs[layer["new_key"]][b] for layer in io["layers"]],
                         [outs[layer["new_value"]][b] for layer in io["layers"]], c)
-    return ValidationResult(worst, decode_steps + 1, len(lengths))
 
 
 def _sub_page_size(session, layers, page_size: int) -> int:
