@@ -34,7 +34,8 @@ def test_round_trip_keeps_every_field_and_unknown_keys(tmp_path):
     cold = ColdTier(k_granularity="channel", v_granularity="token", hot_fraction=0.5, sink_pages=1,
                     recent_pages=2, decay=0.9, calibration={"file": "calibration.json"})
     io = PackageIO(manifest().io.inputs, {"logits": "logits"}, [{**LAYER, **COLD}])
-    m = manifest(io=io, cold_tier=cold, ort_optimized=OrtOptimized(file="model.ort.onnx", onnxruntime="1.0"),
+    m = manifest(io=io, cold_tier=cold, ort_optimized=OrtOptimized(file="model.ort.onnx", onnxruntime="1.0", opset=17,
+                                                                opset_note="kept at opset 17: why"),
                  engine={"file": "model.plan", "max_batch": 8}, eos_token_id=[2, 3])
     (tmp_path / "model.onnx").write_bytes(b"")
     m.save(tmp_path)
@@ -61,6 +62,8 @@ def test_round_trip_keeps_every_field_and_unknown_keys(tmp_path):
     (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
                                        sink_pages=1, recent_pages=1, decay=0.9)), "lacks the cold-tier inputs"),
     (lambda d: d.update(ort_optimized={"file": "x"}), "ort_optimized must hold"),
+    (lambda d: d.update(ort_optimized={"file": "x", "onnxruntime": "1.0", "opset": "21"}),
+     "ort_optimized.opset must be a positive int, got '21'"),
     # an INT4 package from before keys moved onto the page bounds (no version: symmetric keys)
     (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
                                        sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
