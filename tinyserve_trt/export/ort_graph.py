@@ -37,13 +37,13 @@ PREPARED_FILE = ".model.ort-prepared.onnx"
 def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
     loaded or external) raised to ai.onnx ``opset`` when it is older (``ort_opset.raise_opset``,
-    which raises ``OpsetRaiseError``; None: kept) with the op inlined, its shapes shared (``shared_shapes.py``), identical
-    per-step nodes merged across layers (``merge_nodes.py``), rotary's rotate_half as one
-    MatMul (``rotate_half.py``) and, with ``contrib_ops``, each residual Add + RMSNorm as ORT's
-    SkipSimplifiedLayerNormalization (``skip_norm.py``) and each rotary as ORT's
-    RotaryEmbedding (``rotary.py``).
-    The exporter validates this graph against the source too, and drops the contrib ops when
-    their rounding alone takes a model past the tolerance (``pipeline.py``)."""
+    which raises ``OpsetRaiseError``; None: kept), with the op inlined, its shapes shared
+    (``shared_shapes.py``), identical per-step nodes merged across layers (``merge_nodes.py``),
+    rotary's rotate_half as one MatMul (``rotate_half.py``) and, with ``contrib_ops``, each
+    residual Add + RMSNorm as ORT's SkipSimplifiedLayerNormalization (``skip_norm.py``) and each
+    rotary as ORT's RotaryEmbedding (``rotary.py``).
+    The exporter validates this graph against the source too, and drops the contrib ops or the
+    raise when either alone takes a model past the tolerance (``ort_validation.py``)."""
     from .merge_nodes import merge_identical_nodes
     from .rotate_half import fuse_rotate_half
     from .shared_shapes import inferred, live, share_shape_dims
