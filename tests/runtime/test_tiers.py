@@ -336,3 +336,43 @@ def test_int4_pool_is_what_the_op_reads(rng):
     sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out, _ = sess.run(None, {n: feeds[n] for n in schema.node_input_names(cold_pages=True)})
     np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_int4_two_level_demotion_keeps_metadata(rng, dtype):
+    """Format 3: a two-level pool's INT4 demotion quantizes each key on its sub-page's codes, so the
+    page's min/max and codes stay bit-for-bit, hold the dequantized keys, and a promotion recomputes
+    exact hot metadata; the pool's inputs run the two-level _int4 overload equal to the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = make_pool(hot=8, cold=6, dtype=dtype, sub_page_size=2, cold_format="int4", group_size=4)
+    (a,) = pool.allocate(1)
+    fill(pool, a, rng)
+    hot = pool.physical(a)
+    before = [(pool.storage.read_page(layer, hot)[1:], pool.storage.read_sub_bounds(layer, hot).copy())
+              for layer in range(L)]
+    pool.demote(a)
+    cold = pool.physical(a)
+    for layer, ((kmin, kmax), codes) in enumerate(before):
+        keys, cmin, cmax = pool.storage.read_page(layer, cold)
+        np.testing.assert_array_equal(cmin, kmin)
+        np.testing.assert_array_equal(cmax, kmax)
+        np.testing.assert_array_equal(pool.storage.read_sub_bounds(layer, cold), codes)
+        codec = pool.storage.codec
+        np.testing.assert_array_equal(keys, codec.dequantize_keys(
+            pool.storage.cache_inputs(layer)["key_cache_int8"][cold - pool.num_hot], np.ones((H, 1, 1)),
+            kmin, kmax, sub_codes=codes))
+    pool.check_integrity([[a]], check_data=True)
+    pool.promote(a)
+    pool.check_integrity([[a]], check_data=True)  # exact hot min/max and codes of the promoted keys
+    pool.decref(a)
+
+    feeds = mixed_tier_feeds(pool, rng, dtype)
+    attrs = schema.OpAttributes(sub_page_size=2)
+    ref, ref_sel = sparse_attention_ref(**feeds, attrs=attrs)
+    model = make_op_model(dtype, attrs, cold_pages=True, cold_format="int4")
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, sel = sess.run(None, {n: feeds[n] for n in schema.node_input_names(True, True) if n})
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **schema.TOLERANCES[dtype])
+    np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))

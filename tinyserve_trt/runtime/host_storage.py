@@ -95,7 +95,7 @@ class HostKVStorage(KVStorage):
         c = page - self.num_hot
         if self.codec.keys_on_bounds:  # float32, as the op attends them (the fine codes hold these)
             return self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], self._key_min[layer, page],
-                                              self._key_max[layer, page])
+                                              self._key_max[layer, page], sub_codes=self._codes(layer, page))
         return self.codec.dequantize(self._kq[layer, c], self._ks[layer, c], self.dtype)
 
     # ---- data moves -------------------------------------------------------------
@@ -134,7 +134,8 @@ class HostKVStorage(KVStorage):
         else:
             c = src - self.num_hot
             self._k[:, dst] = self.codec.dequantize_keys(self._kq[:, c], self._ks[:, c], self._key_min[:, src],
-                                                         self._key_max[:, src], self.dtype)
+                                                         self._key_max[:, src], self.dtype,
+                                                         sub_codes=self._codes(slice(None), src))
             self._v[:, dst] = self.codec.dequantize(self._vq[:, c], self._vs[:, c], self.dtype)
         for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
@@ -153,18 +154,23 @@ class HostKVStorage(KVStorage):
         for layer in range(self.num_layers):
             ks, vs = (None, None) if self.static_scales is None else (s[layer] for s in self.static_scales)
             self._vq[layer, c], self._vs[layer, c] = self.codec.quantize(self._v[layer, hot], "v", scale=vs)
-            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's bounds, which stay
+            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's (sub-page) bounds, which stay
                 bounds = self._key_min[layer, hot], self._key_max[layer, hot]
-                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds)
+                codes = self._codes(layer, hot)
+                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds,
+                                                                             sub_codes=codes)
                 self._key_min[layer, cold], self._key_max[layer, cold] = bounds
-                if self.sub_page_size:  # fine codes of the float32 keys the op attends
-                    keys = self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], *bounds)
-                    self._sub[layer, cold] = pages_sub_bounds(keys[None], self.sub_page_size, bounds[0][None],
-                                                              bounds[1][None], np.array([self.page_size]))[0]
+                if codes is not None:  # the hot keys' codes hold the dequantized keys (format 3)
+                    self._sub[layer, cold] = codes
                 continue
             self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
+
+    def _codes(self, layer, page):
+        """``key_sub_bounds`` of physical ``page`` (``layer`` an index or a slice), None single-level:
+        a two-level package's INT4 cold keys quantize on them."""
+        return self._sub[layer, page] if self.sub_page_size else None
 
     def _refresh_minmax(self, layer, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
         """key_min/key_max of physical ``pages`` from their ``keys [U, Hkv, ps, D]``, over
