@@ -24,11 +24,13 @@ def test_pack_unpack_round_trip(q):
 
 
 @settings(max_examples=300, deadline=None)
-@given(PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]), st.data())
-def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, data):
+@given(PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]),
+       st.sampled_from([np.float32, np.float16]), st.data())
+def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, dtype, data):
     """V (asymmetric): |x - deq(q(x))| <= scale / 2 (+ float32 rounding of q * scale + min)
     elementwise over the valid tokens, with the stored float16 scale; the stored min is at most
-    the group's min, and the top level reaches its max."""
+    the group's min, and the top level reaches its max. fp32 and fp16 pools."""
+    x = x.astype(dtype)
     Hkv, ps, D = x.shape
     valid = data.draw(st.integers(1, ps))
     codec = ColdCodec("int4", "channel", granularity, group)
