@@ -205,3 +205,11 @@ def test_bytes_and_shapes():
         ColdCodec("int4", group_size=32).scale_shape("v", 1, 16, 48)
     with pytest.raises(ValueError, match="power of two"):
         ColdCodec("int4", group_size=3)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 16), ("int4", 0)])
+def test_blank_cold_page_reads_as_zero_values(fmt, group):
+    """An unused cold slot (zero bytes, the codec's blank scales) dequantizes to 0 values."""
+    codec = ColdCodec(fmt, "channel", "token", group)
+    q = np.zeros(codec.pool_shape(2, 4, 32), codec.storage_dtype)
+    np.testing.assert_array_equal(codec.dequantize(q, codec.blank_scales("v", 2, 4, 32)), 0.0)

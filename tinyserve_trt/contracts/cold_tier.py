@@ -142,5 +142,5 @@ def unused_cold_inputs(cold_tier: dict, num_kv_heads: int, page_size: int, head_
     reads it, but its cold overload needs ``Pcold >= 1`` of the right types."""
     c = tier_codec(cold_tier)
     q = np.zeros((1, *c.pool_shape(num_kv_heads, page_size, head_dim)), c.storage_dtype)
-    k, v = (np.ones((1, *c.scale_shape(w, num_kv_heads, page_size, head_dim)), c.scale_dtype) for w in "kv")
+    k, v = (c.blank_scales(w, num_kv_heads, page_size, head_dim)[None] for w in "kv")
     return dict(key_cache_int8=q, value_cache_int8=q.copy(), key_scale=k, value_scale=v)

@@ -166,6 +166,14 @@ class ColdCodec:
         C = head_dim if g == "channel" else head_dim // group
         return (num_kv_heads, page_size if g == "token" else 1, C * (2 if self.cold_format == "int4" else 1))
 
+    def blank_scales(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> np.ndarray:
+        """Scales of an unused cold page: 1 (INT4 V: scales 1, mins 0), so zero values read as 0
+        (INT4 keys: nibbles 0 read as the page's lower bound)."""
+        s = np.ones(self.scale_shape(which, num_kv_heads, page_size, head_dim), self.scale_dtype)
+        if which == "v" and self.cold_format == "int4":
+            s[..., s.shape[-1] // 2:] = 0
+        return s
+
     def bytes_per_page(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> int:
         """Bytes of one page's K (or V) cold storage: values + scales."""
         n = int(np.prod(self.pool_shape(num_kv_heads, page_size, head_dim)))

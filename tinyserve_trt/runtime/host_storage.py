@@ -48,11 +48,11 @@ class HostKVStorage(KVStorage):
             self._sub = np.zeros((L, num_hot + num_cold, h, p // sub_page_size, d), np.uint8)
         if granularities:
             c = self.codec
-            zero = 8 if c.cold_format == "int4" else 0  # int4: nibbles hold q + 8
-            self._kq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
-            self._vq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
-            self._ks = np.ones((L, num_cold) + c.scale_shape("k", h, p, d), c.scale_dtype)
-            self._vs = np.ones((L, num_cold) + c.scale_shape("v", h, p, d), c.scale_dtype)
+            # unused slots hold zero values (int4: nibbles q = 0) and the codec's blank scales
+            self._kq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
+            self._vq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
+            self._ks, self._vs = (np.broadcast_to(c.blank_scales(w, h, p, d), (L, num_cold)
+                                                  + c.scale_shape(w, h, p, d)).copy() for w in "kv")
 
     @property
     def dtype(self) -> np.dtype:

@@ -211,15 +211,12 @@ class DevicePages(KVStorage):
         for _ in range(pool.num_layers):
             t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
-            if self.codec:  # as HostKVStorage: zero values (int4: nibbles 8 = q 0), scales 1
-                c, vdt, sdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype), \
-                    _torch_dtype(torch, self.codec.scale_dtype)
-                zero = 8 * 17 if c.cold_format == "int4" else 0
+            if self.codec:  # as HostKVStorage: zero values (int4: nibbles q = 0), the codec's blank scales
+                c, vdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype)
                 for n, which in (("key", "k"), ("value", "v")):
-                    t[f"{n}_cache_int8"] = torch.full((self.num_cold, *c.pool_shape(h, ps, d)), zero, dtype=vdt,
-                                                      device=device)
-                    t[f"{n}_scale"] = torch.ones((self.num_cold, *c.scale_shape(which, h, ps, d)), dtype=sdt,
-                                                 device=device)
+                    t[f"{n}_cache_int8"] = zeros(self.num_cold, *c.pool_shape(h, ps, d), dt=vdt)
+                    blank = torch.from_numpy(c.blank_scales(which, h, ps, d)).to(device)
+                    t[f"{n}_scale"] = blank.expand(self.num_cold, *blank.shape).clone()
             if self.sub_page_size:
                 t["key_sub_bounds"] = zeros(total, h, ps // self.sub_page_size, d, dt=torch.uint8)
             self.layers.append(t)
