@@ -376,3 +376,35 @@ def test_int4_two_level_demotion_keeps_metadata(rng, dtype):
     out, sel = sess.run(None, {n: feeds[n] for n in schema.node_input_names(True, True) if n})
     np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **schema.TOLERANCES[dtype])
     np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+
+
+def test_int4_single_level_layers_of_a_two_level_pool_read_the_page_bounds(rng):
+    """A two-level package's dense layers' nodes take no key_sub_bounds and read INT4 cold keys on
+    the page bounds: the pool quantizes those layers so (and gives them codes of the dequantized
+    keys), the two-level layers on their codes; each layer's op overload agrees with the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.cold_codec import ColdCodec
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = TieredPagePool(CacheConfig(page_size=PS, num_pages=8, dtype="float32", sub_page_size=2),
+                          TierConfig(num_cold_pages=6, cold_format="int4", group_size=4), L, H, D,
+                          two_level_layers=[1])
+    assert [pool.storage.keys_on_codes(layer) for layer in range(L)] == [False, True]
+    feeds = mixed_tier_feeds(pool, rng, "float32")  # demotes three pages, checks integrity
+    codec, P = ColdCodec("int4", "channel", "token", 4), pool.num_hot
+    for layer, two_level in ((0, False), (1, True)):
+        x = pool.storage.cache_inputs(layer)
+        codes = x["key_sub_bounds"][P:] if two_level else None
+        want = codec.dequantize_keys(x["key_cache_int8"], x["key_scale"], x["key_min"][P:], x["key_max"][P:],
+                                     sub_codes=codes)
+        cold = [p for p in range(P, P + pool.num_cold) if x["key_max"][p].any()]
+        assert cold
+        for p in cold:
+            np.testing.assert_array_equal(pool.storage.read_page(layer, p)[0], want[p - P])
+        layer_feeds = dict(feeds, **x)
+        attrs = schema.OpAttributes(sub_page_size=2 if two_level else 0)
+        ref, _ = sparse_attention_ref(**layer_feeds, attrs=attrs)
+        model = make_op_model("float32", attrs, cold_pages=True, cold_format="int4")
+        sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out, _ = sess.run(None, {n: layer_feeds[n] for n in schema.node_input_names(True, two_level) if n})
+        np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])

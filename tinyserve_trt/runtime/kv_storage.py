@@ -24,8 +24,10 @@ recomputes the touched pages' codes over their valid tokens after their min/max
 (a new min/max moves every code of the page), a copy copies them (from a cold
 INT4 page: recomputes both from the copied keys), an INT8 demotion recomputes them from
 the dequantized keys against the recomputed min/max. An INT4 demotion changes no
-metadata (format 3, ``ops.cold_codec``): the keys quantize on the page's min/max - two-level:
-on each sub-page's decoded codes - which therefore still hold the dequantized keys.
+metadata (format 3, ``ops.cold_codec``): the keys quantize on the page's min/max - in a layer
+whose op node is two-level (``two_level_layers``): on each sub-page's decoded codes - which
+therefore still hold the dequantized keys. A single-level layer of a two-level pool (the
+package's dense layers) gets codes of its dequantized keys, as INT8.
 
 Implementations: ``host_storage.HostKVStorage`` (numpy, what the ORT backend
 reads) and ``backends.device_pages.DevicePages`` (torch tensors on the TensorRT
@@ -134,6 +136,14 @@ class KVStorage(ABC):
         every layer; the cold page's min/max (and sub-page codes) become those of its
         dequantized keys (INT4: min/max and codes stay, the keys were quantized on them). May be
         deferred until :meth:`flush`."""
+
+    def keys_on_codes(self, layer: int) -> bool:
+        """Whether ``layer``'s INT4 cold keys quantize on its sub-page codes (format 3): the layer's op
+        node is two-level (reads ``key_sub_bounds``; a package's dense layers' are not, and read the
+        page bounds, ``two_level_layers``)."""
+        codec = getattr(self, "codec", None)
+        return bool(self.sub_page_size and codec is not None and codec.keys_on_bounds
+                    and layer in self.two_level_layers)
 
     def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
         """Recompute the sub-page codes of hot physical ``pages`` (``valid [len(pages), ]`` per layer:

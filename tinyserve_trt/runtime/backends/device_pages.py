@@ -201,6 +201,7 @@ class DevicePages(KVStorage):
         self.num_cold = host.num_cold or (1 if cold_tier else 0)
         self.granularities = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
         self.sub_page_size = self.check_sub_page_size(host.sub_page_size)
+        self.two_level_layers = host.two_level_layers
         h, ps, d = pool.num_kv_heads, pool.page_size, pool.head_dim
         total = self.num_hot + self.num_cold
 
@@ -244,7 +245,7 @@ class DevicePages(KVStorage):
             c = page - self.num_hot  # INT4: float32, as the op attends them (HostKVStorage._keys)
             keys = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
                                    self._torch.float32 if self.codec.keys_on_bounds else self.dtype, self.codec,
-                                   self._codes(t, page))
+                                   self._codes(layer, t, page))
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -312,7 +313,7 @@ class DevicePages(KVStorage):
             self._copy(src, dst)
 
     def _copy(self, src: int, dst: int) -> None:
-        for t in self.layers:
+        for layer, t in enumerate(self.layers):
             if src < self.num_hot:
                 t["key_cache"][dst].copy_(t["key_cache"][src])
                 t["value_cache"][dst].copy_(t["value_cache"][src])
@@ -320,7 +321,7 @@ class DevicePages(KVStorage):
                 c = src - self.num_hot
                 t["key_cache"][dst].copy_(dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c],
                                                           t["key_min"][src], t["key_max"][src], self.dtype, self.codec,
-                                                          self._codes(t, src)))
+                                                          self._codes(layer, t, src)))
                 t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
                                                              self.dtype, self.codec))
             t["key_min"][dst].copy_(t["key_min"][src])
@@ -331,9 +332,10 @@ class DevicePages(KVStorage):
                 d = self._torch.tensor([dst], device=self.device)
                 self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
 
-    def _codes(self, t: dict, page):
-        """``key_sub_bounds`` rows of ``page`` (two-level: INT4 cold keys quantize on them), else None."""
-        return t["key_sub_bounds"][page] if self.sub_page_size else None
+    def _codes(self, layer: int, t: dict, page):
+        """``key_sub_bounds`` rows of ``page`` when ``layer``'s INT4 cold keys quantize on them
+        (``keys_on_codes``), else None."""
+        return t["key_sub_bounds"][page] if self.keys_on_codes(layer) else None
 
     def demote_page(self, hot: int, cold: int) -> None:
         """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id
@@ -363,12 +365,14 @@ class DevicePages(KVStorage):
             ks, vs = self.static[layer] if self.static else (None, None)
             full = torch.full_like(meta, self.page_size)
             if self.codec.keys_on_bounds:  # INT4 keys on the hot pages' (sub-page) bounds, which the cold pages keep
-                bounds, codes = (t["key_min"][hot], t["key_max"][hot]), self._codes(t, hot)
+                bounds, codes = (t["key_min"][hot], t["key_max"][hot]), self._codes(layer, t, hot)
                 q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", bounds=bounds, codes=codes)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
                 t["key_min"][meta], t["key_max"][meta] = bounds
                 if codes is not None:  # format 3: the hot keys' codes hold the dequantized keys
                     t["key_sub_bounds"][meta] = codes
+                elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
+                    self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, self.codec), full)
             else:
                 q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s

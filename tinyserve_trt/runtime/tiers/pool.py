@@ -54,7 +54,8 @@ class TieredPagePool(PagePool):
     """
 
     def __init__(self, config: CacheConfig, tiers: TierConfig, num_layers: int, num_kv_heads: int,
-                 head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None):
+                 head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                 two_level_layers=None):
         hot, cold = config.num_pages, tiers.num_cold_pages
         if (tiers.scales == "static") != (static_scales is not None):
             raise ValueError("TierConfig.scales='static' needs static_scales (a calibration's static_scales()), "
@@ -65,7 +66,7 @@ class TieredPagePool(PagePool):
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
                                 num_cold=cold, static_scales=page_scales, codec=tiers.codec,
-                                sub_page_size=config.sub_page_size)
+                                sub_page_size=config.sub_page_size, two_level_layers=two_level_layers)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
         self.num_hot, self.num_cold = hot, cold
