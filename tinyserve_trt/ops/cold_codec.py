@@ -13,10 +13,12 @@ INT4 format version 3 (``INT4_FORMAT_VERSION``; the manifest records it and refu
 packages: 2 had symmetric V and keys on the page bounds in two-level packages too).
 
 Keys are asymmetric, per channel, on bounds every page stores anyway (KIVI's zero point
-+ scale at no extra bytes): a two-level package's (``sub_page_size > 0``) on the
-SUB-PAGE bounds ``lo/hi`` that ``key_sub_bounds`` decode to (``fine_bounds.decode``,
-float32), a single-level package's on the page's ``key_min``/``key_max`` (``lo/hi``
-then)::
++ scale at no extra bytes): in a two-level node (``sub_page_size`` in (0, ps), it reads
+``key_sub_bounds``) on the SUB-PAGE bounds ``lo/hi`` that the codes decode to
+(``fine_bounds.decode``, float32), in a single-level one - a single-level package, or a
+two-level package's dense layers, whose nodes take no codes - on the page's
+``key_min``/``key_max`` (``lo/hi`` then); a pool quantizes each layer as its node reads
+(``KVStorage.two_level_layers``)::
 
     step = (hi - lo) * float32(1/15)       # fine_bounds.level_step, float32
     k'   = min(lo + q * step, hi)          # single-rounded float32 ops (no FMA)
