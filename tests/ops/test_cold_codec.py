@@ -69,7 +69,9 @@ def test_int4_keys_on_the_page_bounds(x, dtype, data):
     lo, hi = kmin.astype(np.float32)[:, None, :], kmax.astype(np.float32)[:, None, :]
     assert np.all(deq >= lo) and np.all(deq <= hi)
     step = level_step(kmin, kmax)[:, None, :].astype(np.float64)
-    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
+    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
+    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
+        + 16 * float(np.finfo(np.float32).smallest_subnormal)
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= step / 2 + rounding)
     np.testing.assert_array_equal(deq[:, :valid].min(axis=1), lo[:, 0])  # q = 0 is key_min exactly
@@ -101,7 +103,9 @@ def test_int4_keys_on_the_sub_page_bounds(x, dtype, sp, data):
     assert np.all(deq >= lo) and np.all(deq <= hi)
     assert np.all(deq >= kmin.astype(np.float32)[:, None]) and np.all(deq <= kmax.astype(np.float32)[:, None])
     step = level_step(lo, hi).astype(np.float64)
-    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
+    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
+    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
+        + 16 * float(np.finfo(np.float32).smallest_subnormal)
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= (step / 2 + rounding)[:, :valid])
     # the codes of the dequantized keys are never wider than the stored ones: re-encoding them is
