@@ -53,6 +53,7 @@ from tinyserve_trt.runtime.config import CacheConfig, EngineConfig  # noqa: E402
 from tinyserve_trt.runtime.engine import Engine  # noqa: E402
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
 from tinyserve_trt.runtime.sampling import SampleOutput  # noqa: E402
+from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION  # noqa: E402
 from tinyserve_trt.runtime.tiers import TierConfig, cold_page_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -261,7 +262,8 @@ def main(argv=None) -> int:
         f"{package.page_size}, cold tiers: "
         + "; ".join(f"{fmt} (K per {t.k_granularity} / V per {t.v_granularity}"
                     f"{f' in groups of {t.group_size} channels' if t.group_size else ''}, "
-                    f"{'float16' if fmt == 'int4' else 'float32'} scales)" for fmt, (t, _) in prices.items())
+                    f"{f'float16 scales + mins, format {INT4_FORMAT_VERSION}' if fmt == 'int4' else 'float32 scales'})"
+                    for fmt, (t, _) in prices.items())
         + f", {args.kv_scales} scales, token budget {package.token_budget}, {package.manifest['dense_layers']} dense "
         f"layers. " + (f"{len(prompts)} consecutive windows of {args.context} tokens of {args.text}, the last "
                        f"{args.decode} positions of each scored, teacher-forced on the text"
@@ -271,7 +273,9 @@ def main(argv=None) -> int:
         "",
         f"Baseline of the KV bytes ratio: {baseline}. A cold page costs "
         + ", ".join(f"{fmt} {p[package.dtype][1] / p[package.dtype][0]:.3f}" for fmt, (_, p) in prices.items())
-        + f" of a hot {package.dtype} page.",
+        + f" of a hot {package.dtype} page"
+        + ("" if package.dtype == "float16" else " (of an FP16 page: " + ", ".join(
+            f"{fmt} {p['float16'][1] / p['float16'][0]:.3f}" for fmt, (_, p) in prices.items()) + ")") + ".",
         "",
         f"| cold format | hot fraction | hot pages | cold pages | KV bytes / all-{package.dtype} | "
         + ("same pages, fp16 hot | " if package.dtype != "float16" else "")

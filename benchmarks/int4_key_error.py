@@ -1,4 +1,4 @@
-"""INT4 cold keys: symmetric absmax scales vs the page bounds (issue #17), attention-output error on SmolLM2.
+"""INT4 cold pages: the key and value rules of INT4 formats 1-3 (issue #17), attention-output error on SmolLM2.
 
 Captures real queries/keys/values of SmolLM2 (transformers, CPU) on held-out
 text (the Python standard library's sources, as ``bench_mixed.py``), quantizes
@@ -10,12 +10,16 @@ positions with the exact one (relative L2 error per layer, head and query,
 - K ``sym`` : INT4 format version 1, symmetric per channel over the page,
   ``q in [-7, 7]`` times a float16 ``absmax / 7`` (computed here: the codec no
   longer stores keys so), ``--sub-tokens`` also per channel over that many tokens;
-- K ``bounds``: version 2, ``ops/cold_codec.py``: 16 levels between the page's
-  own key_min/key_max (no stored scale);
-- V ``token/16``: the codec's V (per token in groups of 16 channels, float16
-  scales), and ``asym``: the same groups with a min + scale each (2 more bytes
-  per group, not implemented: what asymmetric V would buy);
-- K and V together.
+- K ``bounds``: version 2 (and version 3's single-level rule), ``ops/cold_codec.py``:
+  16 levels between the page's own key_min/key_max (no stored scale);
+- K ``sub-bounds/N``: version 3 in a two-level package, the codec: 16 levels between
+  each key's N-token sub-page bounds, decoded from the codes the package stores anyway;
+- V ``sym token/16``: version 1-2 (per token in groups of 16 channels, symmetric,
+  float16 scales; computed here), ``asym token/16``: version 3, the codec (a float16
+  scale + min per group: 2 more bytes per group), ``asym token/32`` the codec with
+  groups of 32, ``sym token/8`` symmetric groups of 8;
+- K and V together: format 1 = ``sym`` + ``sym token/16``, format 2 = ``bounds`` +
+  ``sym token/16``, format 3 = ``sub-bounds/N`` + ``asym token/16``.
 
 Writes ``benchmarks/results/int4_cold_keys.md``.
 """
@@ -35,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_granularity import attention, rel_err  # noqa: E402
 
-from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds  # noqa: E402
+from tinyserve_trt.ops import fine_bounds  # noqa: E402
+from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION, ColdCodec, page_bounds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,25 +72,7 @@ def sym_channel(p, tokens):  # p [n, Hkv, ps, D]: INT4 v1 keys, per channel over
     return (np.clip(np.rint(g / s), -7, 7) * s).reshape(p.shape)
 
 
-def asym_groups(p, group):  # V per token, `group` channels, min + scale (float16) each
-    g = p.reshape(p.shape[:-1] + (p.shape[-1] // group, group))
-    lo, hi = f16(g.min(-1, keepdims=True)), f16(g.max(-1, keepdims=True))
-    step = (hi - lo) / 15
-    return (lo + np.clip(np.rint((g - lo) / np.where(step > 0, step, 1)), 0, 15) * step).reshape(p.shape)
-
-
-def sub_bounds_keys(p, sp, kmin, kmax):  # K: 16 levels between each sub-page's decoded fine bounds
-    from tinyserve_trt.ops import fine_bounds
-    n, Hkv, ps, D = p.shape
-    codes = fine_bounds.pages_sub_bounds(p, sp, kmin, kmax, np.full(n, ps))
-    lo, hi = (x.astype(np.float64)[:, :, :, None, :] for x in fine_bounds.decode(codes, kmin, kmax))
-    g = p.reshape(n, Hkv, ps // sp, sp, D)
-    step = (hi - lo) / 15
-    q = np.clip(np.rint((g - lo) / np.where(step > 0, step, 1)), 0, 15)
-    return np.minimum(lo + q * step, hi).reshape(p.shape)
-
-
-def sym_groups(p, group):  # V per token, `group` channels, symmetric float16 scale each
+def sym_groups(p, group):  # V of formats 1-2: per token, `group` channels, symmetric float16 scale each
     g = p.reshape(p.shape[:-1] + (p.shape[-1] // group, group))
     s = f16(np.maximum(np.abs(g).max(-1, keepdims=True), 1e-30) / 7)
     return (np.clip(np.rint(g / s), -7, 7) * s).reshape(p.shape)
@@ -109,7 +96,8 @@ def main(argv=None) -> int:
     src = HFSource(args.model, threads=args.threads)
     D, L = src.head_dim, src.num_layers
     scale = 1.0 / np.sqrt(D)
-    codec = ColdCodec("int4", "channel", "token", 16)
+    codec = ColdCodec("int4", "channel", "token", 16)  # format 3: what a package stores
+    codec32 = ColdCodec("int4", "channel", "token", 32)
     caps = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         ids = src.tokenize(path.read_text(errors="ignore"))
@@ -130,24 +118,28 @@ def main(argv=None) -> int:
                 kmin, kmax = page_bounds(kp)
                 K = {"sym": back(kl, sym_channel(kp, ps), ps),
                      "bounds": back(kl, codec.dequantize_keys(*codec.quantize(kp, "k"), kmin, kmax), ps)}
-                if args.sub_page:
-                    K[f"sub-bounds/{args.sub_page}"] = back(kl, sub_bounds_keys(kp, args.sub_page, kmin, kmax), ps)
+                if args.sub_page:  # format 3, two-level: on the codes of the (hot) keys
+                    codes = fine_bounds.pages_sub_bounds(kp, args.sub_page, kmin, kmax, np.full(kp.shape[0], ps))
+                    deq = codec.dequantize_keys(*codec.quantize(kp, "k", sub_codes=codes), kmin, kmax,
+                                                sub_codes=codes)
+                    K[f"sub-bounds/{args.sub_page}"] = back(kl, deq, ps)
                 if args.sub_tokens and args.sub_tokens < ps:
                     K[f"sym/{args.sub_tokens} tokens"] = back(kl, sym_channel(kp, args.sub_tokens), ps)
-                V = {"token/16": back(vl, codec.dequantize(*codec.quantize(vp, "v")), ps),
-                     "asym token/16": back(vl, asym_groups(vp, 16), ps),
-                     "asym token/32": back(vl, asym_groups(vp, 32), ps),
-                     "token/8": back(vl, sym_groups(vp, 8), ps)}
+                V = {"sym token/16": back(vl, sym_groups(vp, 16), ps),
+                     "asym token/16": back(vl, codec.dequantize(*codec.quantize(vp, "v")), ps),
+                     "asym token/32": back(vl, codec32.dequantize(*codec32.quantize(vp, "v")), ps),
+                     "sym token/8": back(vl, sym_groups(vp, 8), ps)}
                 combos = [(kn, None) for kn in K] + [(None, vn) for vn in V] + \
-                    [("sym", "token/16"), ("bounds", "token/16"), ("bounds", "asym token/16")]
+                    [("sym", "sym token/16"), ("bounds", "sym token/16"), ("bounds", "asym token/16")]
                 if args.sub_page:
                     sb = f"sub-bounds/{args.sub_page}"
-                    combos += [(sb, "token/16"), (sb, "asym token/16"), (sb, "asym token/32"), (sb, "token/8")]
+                    combos += [(sb, "sym token/16"), (sb, "asym token/16"), (sb, "asym token/32"),
+                               (sb, "sym token/8")]
                 for kn, vn in combos:
                     out = attention(q[layer], K[kn] if kn else kl, V[vn] if vn else vl, pos, scale)
                     rows.setdefault((ps, kn or "exact", vn or "exact"), []).append(rel_err(out, ref).ravel())
     cmd = "python benchmarks/int4_key_error.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# INT4 cold keys: symmetric scales vs the page bounds (SmolLM2-135M)", "",
+    lines = ["# INT4 cold pages: formats 1-3, keys and values (SmolLM2-135M)", "",
              f"`{cmd.strip()}` - {len(caps)} held-out prompts (stdlib: {', '.join(c[0] for c in caps)}), "
              f"{args.tokens} tokens, {L} layers x {src.num_heads} query / {src.num_kv_heads} KV heads, D={D}. "
              "Every full page after the first quantized (recent ones too: the worst case), the last "
@@ -158,8 +150,12 @@ def main(argv=None) -> int:
         e = np.concatenate(e)
         lines.append(f"| {ps} | {kn} | {vn} | {e.mean():.4f} | {np.quantile(e, 0.99):.4f} |")
     lines += ["", "K `sym`: INT4 format version 1 (absmax / 7 per channel over the page, float16 scale); "
-              "`bounds`: version 2 (`ops/cold_codec.py`, 16 levels on key_min/key_max, no stored scale). "
-              "V `asym token/16` is not implemented (it would add a float16 minimum per group).", ""]
+              "`bounds`: version 2 and version 3 single-level (16 levels on key_min/key_max, no stored scale); "
+              f"`sub-bounds/{args.sub_page}`: version 3 two-level (16 levels on each sub-page's decoded fine "
+              "bounds, no extra bytes). V `sym token/16`: versions 1-2 (symmetric, float16 scale per token and "
+              "16 channels); `asym token/16`: version 3 (float16 scale + min per group). The codec "
+              f"(`ops/cold_codec.py`, format {INT4_FORMAT_VERSION}) computes `bounds`, `sub-bounds` and `asym`; "
+              "`sym` rows are computed here.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -114,9 +114,10 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     hold at least one page). Cold pages are quantized with ``ops.cold_codec``
     from their valid tokens. INT8: their ``key_min``/``key_max`` are recomputed
     from the DEQUANTIZED keys (metadata must bound what the op attends, and
-    rounding can move a key up to scale/2 past the original extremes); INT4 keys
-    are quantized on those bounds, which then stay. Their ``key_sub_bounds``
-    (``spec.sub_page_size`` set) encode the dequantized keys.
+    rounding can move a key up to scale/2 past the original extremes), and their
+    ``key_sub_bounds`` (``spec.sub_page_size`` set) encode the dequantized keys. INT4
+    keys are quantized on the page bounds - two-level: on the sub-page bounds the hot
+    keys' codes decode to - and the metadata stays (format 3, ``ops/cold_codec.py``).
     """
     from tinyserve_trt.ops.cold_codec import ColdCodec  # noqa: PLC0415 (cases only)
 
@@ -140,15 +141,16 @@ def make_mixed_case(spec: CaseSpec, rng: np.random.Generator, cold_fraction: flo
     kq, vq, ks, vs = [], [], [], []
     for i, old in enumerate(cold_old):
         new = hot_old.size + i
-        qk, sk = codec.quantize(case["key_cache"][old], "k", int(valid[old]), bounds=(key_min[new], key_max[new]))
+        codes = sub[new] if sub is not None and codec.keys_on_bounds else None  # INT4: the hot keys' codes
+        qk, sk = codec.quantize(case["key_cache"][old], "k", int(valid[old]), bounds=(key_min[new], key_max[new]),
+                                sub_codes=codes)
         qv, sv = codec.quantize(case["value_cache"][old], "v", int(valid[old]))
         kq.append(qk), ks.append(sk), vq.append(qv), vs.append(sv)
-        if codec.keys_on_bounds:  # INT4: dequantized inside the page's own bounds, which stay
-            deq = codec.dequantize_keys(qk, sk, key_min[new], key_max[new])  # float32, as the op attends
-        else:
-            deq = codec.dequantize(qk, sk, dt)
-            for h in range(deq.shape[0]):
-                key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
+        if codec.keys_on_bounds:  # INT4: inside the page's (sub-page's) own bounds: its metadata stays
+            continue
+        deq = codec.dequantize(qk, sk, dt)
+        for h in range(deq.shape[0]):
+            key_min[new, h], key_max[new, h] = page_min_max(deq[h], int(valid[old]))
         if sub is not None:
             sub[new] = page_sub_bounds(deq, spec.sub_page_size, key_min[new], key_max[new], int(valid[old]))
     case.update(
@@ -172,8 +174,9 @@ def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {k: v for k, v in case.items() if k not in ("key_cache_int8", "value_cache_int8",
                                                        "key_scale", "value_scale")}
     P = case["key_cache"].shape[0]
+    sub = case.get("key_sub_bounds")
     cold_k = codec.dequantize_keys(case["key_cache_int8"], case["key_scale"], case["key_min"][P:],
-                                   case["key_max"][P:], dt)
+                                   case["key_max"][P:], dt, sub_codes=None if sub is None else sub[P:])
     cold_v = codec.dequantize(case["value_cache_int8"], case["value_scale"], dt)
     out["key_cache"] = np.concatenate([case["key_cache"], cold_k])
     out["value_cache"] = np.concatenate([case["value_cache"], cold_v])

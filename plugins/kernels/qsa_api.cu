@@ -49,7 +49,8 @@ bool dtype_ok(int32_t t) { return t == QSA_DTYPE_FLOAT32 || t == QSA_DTYPE_FLOAT
 
 // The four cold pointers come together; with them, Pcold >= 1, a known format, every
 // scale token axis 1 or ps, every channel axis 1 or D (INT4: or D / a power of two,
-// with D even), and key_min/key_max have a row for every cold id.
+// with D even; INT4 V holds 2C columns, scales then mins: C such a count), and key_min/key_max
+// have a row for every cold id.
 bool cold_ok(const QsaForwardParams& p) {
     const int n_set = (p.key_cache_int8 != nullptr) + (p.value_cache_int8 != nullptr) + (p.key_scale != nullptr) +
                       (p.value_scale != nullptr);
@@ -62,7 +63,9 @@ bool cold_ok(const QsaForwardParams& p) {
     auto axis_ok = [](int32_t n, int32_t full) { return n == 1 || n == full; };
     auto channels_ok = [&](int32_t n) { return int4 ? qsa::scale_ch_shift(n, D) >= 0 : axis_ok(n, D); };
     return n_set == 4 && c.num_pages >= 1 && axis_ok(c.key_scale_tokens, ps) && channels_ok(c.key_scale_channels) &&
-           axis_ok(c.value_scale_tokens, ps) && channels_ok(c.value_scale_channels) &&
+           axis_ok(c.value_scale_tokens, ps) &&
+           (int4 ? c.value_scale_channels % 2 == 0 && channels_ok(c.value_scale_channels / 2)
+                 : channels_ok(c.value_scale_channels)) &&
            int64_t(p.dims.num_meta_pages) >= int64_t(p.dims.num_pages) + c.num_pages;
 }
 

@@ -52,22 +52,35 @@ constexpr int kNoCold = -1;
 constexpr int kColdInt8 = QSA_COLD_FORMAT_INT8;
 constexpr int kColdInt4 = QSA_COLD_FORMAT_INT4;
 
-// One scale tensor of the cold tier, [Pcold, Hkv, T, C] with T in {1, ps}: float32
-// (INT8) or float16 (INT4). A broadcast token axis gets stride 0 and channel dd reads
-// column dd >> ch_shift (C == D: 0; C == 1: a shift past any head dim; channel groups
-// of D / C = 2^k: k), so one formula serves every granularity and no thread branches on it.
+// One scale tensor of the cold tier, [Pcold, Hkv, T, C * pairs] with T in {1, ps}: float32
+// (INT8) or float16 (INT4; V holds pairs = 2: C scales, then C mins). A broadcast token axis
+// gets stride 0 and channel dd reads column dd >> ch_shift (C == D: 0; C == 1: a shift past
+// any head dim; channel groups of D / C = 2^k: k), its min C columns later, so one formula
+// serves every granularity and no thread branches on it.
 struct ScaleView {
     const void* base;
-    int32_t head_stride;  // T * C elements per (cold page, KV head)
-    int32_t tok_stride;   // C, or 0 when one scale covers all tokens
+    int32_t head_stride;  // T * C * pairs elements per (cold page, KV head)
+    int32_t tok_stride;   // C * pairs, or 0 when one scale covers all tokens
     int32_t ch_shift;
+    int32_t min_offset;   // C (INT4 V: the mins follow the scales), else 0
 
+    template <int CF>
+    __device__ __forceinline__ float load(size_t i) const {
+        if constexpr (CF == kColdInt4) return __half2float(static_cast<const __half*>(base)[i]);
+        else return static_cast<const float*>(base)[i];
+    }
+    __device__ __forceinline__ size_t index(size_t page_head, int tok, int dd) const {
+        return page_head * head_stride + size_t(tok) * tok_stride + size_t(dd >> ch_shift);
+    }
     // Scale of channel dd in row `tok` of (cold page, KV head) `page_head`, as float.
     template <int CF>
     __device__ __forceinline__ float at(size_t page_head, int tok, int dd) const {
-        const size_t i = page_head * head_stride + size_t(tok) * tok_stride + size_t(dd >> ch_shift);
-        if constexpr (CF == kColdInt4) return __half2float(static_cast<const __half*>(base)[i]);
-        else return static_cast<const float*>(base)[i];
+        return load<CF>(index(page_head, tok, dd));
+    }
+    // INT4 V: the group's min (float16), as float.
+    template <int CF>
+    __device__ __forceinline__ float min_at(size_t page_head, int tok, int dd) const {
+        return load<CF>(index(page_head, tok, dd) + min_offset);
     }
 };
 
@@ -84,41 +97,77 @@ __host__ __device__ inline int32_t scale_ch_shift(int32_t channels, int32_t head
     return k;
 }
 
-__host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t channels,
-                                                int32_t head_dim) {
-    return ScaleView{scale, tokens * channels, tokens > 1 ? channels : 0, scale_ch_shift(channels, head_dim)};
+// `columns`: the tensor's last dim (QsaColdDims); `pairs` 2 for INT4 V (scales + mins).
+__host__ __device__ inline ScaleView scale_view(const void* scale, int32_t tokens, int32_t columns,
+                                                int32_t head_dim, int32_t pairs = 1) {
+    const int32_t channels = columns / pairs;
+    return ScaleView{scale, tokens * columns, tokens > 1 ? columns : 0, scale_ch_shift(channels, head_dim),
+                     pairs == 2 ? channels : 0};
 }
 
 // Quantized value of channel dd of cold row `row` (= cold page * Hkv + KV head) * ps + token,
-// as float: INT8 is the int8 itself; INT4 is nibble - 8 (values; keys: cold_key), channel dd < D/2 in the low nibble
-// of byte dd and dd >= D/2 in the high nibble of byte dd - D/2 (ops/cold_codec.py::pack_int4).
+// as float: INT8 is the int8 itself; INT4 is the nibble q in [0, 15], channel dd < D/2 in the low
+// nibble of byte dd and dd >= D/2 in the high nibble of byte dd - D/2 (ops/cold_codec.py::pack_int4).
 template <int CF>
 __device__ __forceinline__ float cold_value(const void* pool, size_t row, int D, int dd) {
     if constexpr (CF == kColdInt4) {
         const int half = D >> 1;
         const bool high = dd >= half;
         const uint8_t b = static_cast<const uint8_t*>(pool)[row * half + (high ? dd - half : dd)];
-        return float(int(high ? b >> 4 : b & 15) - 8);
+        return float(high ? b >> 4 : b & 15);
     } else {
         return float(static_cast<const int8_t*>(pool)[row * D + dd]);
+    }
+}
+
+// The scale view of the cold values: INT4 V holds scales and mins (pairs 2).
+template <int CF>
+__host__ __device__ inline ScaleView value_scale_view(const QsaForwardParams& p, int32_t head_dim) {
+    return scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels, head_dim,
+                      CF == kColdInt4 ? 2 : 1);
+}
+
+// Cold value of channel dd, row `row` (as cold_value). INT8: q * scale. INT4 (format 3,
+// asymmetric): q * scale + min, single-rounded float32 (no FMA contraction: the reference's order).
+template <int CF>
+__device__ __forceinline__ float cold_v(const QsaForwardParams& p, const ScaleView& vsv, size_t page_head,
+                                        size_t row, int off, int D, int dd) {
+    const float q = cold_value<CF>(p.value_cache_int8, row, D, dd);
+    if constexpr (CF == kColdInt4) {
+        return __fadd_rn(__fmul_rn(q, vsv.at<CF>(page_head, off, dd)), vsv.min_at<CF>(page_head, off, dd));
+    } else {
+        return q * vsv.at<CF>(page_head, off, dd);
     }
 }
 
 constexpr float kInvLevels = 1.0f / 15.0f;  // fine_bounds.INV_LEVELS: float32(1/15)
 
 // Cold key of channel dd, row `row` (as cold_value), of physical page `page` and KV head h, as
-// float. INT8: q * scale. INT4: the nibble q in [0, 15] on the page's bounds (ops/cold_codec.py),
-// min(kmin + q * step, kmax) with step = (kmax - kmin) * f32(1/15), single-rounded float32 ops
-// (no FMA contraction), so the key stays inside key_min/key_max (the selection's bounds).
+// float. INT8: q * scale. INT4 (format 3): the nibble q in [0, 15] between lo and hi,
+// min(lo + q * step, hi) with step = (hi - lo) * f32(1/15), single-rounded float32 ops (no FMA
+// contraction), so the key stays inside them (the selection's bounds). lo/hi: the page's
+// key_min/key_max, or - two-level (0 < sub_page_size < ps) - the token's sub-page bounds its
+// key_sub_bounds code decodes to (ops/fine_bounds.py::decode: kmin + (code & 15) * pstep,
+// kmax - (code >> 4) * pstep, pstep = (kmax - kmin) * f32(1/15)).
 template <typename T, int CF>
 __device__ __forceinline__ float cold_key(const QsaForwardParams& p, const ScaleView& ksv, int page, int h,
                                           size_t page_head, size_t row, int off, int D, int dd) {
     if constexpr (CF == kColdInt4) {
         const size_t m = (size_t(page) * p.dims.num_kv_heads + h) * D + dd;
-        const float lo = to_f(static_cast<const T*>(p.key_min)[m]);
-        const float hi = to_f(static_cast<const T*>(p.key_max)[m]);
+        float lo = to_f(static_cast<const T*>(p.key_min)[m]);
+        float hi = to_f(static_cast<const T*>(p.key_max)[m]);
+        const int sp = p.attrs.sub_page_size, ps = p.dims.page_size;
+        if (sp > 0 && sp < ps && p.key_sub_bounds != nullptr) {
+            const int r = ps / sp;
+            const uint8_t code = static_cast<const uint8_t*>(
+                p.key_sub_bounds)[((size_t(page) * p.dims.num_kv_heads + h) * r + off / sp) * D + dd];
+            const float pstep = __fmul_rn(__fsub_rn(hi, lo), kInvLevels);
+            const float sub_lo = __fadd_rn(lo, __fmul_rn(float(code & 15), pstep));
+            hi = __fsub_rn(hi, __fmul_rn(float(code >> 4), pstep));
+            lo = sub_lo;
+        }
         const float step = __fmul_rn(__fsub_rn(hi, lo), kInvLevels);
-        return fminf(__fadd_rn(lo, __fmul_rn(cold_value<CF>(p.key_cache_int8, row, D, dd) + 8.f, step)), hi);
+        return fminf(__fadd_rn(lo, __fmul_rn(cold_value<CF>(p.key_cache_int8, row, D, dd), step)), hi);
     } else {
         return cold_value<CF>(p.key_cache_int8, row, D, dd) * ksv.at<CF>(page_head, off, dd);
     }

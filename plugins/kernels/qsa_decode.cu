@@ -89,12 +89,12 @@ __device__ __forceinline__ bool load_kv(const QsaForwardParams& p, int page, int
         if (p.key_cache_int8 == nullptr || page < 0 || c >= p.cold.num_pages) return false;
         const size_t page_head = size_t(c) * Hkv + h, row = page_head * ps + off;
         const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels, D);
-        const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels, D);
+        const ScaleView vsv = value_scale_view<CF>(p, D);
 #pragma unroll
         for (int e = 0; e < L::E; ++e) {
             const int dd = L::elem(gl, e);
             kr[e] = dd < D ? cold_key<T, CF>(p, ksv, page, h, page_head, row, off, D, dd) : 0.f;
-            vr[e] = dd < D ? cold_value<CF>(p.value_cache_int8, row, D, dd) * vsv.at<CF>(page_head, off, dd) : 0.f;
+            vr[e] = dd < D ? cold_v<CF>(p, vsv, page_head, row, off, D, dd) : 0.f;
         }
         return true;
     }

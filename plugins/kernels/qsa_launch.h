@@ -19,12 +19,14 @@
  *     key_scale [Pcold, Hkv, Tk, Ck] float32, value_scale [Pcold, Hkv, Tv, Cv] float32,
  *     T in {1, ps} and C in {1, D}: one scale broadcast over the page's tokens
  *     and/or channels (K per channel is [.., 1, D], V per token [.., ps, 1]).
- *   INT4: the pools are uint8 [Pcold, Hkv, ps, D/2] (D even): channel j < D/2 in
- *     the low nibble of byte j, channel j + D/2 in the high one. Values: each q + 8
- *     (q in [-8, 7]) times float16 scales [Pcold, Hkv, T, C] with C = 1 or D / C a
- *     power of two: channel c uses column c / (D / C) (channel groups). Keys: each
- *     q in [0, 15] on the page's bounds, min(kmin + q * step, kmax) with
- *     step = (kmax - kmin) * f32(1/15) (key_min/key_max of the page id); key_scale
+ *   INT4 (format 3): the pools are uint8 [Pcold, Hkv, ps, D/2] (D even): channel j < D/2
+ *     in the low nibble of byte j, channel j + D/2 in the high one; each nibble q in [0, 15].
+ *     Values: q * scale + min (float32, no FMA) with float16 value_scale [Pcold, Hkv, T, 2C]:
+ *     columns [0, C) the scales, [C, 2C) the mins, C = 1 or D / C a power of two: channel c
+ *     uses column c / (D / C) and C + c / (D / C); value_scale_channels is 2C. Keys:
+ *     min(lo + q * step, hi) with step = (hi - lo) * f32(1/15), lo/hi the page's
+ *     key_min/key_max or, two-level (0 < sp < ps), the token's sub-page bounds that its
+ *     key_sub_bounds code decodes to (prefill reads them too); key_scale
  *     ([Pcold, Hkv, 1, 1], float16) is not read.
  * A page id p in [P, P + Pcold) is cold page p - P, read in fp32. key_min/key_max
  * keep one row per page id, hot (exact) or cold (bounds of what the kernels read)
@@ -38,7 +40,8 @@
  * A decode step keeps candidate pages by the page score, then sub-pages of the
  * candidates by the decoded bounds, and attends the kept sub-pages only;
  * selected_pages marks a page when any of its sub-pages is attended. sp == 0 or
- * sp == ps is single-level (key_sub_bounds and sub_pages are then not read).
+ * sp == ps is single-level (key_sub_bounds and sub_pages are then not read; an INT4
+ * package's codes are then 0, the page bounds).
  *
  * Every entry point returns a QsaStatus and never aborts, allocates, or
  * synchronizes the stream. The kernels read page ids from device memory, so
@@ -116,7 +119,7 @@ typedef struct QsaColdDims {
     int32_t key_scale_tokens;     /* Tk: 1 or ps */
     int32_t key_scale_channels;   /* Ck: 1 or D (int4: 1 or D / a power of two) */
     int32_t value_scale_tokens;   /* Tv: 1 or ps */
-    int32_t value_scale_channels; /* Cv: as Ck */
+    int32_t value_scale_channels; /* Cv: as Ck (int4: 2C, scales then mins) */
     int32_t format;               /* QSA_COLD_FORMAT_INT8 (0) or QSA_COLD_FORMAT_INT4 */
 } QsaColdDims;
 
@@ -141,7 +144,7 @@ typedef struct QsaForwardParams {
     const void* value_cache_int8; /* as key_cache_int8 */
     const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] (int4: float16) */
     const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] (int4: float16) */
-    const void* key_sub_bounds;   /* uint8 [Ptot, Hkv, r, D]; read only by two-level decode */
+    const void* key_sub_bounds;   /* uint8 [Ptot, Hkv, r, D]; read by two-level decode and (INT4) cold keys */
     void* output;
     void* selected_pages; /* may be NULL */
     int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */

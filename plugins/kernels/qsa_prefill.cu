@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
     const T* kn = static_cast<const T*>(p.key) + (size_t(b) * Hkv + h) * S * D;
     const T* vn = static_cast<const T*>(p.value) + (size_t(b) * Hkv + h) * S * D;
     const ScaleView ksv = scale_view(p.key_scale, p.cold.key_scale_tokens, p.cold.key_scale_channels, D);
-    const ScaleView vsv = scale_view(p.value_scale, p.cold.value_scale_tokens, p.cold.value_scale_channels, D);
+    const ScaleView vsv = value_scale_view<CF == kNoCold ? kColdInt8 : CF>(p, D);
     __shared__ int key_ok[kKeys];
 
     for (int j0 = 0; j0 < total; j0 += kKeys) {
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) prefill_tiled_kernel(QsaForwardParam
                     constexpr int F = CF == kNoCold ? kColdInt8 : CF;  // compiled out when kNoCold
                     const size_t page_head = size_t(page - d.num_pages) * Hkv + h, row = page_head * ps + off;
                     kv = cold_key<T, F>(p, ksv, page, h, page_head, row, off, D, dd);
-                    vv = cold_value<F>(p.value_cache_int8, row, D, dd) * vsv.at<F>(page_head, off, dd);
+                    vv = cold_v<F>(p, vsv, page_head, row, off, D, dd);
                 } else {
                     ok = false;
                     if (dd == 0) raise_flag(p.error_flags, QSA_FLAG_BAD_PAGE_ID);

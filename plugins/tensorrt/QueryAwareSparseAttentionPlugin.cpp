@@ -180,7 +180,8 @@ bool dimsFrom(GetDims dimsOf, QsaDims& d) {
 }
 
 // Cold tier from the four optional inputs: pools [Pcold, Hkv, ps, D] like the hot pool
-// (int4: D/2 packed bytes), scales [Pcold, Hkv, 1|ps, C]. qsa_check re-checks the
+// (int4: D/2 packed bytes), scales [Pcold, Hkv, 1|ps, C] (int4 V: 2C, scales then mins - format 3,
+// passed on as value_scale_channels = 2C). qsa_check re-checks the
 // extents, the format and Ptot >= P + Pcold; the pool shapes are only visible here.
 template <typename GetDims>
 bool coldDimsFrom(GetDims dimsOf, QsaDims const& d, int32_t format, QsaColdDims& c) {
@@ -251,7 +252,7 @@ int32_t QueryAwareSparseAttentionPlugin::onShapeChange(PluginTensorDesc const* i
                  emptyInput(in[QSA_IN_VALUE_CACHE_INT8].dims) && emptyInput(in[QSA_IN_KEY_SCALE].dims) &&
                  emptyInput(in[QSA_IN_VALUE_SCALE].dims));
     if (mHasCold && !coldDimsFrom(dimsOf, mDims, mColdFormat, mCold)) {
-        logError("cold-tier shapes: want pools [Pcold, Hkv, ps, D] (int4: D/2) and scales [Pcold, Hkv, 1|ps, C]");
+        logError("cold-tier shapes: want pools [Pcold, Hkv, ps, D] (int4: D/2) and scales [Pcold, Hkv, 1|ps, C] (int4 V: 2C)");
         return -1;
     }
     if (!subBoundsFrom(dimsOf, nbInputs, mDims)) {
@@ -296,7 +297,7 @@ int32_t QueryAwareSparseAttentionPlugin::enqueue(PluginTensorDesc const* inputDe
         p.value_scale = inputs[QSA_IN_VALUE_SCALE];
     }
     int32_t const subBounds = subBoundsInput(mNbInputs);
-    if (subBounds >= 0) p.key_sub_bounds = inputs[subBounds];  // read by two-level decode only
+    if (subBounds >= 0) p.key_sub_bounds = inputs[subBounds];  // two-level decode; INT4 cold keys (format 3)
     p.output = outputs[QSA_OUT_OUTPUT];
     p.selected_pages = outputs[QSA_OUT_SELECTED_PAGES];
     int32_t const status = qsa_forward(&p, workspace, qsa_workspace_size(&mDims), stream);

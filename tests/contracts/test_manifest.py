@@ -67,10 +67,14 @@ def test_round_trip_keeps_every_field_and_unknown_keys(tmp_path):
     # an INT4 package from before keys moved onto the page bounds (no version: symmetric keys)
     (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
                                        sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
-                                       group_size=16)), "INT4 cold-page format version 1, this tinyserve reads 2"),
+                                       group_size=16)), "INT4 cold-page format version 1, this tinyserve reads 3"),
+    # format 2 (symmetric V, keys on the page bounds in two-level packages too): its bytes differ
     (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
                                        sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
-                                       cold_format_version=3)), "re-export the package with --cold-pages int4"),
+                                       cold_format_version=2)), "INT4 cold-page format version 2, this tinyserve reads 3"),
+    (lambda d: d.update(cold_tier=dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5,
+                                       sink_pages=1, recent_pages=1, decay=0.9, cold_format="int4",
+                                       cold_format_version=4)), "re-export the package with --cold-pages int4"),
 ])
 def test_bad_manifest_is_one_line_naming_the_file(tmp_path, change, message):
     data = manifest().to_dict()

@@ -60,11 +60,25 @@ def test_manifest_records_the_tier_and_validation_ran(llama_cold):
 
 def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_path):
     from tinyserve_trt.export.pipeline import export_model
+    from tinyserve_trt.export.report import print_summary
+    from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
     src, _, manifest = llama
-    export_model(src, tmp_path / "pkg", ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True,
-                                                     validate=False), quiet=True)
+    config = ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True, validate=False)
+    report = export_model(src, tmp_path / "pkg", config, quiet=True)
     tier = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["cold_tier"]
+    assert tier["cold_format_version"] == INT4_FORMAT_VERSION == 3
+    # the summary prices the cold page against an FP16 page, by the codec's bytes
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_summary(report, config)
+    line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("cold page"))
+    D = report.head_dim  # ps 4: K 2D + 2 (placeholder) + V 2D + 4 * 2 * (D/16) * 2 + min/max 4D bytes
+    want = (4 * D + 2 + 4 * 2 * (D // 16) * 2 + 4 * D) / ((2 * 4 * D + 2 * D) * 2)
+    assert f"int4 (format 3): {want:.3f} of an FP16 page" in line, line
     assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
     assert not (tmp_path / "pkg" / "calibration.json").exists()
     # every op node names its cold format twice: the overload (ONNX function) and the

@@ -2,10 +2,10 @@
 
 The INT4 twin of the mixed hot + INT8 tests in ``test_kernels_gpu.py`` and
 ``test_two_level_kernels.py``: the cold pools are uint8 ``[Pcold, Hkv, ps, D/2]``
-(channel j in the low nibble of byte j, j + D/2 in the high one): V with float16
-scales per channel group, K on the page's key_min/key_max (``ops/cold_codec.py``),
-and the kernels dequantize on load (``qsa_common.cuh::cold_key`` / ``cold_value`` /
-``ScaleView``). ``sparse_attention_ref``
+(channel j in the low nibble of byte j, j + D/2 in the high one), format 3: V asymmetric
+with float16 scales + mins per channel group, K on the page's key_min/key_max or, two-level,
+on each sub-page's decoded codes (``ops/cold_codec.py``), and the kernels dequantize on load
+(``qsa_common.cuh::cold_key`` / ``cold_v`` / ``ScaleView``). ``sparse_attention_ref``
 dequantizes with the codec itself, so a swapped nibble order or a wrong scale
 column moves the outputs far past the tolerance. Marked ``gpu``; without CUDA the
 ``cuda_lib`` fixture runs the same kernel sources in the CPU emulation.
@@ -93,6 +93,35 @@ def test_int4_two_level_decode(cuda_lib, rng, dtype, granularity):
     out, _ = sparse_attention_gpu(**case, attrs=attrs, num_splits=3)
     _assert_close(out, attention_with_selection_ref(dequantized_float32_case(case), got, attrs), dtype,
                   "two-level int4 output vs dequantized all-hot cache")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("S,budget", [(1, 0), (1, 48), (3, 32)], ids=["decode-dense", "decode-sparse", "prefill"])
+def test_int4_two_level_reference_onnx_kernel_agree(cuda_lib, rng, dtype, S, budget):
+    """Format 3, two-level: cold keys on their sub-page's decoded bounds in all three - the numpy
+    reference, the ONNX function (ORT) and the emulated kernel (decode's kept sub-pages, prefill's
+    every page) - on a randomized GQA batch with ragged lengths and partial last pages."""
+    ort = pytest.importorskip("onnxruntime")
+    from tinyserve_dev.kernels.harness import sparse_attention_gpu
+    from tinyserve_trt.ops.node import make_op_model
+    from tinyserve_trt.ops.reference import sparse_attention_ref
+
+    lens = tuple(int(x) for x in rng.integers(1, 16 * 12, 4))
+    case = _int4_case(CaseSpec(lens, 8, 2, 64, 16, S, dtype, budget=budget, sub_page_size=4), rng,
+                      ("channel", "token", 16), float(rng.uniform(0.3, 0.7)))
+    attrs = schema.OpAttributes(sub_page_size=4)
+    ref, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    sess = ort.InferenceSession(make_op_model(dtype, attrs, cold_pages=True, cold_format="int4").SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    onnx_out, onnx_sel = sess.run(None, {n: case[n] for n in schema.node_input_names(True, True) if n})
+    _assert_close(onnx_out, ref, dtype, "two-level int4: ONNX function vs reference")
+    if S == 1 and budget:  # sparse decode: the kept sub-pages may break near-ties another way
+        run_two_level(case, attrs, dtype, num_splits=2)
+        return
+    out, sel = sparse_attention_gpu(**case, attrs=attrs, num_splits=2)
+    np.testing.assert_array_equal(sel, ref_sel)
+    np.testing.assert_array_equal(onnx_sel, ref_sel)
+    _assert_close(out, ref, dtype, "two-level int4: emulated kernel vs reference")
 
 
 def test_int4_single_cold_page(cuda_lib, rng):

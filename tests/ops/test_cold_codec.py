@@ -8,7 +8,7 @@ from hypothesis.extra import numpy as hnp
 
 from tinyserve_trt.ops import quantization
 from tinyserve_trt.ops.cold_codec import ColdCodec, expand_scale, pack_int4, page_bounds, unpack_int4
-from tinyserve_trt.ops.fine_bounds import level_step
+from tinyserve_trt.ops.fine_bounds import decode, level_step, page_sub_bounds
 
 PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8, 16])),
                    elements=st.floats(-1e4, 1e4, width=32))
@@ -24,19 +24,29 @@ def test_pack_unpack_round_trip(q):
 
 
 @settings(max_examples=300, deadline=None)
-@given(PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]), st.data())
-def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, data):
-    """V: |x - deq(q(x))| <= scale / 2 elementwise over the valid tokens, with the stored float16 scale."""
+@given(PAGES, st.sampled_from(["channel", "token", "head"]), st.sampled_from([0, 2]),
+       st.sampled_from([np.float32, np.float16]), st.data())
+def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, dtype, data):
+    """V (asymmetric): |x - deq(q(x))| <= scale / 2 (+ float32 rounding of q * scale + min)
+    elementwise over the valid tokens, with the stored float16 scale; the stored min is at most
+    the group's min, and the top level reaches its max. fp32 and fp16 pools."""
+    x = x.astype(dtype)
     Hkv, ps, D = x.shape
     valid = data.draw(st.integers(1, ps))
     codec = ColdCodec("int4", "channel", granularity, group)
     q, scale = codec.quantize(x, "v", valid)
     assert q.dtype == np.uint8 and q.shape == (Hkv, ps, D // 2)
     assert scale.dtype == np.float16 and scale.shape == codec.scale_shape("v", Hkv, ps, D)
-    err = np.abs(x.astype(np.float64) - codec.dequantize(q, scale, np.float64))[:, :valid]
-    bound = expand_scale(scale, ps, D)[:, :valid].astype(np.float64) / 2
-    assert np.all(err <= bound * (1 + 1e-6) + 1e-30)
-    assert np.all(np.abs(unpack_int4(q)) <= 7)
+    C = scale.shape[-1] // 2
+    step, vmin = (expand_scale(s, ps, D).astype(np.float64) for s in (scale[..., :C], scale[..., C:]))
+    assert np.all(step > 0)
+    deq = codec.dequantize(q, scale, np.float64)
+    assert deq.dtype == np.float64
+    err = np.abs(x.astype(np.float64) - deq)[:, :valid]
+    top = vmin + 15 * step
+    rounding = 2 * np.finfo(np.float32).eps * np.maximum(np.abs(vmin), np.abs(top))
+    assert np.all(err <= (step / 2 + rounding)[:, :valid])
+    assert np.all(vmin[:, :valid] <= x[:, :valid]) and np.all(top[:, :valid] >= x[:, :valid])
 
 
 @settings(max_examples=300, deadline=None)
@@ -59,11 +69,51 @@ def test_int4_keys_on_the_page_bounds(x, dtype, data):
     lo, hi = kmin.astype(np.float32)[:, None, :], kmax.astype(np.float32)[:, None, :]
     assert np.all(deq >= lo) and np.all(deq <= hi)
     step = level_step(kmin, kmax)[:, None, :].astype(np.float64)
-    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64)
+    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
+    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
+        + 16 * float(np.finfo(np.float32).smallest_subnormal)
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= step / 2 + rounding)
     np.testing.assert_array_equal(deq[:, :valid].min(axis=1), lo[:, 0])  # q = 0 is key_min exactly
     assert np.all(unpack_int4(q) + 8 >= 0) and np.all(unpack_int4(q) + 8 <= 15)
+
+
+SUB_PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([4, 16]), st.sampled_from([2, 8])),
+                       elements=st.floats(-1e4, 1e4, width=32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(SUB_PAGES, st.sampled_from([np.float32, np.float16]), st.sampled_from([1, 2, 4]), st.data())
+def test_int4_keys_on_the_sub_page_bounds(x, dtype, sp, data):
+    """Two-level: each key quantizes between its sub-page's decoded fine bounds ``lo/hi`` (the codes
+    computed from the hot keys), so ``lo <= k' <= hi`` - the codes and page bounds stay upper bounds
+    of the dequantized keys, no metadata changes - and |x - k'| <= step_sub / 2 (+ float32 rounding)."""
+    x = x.astype(dtype)
+    if not np.all(np.isfinite(x)):
+        return
+    Hkv, ps, D = x.shape
+    valid = data.draw(st.integers(1, ps))
+    codec = ColdCodec("int4", "channel", "token", 2)
+    kmin, kmax = page_bounds(x, valid)
+    codes = page_sub_bounds(x, sp, kmin, kmax, valid)  # [Hkv, r, D], from the hot keys
+    q, scale = codec.quantize(x, "k", valid, bounds=(kmin, kmax), sub_codes=codes)
+    deq = codec.dequantize_keys(q, scale, kmin, kmax, sub_codes=codes)
+    assert deq.dtype == np.float32 and deq.shape == x.shape
+    lo, hi = (np.repeat(b, sp, axis=1) for b in decode(codes, kmin, kmax))  # per token [Hkv, ps, D]
+    assert np.all(deq >= lo) and np.all(deq <= hi)
+    assert np.all(deq >= kmin.astype(np.float32)[:, None]) and np.all(deq <= kmax.astype(np.float32)[:, None])
+    step = level_step(lo, hi).astype(np.float64)
+    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
+    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
+        + 16 * float(np.finfo(np.float32).smallest_subnormal)
+    err = np.abs(x.astype(np.float64) - deq)[:, :valid]
+    assert np.all(err <= (step / 2 + rounding)[:, :valid])
+    # the codes of the dequantized keys are never wider than the stored ones: re-encoding them is
+    # what a cold page's metadata could be, and the stored codes still hold them
+    np.testing.assert_array_equal(deq[:, :valid].min(axis=1), kmin.astype(np.float32))  # lo_c 0 at the min
+    # no codes = the page bounds (single-level packages keep format 2's rule)
+    np.testing.assert_array_equal(codec.dequantize_keys(q, scale, kmin, kmax, sub_codes=np.zeros_like(codes)),
+                                  codec.dequantize_keys(q, scale, kmin, kmax))
 
 
 def test_int4_keys_beat_symmetric_absmax_on_offset_channels():
@@ -131,7 +181,8 @@ def test_int4_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, grou
     valid = data.draw(st.integers(1, x.shape[1]))
     codec = ColdCodec("int4", "channel", granularity, group)
     q, scale = codec.quantize(x, "v", valid)
-    _assert_tiny_round_trip(x, q, scale, codec.dequantize(q, scale), np.float16, valid)
+    C = scale.shape[-1] // 2  # the scales; the mins follow (and are 0 or tiny here)
+    _assert_tiny_round_trip(x, q, scale[..., :C], codec.dequantize(q, scale), np.float16, valid)
 
 
 def test_tiny_absmax_scale_is_clamped_not_zero():
@@ -146,9 +197,9 @@ def test_tiny_absmax_scale_is_clamped_not_zero():
 def test_bytes_and_shapes():
     int4 = ColdCodec("int4", "channel", "token", 32)
     # SmolLM2 page: K 16x64 nibbles (+ one unused fp16 placeholder: keys read the page bounds);
-    # V + 16 tokens x 2 groups
+    # V + 16 tokens x 2 groups x (scale, min)
     assert int4.bytes_per_page("k", 1, 16, 64) == 512 + 2
-    assert int4.bytes_per_page("v", 1, 16, 64) == 512 + 64
+    assert int4.bytes_per_page("v", 1, 16, 64) == 512 + 128
     assert ColdCodec().bytes_per_page("k", 3, 16, 64) == quantization.bytes_per_page("channel", 3, 16, 64)
     with pytest.raises(ValueError, match="int4 cold pages only"):
         ColdCodec("int8", group_size=32)
@@ -158,3 +209,11 @@ def test_bytes_and_shapes():
         ColdCodec("int4", group_size=32).scale_shape("v", 1, 16, 48)
     with pytest.raises(ValueError, match="power of two"):
         ColdCodec("int4", group_size=3)
+
+
+@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int4", 16), ("int4", 0)])
+def test_blank_cold_page_reads_as_zero_values(fmt, group):
+    """An unused cold slot (zero bytes, the codec's blank scales) dequantizes to 0 values."""
+    codec = ColdCodec(fmt, "channel", "token", group)
+    q = np.zeros(codec.pool_shape(2, 4, 32), codec.storage_dtype)
+    np.testing.assert_array_equal(codec.dequantize(q, codec.blank_scales("v", 2, 4, 32)), 0.0)

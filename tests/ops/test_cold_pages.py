@@ -144,6 +144,34 @@ def test_int4_prefill_and_two_level(rng):
     _check4(case, schema.OpAttributes(sub_page_size=4), "float32")
 
 
+@pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
+@pytest.mark.parametrize("opset", [17, schema.OPSET])
+def test_int4_two_level_keys_on_sub_page_bounds(rng, dtype, opset):
+    """Format 3, two-level: cold keys dequantize on their sub-page's decoded bounds in every gather
+    of the body - the sparse sub-page gather, the dense part and the every-page (If) branch,
+    prefill - GQA, batch > 1, ragged and partial pages. The reference reads the same rule
+    (and the all-hot run of the dequantized pools must agree)."""
+    lens = tuple(int(x) for x in rng.integers(1, 16 * 9, 4))
+    for S, budget in ((1, 32), (1, 0), (3, 32)):
+        spec = CaseSpec(lens, 8, 2, 16, 16, S, dtype, budget, sub_page_size=4)
+        case = make_mixed_case(spec, rng, float(rng.uniform(0.3, 0.7)), cold_format="int4", group_size=8)
+        _check4(case, schema.OpAttributes(sub_page_size=4, sink_pages=int(rng.integers(0, 2))), dtype, opset)
+
+
+def test_int4_two_level_reads_the_codes(rng):
+    """The sub-page rule is observable: the same cold bytes read on the page bounds give another
+    output, so a body (or reference) that ignored the codes would fail the checks above."""
+    spec = CaseSpec((70, 33, 120), 4, 2, 16, 16, 1, "float32", 0, sub_page_size=4)
+    case = make_mixed_case(spec, rng, 0.5, cold_format="int4", group_size=8)
+    attrs = schema.OpAttributes(sub_page_size=4)
+    out, _ = run_mixed4(case, attrs, "float32")
+    P = case["key_cache"].shape[0]
+    page_rule = dict(case, key_sub_bounds=case["key_sub_bounds"].copy())
+    page_rule["key_sub_bounds"][P:] = 0  # code 0: the page bounds
+    other, _ = run_mixed4(page_rule, attrs, "float32")
+    assert np.abs(out - other).max() > 1e-3
+
+
 def test_int4_overload_name():
     names = list(schema.node_input_names(cold_pages=True))
     node = make_node(names, ["o"], cold_pages=True, cold_format="int4")

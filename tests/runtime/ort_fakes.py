@@ -133,8 +133,9 @@ class FakeSession:
                 pool = x[f"key_cache_int8.{layer}"]
                 codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
                 P = cache.shape[0]  # INT4 keys read their page's bounds (by physical id)
+                codes = x.get(f"key_sub_bounds.{layer}")  # two-level: INT4 keys on the sub-page codes
                 cold = codec.dequantize_keys(pool, x[f"key_scale.{layer}"], x[f"key_min.{layer}"][P:],
-                                             x[f"key_max.{layer}"][P:])
+                                             x[f"key_max.{layer}"][P:], sub_codes=None if codes is None else codes[P:])
                 cache = np.concatenate([cache, cold])
             for b in range(b_rows):
                 slots = np.arange(past[b])

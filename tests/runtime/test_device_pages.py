@@ -63,11 +63,31 @@ def test_quantize_matches_the_numpy_codec(codec, dtype, device):
                                           codec.dequantize(qn, sn))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_int4_keys_on_sub_page_codes_match_the_numpy_codec(dtype, device):
+    """Format 3, two-level: quantizing / dequantizing keys on their sub-page codes is the codec's."""
+    from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+
+    codec = ColdCodec("int4", "channel", "token", 4)
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, H, PS, D)) * rng.uniform(0.1, 30, (5, H, 1, D))).astype(dtype)
+    kmin, kmax = page_bounds(x)
+    codes = pages_sub_bounds(x, 2, kmin, kmax, np.full(5, PS))
+    assert codes.any()  # sub-page bounds tighter than the page's somewhere
+    want = [codec.quantize(x[i], "k", bounds=(kmin[i], kmax[i]), sub_codes=codes[i]) for i in range(5)]
+    qn, sn = (np.stack(a) for a in zip(*want))
+    tb = [torch.from_numpy(b).to(device) for b in (kmin, kmax, codes)]
+    q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, "k", bounds=tuple(tb[:2]), codes=tb[2])
+    np.testing.assert_array_equal(q.cpu().numpy(), qn)
+    got = dequantize_keys(q, s, tb[0], tb[1], torch.float32, codec, tb[2]).cpu().numpy()
+    np.testing.assert_array_equal(got, codec.dequantize_keys(qn, sn, kmin, kmax, sub_codes=codes))
+
+
 def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False, cold_format="int8",
-           group_size=0):
+           group_size=0, sub_page_size=0):
     """(numpy pool, device-attached pool, its DevicePages) of the same geometry; ``static``:
     calibrated scales (small enough that some values clip)."""
-    config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype)
+    config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype, sub_page_size=sub_page_size)
     tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran,
                        scales="static" if static else "dynamic", cold_format=cold_format, group_size=group_size)
     scales = (np.full((L, H, 1, D), 6.0 / 127, np.float32), np.full((L, H, 1, 1), 9.0 / 127, np.float32)) \
@@ -110,6 +130,9 @@ def _assert_same(host, dev, pages, handles):
             np.testing.assert_array_equal(dev.num_valid(layer)[p], host.num_valid(layer)[p])
             np.testing.assert_array_equal(t["key_min"][p].cpu().numpy(), host.key_min(layer)[p])
             np.testing.assert_array_equal(t["key_max"][p].cpu().numpy(), host.key_max(layer)[p])
+            if host.storage.sub_page_size:
+                np.testing.assert_array_equal(t["key_sub_bounds"][p].cpu().numpy(),
+                                              host.storage.read_sub_bounds(layer, p))
             if p < host.num_hot:
                 n = host.num_valid(layer)[p]
                 np.testing.assert_array_equal(t["key_cache"][p, :, :n].cpu().numpy(), host.k_pages(layer)[p, :, :n])
@@ -127,12 +150,15 @@ def _assert_same(host, dev, pages, handles):
                                                (("head", "channel"), False, ("int8", 0)),
                                                (("channel", "token"), True, ("int8", 0)),
                                                (("channel", "token"), False, ("int4", 0)),
-                                               (("channel", "head"), False, ("int4", 4))],
-                         ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-channel-head-g4"])
+                                               (("channel", "head"), False, ("int4", 4)),
+                                               (("channel", "token"), False, ("int4", 4, 2))],
+                         ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-channel-head-g4",
+                              "int4-two-level"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel-writes", "pool-writes"])
 def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, cold, kernel, device):
     rng = np.random.default_rng()
-    host, dev, pages = _pools(device, dtype, *grans, static=static, cold_format=cold[0], group_size=cold[1])
+    host, dev, pages = _pools(device, dtype, *grans, static=static, cold_format=cold[0], group_size=cold[1],
+                              sub_page_size=cold[2] if len(cold) > 2 else 0)
     a, b = host.allocate(3), dev.allocate(3)
     assert a == b
     k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)

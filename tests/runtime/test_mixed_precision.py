@@ -153,3 +153,25 @@ def test_static_scales_need_a_calibrated_package(llama, tmp_path):
     with pytest.raises(ValueError, match="static KV scales need a package exported with --calibration"):
         LLM(pkg, kv_scales="static")
     assert LLM(pkg).engine.pool.tiers.scales == "dynamic"
+
+
+def test_int4_two_level_package_quantizes_each_layer_as_its_node_reads(llama, tmp_path):
+    """A two-level INT4 package (format 3): the sparse layers' nodes read key_sub_bounds and their cold
+    keys quantize on the sub-page codes; the dense layers' nodes do not, and theirs on the page bounds.
+    The pool takes that split from the manifest; the engine runs with the pool checked every step."""
+    from tinyserve_trt.export.config import ExportConfig
+    from tinyserve_trt.export.pipeline import export_model
+
+    src, _, manifest = llama
+    pkg = tmp_path / "pkg"
+    export_model(src, pkg, ExportConfig(page_size=4, token_budget=8, dense_layers=1, cold_pages=True,
+                                        cold_format="int4", sub_page_size=2, validate=False), quiet=True)
+    llm = LLM(pkg, max_batch=4, hot_fraction=0.25)
+    layers = llm.engine.package.layers
+    two_level = {i for i, layer in enumerate(layers) if "key_sub_bounds" in layer}
+    assert two_level and len(two_level) < len(layers)  # both kinds of layer
+    storage = llm.engine.pool.storage
+    assert storage.two_level_layers == two_level
+    assert [storage.keys_on_codes(i) for i in range(len(layers))] == [i in two_level for i in range(len(layers))]
+    _, most_cold = run_checked(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert most_cold > 0

@@ -336,3 +336,75 @@ def test_int4_pool_is_what_the_op_reads(rng):
     sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out, _ = sess.run(None, {n: feeds[n] for n in schema.node_input_names(cold_pages=True)})
     np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_int4_two_level_demotion_keeps_metadata(rng, dtype):
+    """Format 3: a two-level pool's INT4 demotion quantizes each key on its sub-page's codes, so the
+    page's min/max and codes stay bit-for-bit, hold the dequantized keys, and a promotion recomputes
+    exact hot metadata; the pool's inputs run the two-level _int4 overload equal to the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = make_pool(hot=8, cold=6, dtype=dtype, sub_page_size=2, cold_format="int4", group_size=4)
+    (a,) = pool.allocate(1)
+    fill(pool, a, rng)
+    hot = pool.physical(a)
+    before = [(pool.storage.read_page(layer, hot)[1:], pool.storage.read_sub_bounds(layer, hot).copy())
+              for layer in range(L)]
+    pool.demote(a)
+    cold = pool.physical(a)
+    for layer, ((kmin, kmax), codes) in enumerate(before):
+        keys, cmin, cmax = pool.storage.read_page(layer, cold)
+        np.testing.assert_array_equal(cmin, kmin)
+        np.testing.assert_array_equal(cmax, kmax)
+        np.testing.assert_array_equal(pool.storage.read_sub_bounds(layer, cold), codes)
+        codec = pool.storage.codec
+        np.testing.assert_array_equal(keys, codec.dequantize_keys(
+            pool.storage.cache_inputs(layer)["key_cache_int8"][cold - pool.num_hot], np.ones((H, 1, 1)),
+            kmin, kmax, sub_codes=codes))
+    pool.check_integrity([[a]], check_data=True)
+    pool.promote(a)
+    pool.check_integrity([[a]], check_data=True)  # exact hot min/max and codes of the promoted keys
+    pool.decref(a)
+
+    feeds = mixed_tier_feeds(pool, rng, dtype)
+    attrs = schema.OpAttributes(sub_page_size=2)
+    ref, ref_sel = sparse_attention_ref(**feeds, attrs=attrs)
+    model = make_op_model(dtype, attrs, cold_pages=True, cold_format="int4")
+    sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, sel = sess.run(None, {n: feeds[n] for n in schema.node_input_names(True, True) if n})
+    np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), **schema.TOLERANCES[dtype])
+    np.testing.assert_array_equal(sel.sum(-1), ref_sel.sum(-1))
+
+
+def test_int4_single_level_layers_of_a_two_level_pool_read_the_page_bounds(rng):
+    """A two-level package's dense layers' nodes take no key_sub_bounds and read INT4 cold keys on
+    the page bounds: the pool quantizes those layers so (and gives them codes of the dequantized
+    keys), the two-level layers on their codes; each layer's op overload agrees with the reference."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    from tinyserve_trt.ops.cold_codec import ColdCodec
+    from tinyserve_trt.ops.node import make_op_model
+
+    pool = TieredPagePool(CacheConfig(page_size=PS, num_pages=8, dtype="float32", sub_page_size=2),
+                          TierConfig(num_cold_pages=6, cold_format="int4", group_size=4), L, H, D,
+                          two_level_layers=[1])
+    assert [pool.storage.keys_on_codes(layer) for layer in range(L)] == [False, True]
+    feeds = mixed_tier_feeds(pool, rng, "float32")  # demotes three pages, checks integrity
+    codec, P = ColdCodec("int4", "channel", "token", 4), pool.num_hot
+    for layer, two_level in ((0, False), (1, True)):
+        x = pool.storage.cache_inputs(layer)
+        codes = x["key_sub_bounds"][P:] if two_level else None
+        want = codec.dequantize_keys(x["key_cache_int8"], x["key_scale"], x["key_min"][P:], x["key_max"][P:],
+                                     sub_codes=codes)
+        cold = [p for p in range(P, P + pool.num_cold) if x["key_max"][p].any()]
+        assert cold
+        for p in cold:
+            np.testing.assert_array_equal(pool.storage.read_page(layer, p)[0], want[p - P])
+        layer_feeds = dict(feeds, **x)
+        attrs = schema.OpAttributes(sub_page_size=2 if two_level else 0)
+        ref, _ = sparse_attention_ref(**layer_feeds, attrs=attrs)
+        model = make_op_model("float32", attrs, cold_pages=True, cold_format="int4")
+        sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out, _ = sess.run(None, {n: layer_feeds[n] for n in schema.node_input_names(True, two_level) if n})
+        np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])

@@ -144,8 +144,11 @@ class FakeContext:
                 pool = self._view(f"key_cache_int8.{layer}")
                 codec = ColdCodec("int4" if pool.dtype == np.uint8 else "int8")  # the format is the pool's dtype
                 P = cache.shape[0]  # INT4 keys read their page's bounds (by physical id)
+                sub = f"key_sub_bounds.{layer}"  # two-level: INT4 keys on the sub-page codes
+                codes = self._view(sub)[P:] if sub in self.engine.spec else None
                 cold = codec.dequantize_keys(pool, self._view(f"key_scale.{layer}"),
-                                             self._view(f"key_min.{layer}")[P:], self._view(f"key_max.{layer}")[P:])
+                                             self._view(f"key_min.{layer}")[P:], self._view(f"key_max.{layer}")[P:],
+                                             sub_codes=codes)
                 cache = np.concatenate([cache, cold])
             for b in range(b_rows):  # never reads a page-table column past past_lens
                 slots = np.arange(past[b])

@@ -22,7 +22,8 @@ SCALES = ("dynamic", "static")
 # Channels per V (per-token) scale of INT4 pages: on SmolLM2 (benchmarks/results/
 # quant_granularity_int4.md, page 16) V per token in groups of 16 has the lowest attention error
 # of the pairs measured (0.125 vs 0.131 at 32, 0.138 ungrouped) for 6 more bytes per token and KV
-# head. INT4 keys take no scale: per channel on the page bounds (ops/cold_codec.py).
+# head (format 3, asymmetric: a float16 scale and min per group, 8 more). INT4 keys take no scale:
+# per channel on the page (two-level: sub-page) bounds (ops/cold_codec.py).
 INT4_GROUP_SIZE = 16
 
 
@@ -74,6 +75,15 @@ def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_h
     key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
     kv = sum(tiers.codec.bytes_per_page(w, num_kv_heads, page_size, head_dim) for w in ("k", "v"))
     return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
+
+
+def cold_page_ratio(tiers: TierConfig, page_size: int, head_dim: int, dtype: str = "float16") -> float:
+    """What a cold page costs per hot ``dtype`` page (both with key_min/key_max in ``dtype``; the
+    same for every layer and KV head): INT4 format 3 at page 32 / head dim 64, V per token in groups
+    of 16 channels, is 0.334 of an FP16 page (format 2: 0.303)."""
+    item = np.dtype(dtype).itemsize
+    hot = (2 * page_size * head_dim + 2 * head_dim) * item
+    return cold_page_bytes(tiers, page_size, 1, 1, head_dim, dtype) / hot
 
 
 @dataclass(frozen=True)
@@ -132,5 +142,5 @@ def unused_cold_inputs(cold_tier: dict, num_kv_heads: int, page_size: int, head_
     reads it, but its cold overload needs ``Pcold >= 1`` of the right types."""
     c = tier_codec(cold_tier)
     q = np.zeros((1, *c.pool_shape(num_kv_heads, page_size, head_dim)), c.storage_dtype)
-    k, v = (np.ones((1, *c.scale_shape(w, num_kv_heads, page_size, head_dim)), c.scale_dtype) for w in "kv")
+    k, v = (c.blank_scales(w, num_kv_heads, page_size, head_dim)[None] for w in "kv")
     return dict(key_cache_int8=q, value_cache_int8=q.copy(), key_scale=k, value_scale=v)

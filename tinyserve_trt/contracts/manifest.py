@@ -77,7 +77,7 @@ class PackageIO:
 
 def _old_int4(version) -> str:
     return (f"cold_tier: INT4 cold-page format version {version!r}, this tinyserve reads {INT4_FORMAT_VERSION} "
-            "(keys on the page bounds, ops/cold_codec.py): re-export the package with --cold-pages int4")
+            "(keys on the sub-page bounds, asymmetric V: ops/cold_codec.py): re-export the package with --cold-pages int4")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ class ColdTier:
     """The cold tier the model was exported with (``tinyserve-export --calibration``
     or ``--cold-pages int8|int4``): ``cold_format`` (the op overload's and the cold inputs'
     types; a manifest without it is int8; ``cold_format_version``: int4's, a package written
-    before version 2 - symmetric INT4 keys - is refused), scale granularities and ``group_size``, the
+    with another version - 1: symmetric keys, 2: symmetric V and keys on the page bounds
+    only - is refused, its bytes read otherwise), scale granularities and ``group_size``, the
     hot/cold policy defaults (``contracts.cold_tier.TierConfig`` / ``HotnessConfig``
     fields), and ``calibration``: where they came from (``file`` in the package, model,
     ...), None for defaults."""

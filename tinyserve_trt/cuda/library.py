@@ -192,9 +192,11 @@ def cold_dims(shapes: Mapping[str, Sequence[int] | None], cold_format: str = "in
     extents = []
     for n in COLD_POINTERS[2:]:
         shape = tuple(shapes[n])
-        ch_ok = len(shape) == 4 and (shape[3] in (1, D) or (int4 and shape[3] > 0 and D % shape[3] == 0))
+        pairs = 2 if int4 and n == "value_scale" else 1  # INT4 V: C scales, then C mins (cold_codec format 3)
+        C = shape[3] // pairs if len(shape) == 4 and shape[3] % pairs == 0 else 0
+        ch_ok = len(shape) == 4 and (C in (1, D) or (int4 and C > 0 and D % C == 0))
         if len(shape) != 4 or shape[:2] != (Pcold, Hkv) or shape[2] not in (1, ps) or not ch_ok:
-            chans = f"C dividing {D}" if int4 else f"1|{D}"
+            chans = (f"2C, C dividing {D}" if pairs == 2 else f"C dividing {D}") if int4 else f"1|{D}"
             raise ValueError(f"{n} must be [Pcold={Pcold}, Hkv={Hkv}, 1|{ps}, {chans}], got {shape}")
         extents += shape[2:]
     return QsaColdDims(Pcold, *extents, COLD_FORMAT_IDS[cold_format])

@@ -34,7 +34,7 @@ class ExportConfig:
     # inputs per layer. ``calibration`` (a tinyserve-calibrate artifact) implies ``cold_pages``
     # and supplies the scale granularities and the hot/cold policy parameters. ``cold_format``
     # None = int4 for the ort backend: at page size 16 an FP16 package's INT8 cold page still
-    # costs 0.60 of a hot one (INT4: 0.34), so INT8 cannot reach 0.55 of all-FP16 KV bytes
+    # costs 0.60 of a hot one (INT4 format 3: 0.35), so INT8 cannot reach 0.55 of all-FP16 KV bytes
     # (docs/mixed_precision.md); int8 for trt (INT4 is in the CUDA kernels and the plugin,
     # checked in the CPU emulation, but not yet run end to end on a GPU: ask for it explicitly).
     cold_pages: bool = False

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from ..contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_ratio
 from ..ops import fine_bounds
+from ..ops.cold_codec import INT4_FORMAT_VERSION
 from .config import ExportConfig
 from .pipeline import ExportReport
 
@@ -14,6 +16,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("page size", str(config.resolved_page_size())),
              ("selection", _selection(config)),
              ("bytes / token / KV head", _bytes_per_token(report, config)),
+             ("cold page", _cold_page(report, config)),
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
              ("dense layers", str(min(config.dense_layers, report.layers))),
              ("validation max |logit diff|",
@@ -58,3 +61,16 @@ def _ort_opset(report: ExportReport) -> str:
         return "no ORT graph"
     text = f"{report.ort_opset} (source {report.source_opset})"
     return f"{text}; {report.ort_opset_note}" if report.ort_opset_note else text
+
+
+def _cold_page(report: ExportReport, config: ExportConfig) -> str:
+    """What a cold page costs per FP16 page (``contracts.cold_tier.cold_page_ratio``), default V granularity."""
+    if not config.has_cold_tier:
+        return "none (no cold tier)"
+    if not report.head_dim:
+        return "unknown"
+    fmt = config.resolved_cold_format
+    tiers = TierConfig(cold_format=fmt, group_size=INT4_GROUP_SIZE if fmt == "int4" else 0)
+    ratio = cold_page_ratio(tiers, config.resolved_page_size(), report.head_dim)
+    name = f"int4 (format {INT4_FORMAT_VERSION})" if fmt == "int4" else fmt
+    return f"{name}: {ratio:.3f} of an FP16 page"

@@ -7,7 +7,8 @@ ONNX Runtime runs it natively; TensorRT ignores it and imports the plugin
 layers with different values share a body.
 
 Cold pages (overload ``<policy>_int8`` / ``_int4``): a page id ``>= P`` reads the
-cold pools and multiplies by its scale (INT4: unpacked first, ``ops/int4_onnx.py``). Both pools must hold at least one page
+cold pools and multiplies by its scale (INT4: unpacked first, keys on the page or, two-level,
+sub-page bounds, values asymmetric: ``ops/int4_onnx.py``). Both pools must hold at least one page
 (``P >= 1`` and ``Pcold >= 1``: the clipped gathers need a row to read); a
 tiered pool always has both, and a cache with no cold pages uses the plain
 overload.
@@ -102,14 +103,15 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     pt64 = b.op("Cast", pt, to=I64)
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
-    def gather_rows(pool, ids, sub=None, cast=True):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
+    def gather_rows(pool, ids, sub=None, cast=True, ra=None):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
         row = b.op("Add", b.op("Mul", ids, Hkv), h_idx)
         if sub is None:
             rows = b.op("Reshape", pool, b.cat(i64(-1), b.dim(pool, 2, 4)))
         else:  # sub = (j [B, Hkv, K], r): sub-page j of each page; a is ps (split in r) or 1 (broadcast)
-            j, r = sub
+            j, r = sub  # (ra given: a is split in ra parts, one per slot - the fine codes, a = r_codes)
             a = b.dim(pool, 2)
-            ra = b.op("Max", b.op("Div", b.op("Mul", a, r), ps), one)  # r, or 1 when a == 1
+            if ra is None:
+                ra = b.op("Max", b.op("Div", b.op("Mul", a, r), ps), one)  # r, or 1 when a == 1
             rows = b.op("Reshape", pool, b.cat(i64(-1), b.op("Div", a, ra), b.dim(pool, 3)))  # [N*Hkv*ra, a/ra, c]
             row = b.op("Add", b.op("Mul", row, ra), b.op("Div", b.op("Mul", j, ra), r))
         rows = b.op("Gather", rows, row, axis=0)
@@ -128,9 +130,10 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             is_cold = b.op("GreaterOrEqual", phys, P)
             hot = gather_rows(cache, b.op("Min", phys, b.op("Sub", P, one)), sub)
             cold_id = b.op("Max", b.op("Sub", phys, P), zero)
-            if cold_format == "int4" and cache == kc:  # keys on the page bounds: ops/int4_onnx.py
-                cold = dequantize_int4_keys(b, gather_rows, q8, kmin, kmax, cold_id, b.op("Max", phys, zero), sub)
-            elif cold_format == "int4":  # packed nibbles, float16 scales per channel group
+            if cold_format == "int4" and cache == kc:  # keys on the page (two-level: sub-page) bounds
+                cold = dequantize_int4_keys(b, gather_rows, q8, kmin, kmax, cold_id, b.op("Max", phys, zero), sub,
+                                            schema.TWO_LEVEL_INPUTS[0] if two_level else None)
+            elif cold_format == "int4":  # packed nibbles, float16 scales + mins per channel group
                 cold = dequantize_int4_rows(b, gather_rows, q8, sc, cold_id, sub)
             else:
                 cold = b.op("Mul", gather_rows(q8, cold_id, sub), gather_rows(sc, cold_id, sub))  # int8 * scale

@@ -20,7 +20,8 @@ def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarr
 
     Page ids below the hot pool size are hot; the rest index the cold pools, INT8
     or - uint8 pools - packed INT4 (``cold_codec``: the format is the pools' dtype; INT4 keys
-    read the page's ``key_min``/``key_max``, which ``caches`` must then hold).
+    read the page's ``key_min``/``key_max``, which ``caches`` must then hold, and in a two-level
+    call its ``key_sub_bounds``: keys on the sub-page bounds).
     """
     hot = caches["key_cache"].shape[0]
     if page_id < hot:
@@ -30,8 +31,10 @@ def page_keys_values(page_id: int, kv_head: int, caches: dict) -> tuple[np.ndarr
         raise ValueError(f"page id {page_id} is past the hot pool ({hot} pages) and no cold pool was given")
     c = page_id - hot
     codec = ColdCodec("int4" if caches["key_cache_int8"].dtype == np.uint8 else "int8")
+    codes = caches.get("key_sub_bounds")
     keys = codec.dequantize_keys(caches["key_cache_int8"][c, kv_head], caches["key_scale"][c, kv_head],
-                                 caches["key_min"][page_id, kv_head], caches["key_max"][page_id, kv_head], np.float64)
+                                 caches["key_min"][page_id, kv_head], caches["key_max"][page_id, kv_head], np.float64,
+                                 sub_codes=None if codes is None else codes[page_id, kv_head])
     return keys, codec.dequantize(caches["value_cache_int8"][c, kv_head], caches["value_scale"][c, kv_head], np.float64)
 
 
@@ -60,7 +63,8 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
             raise ValueError(f"two-level selection needs key_sub_bounds [Ptot, Hkv, {ps // sp}, D]")
     caches = dict(key_cache=key_cache, value_cache=value_cache, key_min=key_min, key_max=key_max,
                   key_cache_int8=key_cache_int8,
-                  value_cache_int8=value_cache_int8, key_scale=key_scale, value_scale=value_scale)
+                  value_cache_int8=value_cache_int8, key_scale=key_scale, value_scale=value_scale,
+                  key_sub_bounds=key_sub_bounds if sp != ps else None)  # INT4 keys: on the sub-page bounds
     out = np.zeros((B, H, S, D), dtype=np.float64)
     selected = np.zeros((B, Hkv, NP), dtype=bool)
     for b in range(B):

@@ -87,10 +87,13 @@ INPUTS: tuple[TensorSpec, ...] = (
                "per byte: uint8 [Pcold, Hkv, ps, D/2] (COLD_FORMATS, ops/cold_codec.py).", optional=True),
     TensorSpec("value_cache_int8", ("Pcold", "Hkv", "ps", "D"), "int8", "Cold value pages.", optional=True),
     TensorSpec("key_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
-               "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale); int4: float16 "
-               "[Pcold, Hkv, ps|1, C], channel c scaled by column c // (D / C).", optional=True),
+               "Dequantization scale of cold keys, broadcast over the page (k = int8 * scale); int4: a float16 "
+               "[Pcold, Hkv, 1, 1] placeholder (keys on the page or sub-page bounds). Scale columns: channel c "
+               "reads column c // (D / C).", optional=True),
     TensorSpec("value_scale", ("Pcold", "Hkv", "ps|1", "D|1"), "float32",
-               "Dequantization scale of cold values.", optional=True),
+               "Dequantization scale of cold values (v = int8 * scale); int4 (format 3, asymmetric): float16 "
+               "[Pcold, Hkv, ps|1, 2C], columns [0, C) the scales, [C, 2C) the mins: v = q * scale + min.",
+               optional=True),
     TensorSpec("key_sub_bounds", ("Ptot", "Hkv", "r", "D"), "uint8",
                "Two-level: each sub-page's key min/max per channel, 4 bits each relative to the page's "
                "key_min/key_max, rounded outward (ops/fine_bounds.py).", optional=True),

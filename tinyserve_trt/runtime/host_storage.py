@@ -3,8 +3,9 @@
 Per layer, by physical id (see ``kv_storage``): hot K/V ``[num_hot, Hkv, ps, D]``
 in the pool dtype, key min/max ``[num_hot + num_cold, Hkv, D]``, and with a cold
 tier int8 K/V ``[num_cold, Hkv, ps, D]`` with float32 scales, or packed int4
-``[num_cold, Hkv, ps, D/2]`` uint8 (V with float16 scales, K on the page's key
-min/max, which a demoted INT4 page keeps); with two-level selection
+``[num_cold, Hkv, ps, D/2]`` uint8 (V with float16 scales + mins, K on the page's key
+min/max - a two-level layer's: on its sub-page codes - which a demoted INT4 page keeps);
+with two-level selection
 uint8 ``key_sub_bounds [num_hot + num_cold, Hkv, r, D]``. Quantization is
 ``ops.cold_codec``'s and the sub-page codes ``ops.fine_bounds``', so the op's
 reference reads exactly what was stored.
@@ -28,7 +29,9 @@ class HostKVStorage(KVStorage):
     def __init__(self, num_layers: int, num_hot: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype, num_cold: int = 0, granularities: tuple[str, str] | None = None,
                  static_scales: tuple[np.ndarray, np.ndarray] | None = None, codec: ColdCodec | None = None,
-                 sub_page_size: int = 0):
+                 sub_page_size: int = 0, two_level_layers=None):
+        """``two_level_layers``: the layers whose op node is two-level (INT4 cold keys on the
+        sub-page codes, ``KVStorage.keys_on_codes``); None = every layer."""
         if codec is not None:
             granularities = (codec.k_granularity, codec.v_granularity)
         if (num_cold > 0) != (granularities is not None):
@@ -37,6 +40,7 @@ class HostKVStorage(KVStorage):
         self.num_kv_heads, self.page_size, self.head_dim = num_kv_heads, page_size, head_dim
         self.granularities, self.static_scales = granularities, static_scales
         self.sub_page_size = self.check_sub_page_size(sub_page_size)
+        self.two_level_layers = frozenset(range(num_layers) if two_level_layers is None else map(int, two_level_layers))
         self.codec = codec or (ColdCodec("int8", *granularities) if granularities else None)
         dtype = np.dtype(dtype)
         L, h, p, d = num_layers, num_kv_heads, page_size, head_dim
@@ -48,11 +52,11 @@ class HostKVStorage(KVStorage):
             self._sub = np.zeros((L, num_hot + num_cold, h, p // sub_page_size, d), np.uint8)
         if granularities:
             c = self.codec
-            zero = 8 if c.cold_format == "int4" else 0  # int4: nibbles hold q + 8
-            self._kq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
-            self._vq = np.full((L, num_cold) + c.pool_shape(h, p, d), zero * 17, c.storage_dtype)
-            self._ks = np.ones((L, num_cold) + c.scale_shape("k", h, p, d), c.scale_dtype)
-            self._vs = np.ones((L, num_cold) + c.scale_shape("v", h, p, d), c.scale_dtype)
+            # unused slots hold zero values (int4: nibbles q = 0) and the codec's blank scales
+            self._kq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
+            self._vq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
+            self._ks, self._vs = (np.broadcast_to(c.blank_scales(w, h, p, d), (L, num_cold)
+                                                  + c.scale_shape(w, h, p, d)).copy() for w in "kv")
 
     @property
     def dtype(self) -> np.dtype:
@@ -95,7 +99,7 @@ class HostKVStorage(KVStorage):
         c = page - self.num_hot
         if self.codec.keys_on_bounds:  # float32, as the op attends them (the fine codes hold these)
             return self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], self._key_min[layer, page],
-                                              self._key_max[layer, page])
+                                              self._key_max[layer, page], sub_codes=self._codes(layer, page))
         return self.codec.dequantize(self._kq[layer, c], self._ks[layer, c], self.dtype)
 
     # ---- data moves -------------------------------------------------------------
@@ -133,8 +137,10 @@ class HostKVStorage(KVStorage):
             self._k[:, dst], self._v[:, dst] = self._k[:, src], self._v[:, src]
         else:
             c = src - self.num_hot
-            self._k[:, dst] = self.codec.dequantize_keys(self._kq[:, c], self._ks[:, c], self._key_min[:, src],
-                                                         self._key_max[:, src], self.dtype)
+            for layer in range(self.num_layers):
+                self._k[layer, dst] = self.codec.dequantize_keys(
+                    self._kq[layer, c], self._ks[layer, c], self._key_min[layer, src], self._key_max[layer, src],
+                    self.dtype, sub_codes=self._codes(layer, src))
             self._v[:, dst] = self.codec.dequantize(self._vq[:, c], self._vs[:, c], self.dtype)
         for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
@@ -153,11 +159,15 @@ class HostKVStorage(KVStorage):
         for layer in range(self.num_layers):
             ks, vs = (None, None) if self.static_scales is None else (s[layer] for s in self.static_scales)
             self._vq[layer, c], self._vs[layer, c] = self.codec.quantize(self._v[layer, hot], "v", scale=vs)
-            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's bounds, which stay
+            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's (sub-page) bounds, which stay
                 bounds = self._key_min[layer, hot], self._key_max[layer, hot]
-                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds)
+                codes = self._codes(layer, hot)
+                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds,
+                                                                             sub_codes=codes)
                 self._key_min[layer, cold], self._key_max[layer, cold] = bounds
-                if self.sub_page_size:  # fine codes of the float32 keys the op attends
+                if codes is not None:  # the hot keys' codes hold the dequantized keys (format 3)
+                    self._sub[layer, cold] = codes
+                elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
                     keys = self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], *bounds)
                     self._sub[layer, cold] = pages_sub_bounds(keys[None], self.sub_page_size, bounds[0][None],
                                                               bounds[1][None], np.array([self.page_size]))[0]
@@ -165,6 +175,11 @@ class HostKVStorage(KVStorage):
             self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
+
+    def _codes(self, layer: int, page):
+        """``key_sub_bounds`` of physical ``page`` when ``layer``'s INT4 cold keys quantize on them
+        (``keys_on_codes``), else None."""
+        return self._sub[layer, page] if self.keys_on_codes(layer) else None
 
     def _refresh_minmax(self, layer, pages: np.ndarray, keys: np.ndarray, valid: np.ndarray) -> None:
         """key_min/key_max of physical ``pages`` from their ``keys [U, Hkv, ps, D]``, over

@@ -9,7 +9,9 @@ op's ``page_table`` holds), with the op's tensors by schema name::
   key_min, key_max                  [num_hot + num_cold, Hkv, D]  every physical page
   key_cache_int8, value_cache_int8  [num_cold, Hkv, ps, D]        int8      (cold tier only;
                                     int4: [num_cold, Hkv, ps, D/2] uint8, two values per byte)
-  key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (int4: float16 [.., C])
+  key_scale, value_scale            [num_cold, Hkv, ps|1, D|1]    float32   (int4: float16 K [.., 1, 1]
+                                                                            placeholder, V [.., 2C]
+                                                                            scales + mins)
   key_sub_bounds                    [num_hot + num_cold, Hkv, r, D] uint8   (two-level only)
 
 Physical ids ``[0, num_hot)`` are hot, ``[num_hot, num_hot + num_cold)`` cold.
@@ -20,9 +22,12 @@ Two-level selection (``sub_page_size`` > 0, ``r = page_size / sub_page_size``):
 min/max (``ops.fine_bounds``), indexed the same way and kept with them: a write
 recomputes the touched pages' codes over their valid tokens after their min/max
 (a new min/max moves every code of the page), a copy copies them (from a cold
-INT4 page: recomputes both from the copied keys), a demotion recomputes them from
-the dequantized keys against the recomputed min/max (INT4: the kept min/max,
-``ops.cold_codec``).
+INT4 page: recomputes both from the copied keys), an INT8 demotion recomputes them from
+the dequantized keys against the recomputed min/max. An INT4 demotion changes no
+metadata (format 3, ``ops.cold_codec``): the keys quantize on the page's min/max - in a layer
+whose op node is two-level (``two_level_layers``): on each sub-page's decoded codes - which
+therefore still hold the dequantized keys. A single-level layer of a two-level pool (the
+package's dense layers) gets codes of its dequantized keys, as INT8.
 
 Implementations: ``host_storage.HostKVStorage`` (numpy, what the ORT backend
 reads) and ``backends.device_pages.DevicePages`` (torch tensors on the TensorRT
@@ -129,8 +134,16 @@ class KVStorage(ABC):
     def demote_page(self, hot: int, cold: int) -> None:
         """Quantize the full hot page ``hot`` into cold slot ``cold`` (physical ids),
         every layer; the cold page's min/max (and sub-page codes) become those of its
-        dequantized keys (INT4: min/max stay, the keys were quantized on them). May be
+        dequantized keys (INT4: min/max and codes stay, the keys were quantized on them). May be
         deferred until :meth:`flush`."""
+
+    def keys_on_codes(self, layer: int) -> bool:
+        """Whether ``layer``'s INT4 cold keys quantize on its sub-page codes (format 3): the layer's op
+        node is two-level (reads ``key_sub_bounds``; a package's dense layers' are not, and read the
+        page bounds, ``two_level_layers``)."""
+        codec = getattr(self, "codec", None)
+        return bool(self.sub_page_size and codec is not None and codec.keys_on_bounds
+                    and layer in self.two_level_layers)
 
     def refresh_sub_bounds(self, pages: np.ndarray, valid: np.ndarray) -> None:
         """Recompute the sub-page codes of hot physical ``pages`` (``valid [len(pages), ]`` per layer:

@@ -59,8 +59,9 @@ def check_states(pool, holders: Iterable[Sequence[int]] | None = None) -> None:
 def check_bounds(pool) -> None:
     """Every live page's key min/max (and, two-level, sub-page codes) equal a recompute over
     its valid tokens as read back from the storage. A cold INT4 page's keys are quantized on
-    its bounds (``ops.cold_codec``): they must lie inside them, reach key_min exactly, and lie
-    inside their decoded sub-page bounds."""
+    its bounds - two-level: on its sub-page codes, kept from the hot page (``ops.cold_codec``
+    format 3) -: they must lie inside them, reach key_min exactly, and lie inside their decoded
+    sub-page bounds."""
     pool.storage.flush()
     live = np.flatnonzero((pool._refcount > 0) | pool._cached)
     for page, p in zip(live.tolist(), pool._physical_ids(live).tolist()):

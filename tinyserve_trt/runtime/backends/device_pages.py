@@ -61,67 +61,121 @@ def _torch_dtype(torch, np_dtype):
     return getattr(torch, np.dtype(np_dtype).name)
 
 
-def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None, bounds=None):
+def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None, bounds=None, codes=None):
     """``ColdCodec.quantize`` in torch, for full pages: ``x [N, Hkv, ps, D]`` ->
     ``(values [N, *codec.pool_shape], scales [N, *codec.scale_shape(which)])`` on ``x``'s
     device (int8 + float32, or packed uint8 + float16). ``scale`` (one page's
-    ``[Hkv, ps|1, C]``): a static scale for every page instead of each group's absmax.
-    INT4 keys: on ``bounds = (key_min, key_max) [N, Hkv, D]``, the pages' metadata."""
+    ``[Hkv, ps|1, C]``, INT8): a static scale for every page instead of each group's absmax.
+    INT4 keys: on ``bounds = (key_min, key_max) [N, Hkv, D]``, the pages' metadata, and
+    two-level on their ``codes [N, Hkv, r, D]``; INT4 values asymmetric (scales + mins)."""
     N, Hkv, ps, D = x.shape
     _, T, C = codec.scale_shape(which, Hkv, ps, D)
     sdt = _torch_dtype(torch, codec.scale_dtype)
     if which == "k" and codec.keys_on_bounds:  # cold_codec.quantize_on_bounds
-        lo, step = bounds[0].float()[:, :, None], _level_step(*bounds)[:, :, None]
+        lo, hi = _token_bounds(*bounds, codes, ps)
+        step = (hi - lo) * float(INV_LEVELS)
         ok = step > 0
         q = torch.where(ok, torch.round((x.double() - lo.double()) / torch.where(ok, step, 1.0).double()),
                         torch.zeros((), dtype=torch.float64, device=x.device)).clamp(0, LEVELS).to(torch.uint8)
-        return q[..., : D // 2] | (q[..., D // 2:] << 4), torch.ones((N, Hkv, T, C), dtype=sdt, device=x.device)
+        return _pack(q, D), torch.ones((N, Hkv, T, C), dtype=sdt, device=x.device)
     xf = x.double()
+    if codec.cold_format == "int4":
+        if scale is not None:
+            raise ValueError("int4 values take no calibrated scale (asymmetric per page)")
+        return _quantize_asymmetric(torch, xf, T, C // 2)
     if scale is not None:
         s = scale.to(sdt).expand(N, *scale.shape)
     else:
         amax = xf.abs().reshape(N, Hkv, ps, C, D // C).amax(dim=-1)  # [N, Hkv, ps, C]
         if T == 1:
             amax = amax.amax(dim=2, keepdim=True)
-        fin = np.finfo(codec.scale_dtype)  # ops.quantization.group_scale: the scale dtype's normal range
-        s = torch.where(amax > 0, (amax / codec.qmax).clamp(float(fin.tiny), float(fin.max)), torch.ones_like(amax))
-        s = s.to(sdt)
+        s = _group_scale(torch, amax, codec.qmax, codec.scale_dtype).to(sdt)
     full = s.double().repeat_interleave(D // C, dim=-1)  # divide by the stored scale, as the codec
     q = torch.clamp(torch.round(xf / full), -codec.qmax, codec.qmax)
-    if codec.cold_format == "int8":
-        return q.to(torch.int8), s
-    u = (q + 8).to(torch.uint8)  # cold_codec.pack_int4: first half low nibble, second half high
-    return u[..., : D // 2] | (u[..., D // 2:] << 4), s
+    return q.to(torch.int8), s
+
+
+def _group_scale(torch, amax, qmax, np_dtype):
+    """``ops.quantization.group_scale`` (float64): the scale dtype's normal range, 1 for all-zero groups."""
+    fin = np.finfo(np_dtype)
+    return torch.where(amax > 0, (amax / qmax).clamp(float(fin.tiny), float(fin.max)), torch.ones_like(amax))
+
+
+def _quantize_asymmetric(torch, xf, T, C):
+    """``cold_codec._quantize_asymmetric`` for full pages ``xf [N, Hkv, ps, D]`` (float64): packed
+    nibbles and float16 ``[N, Hkv, T, 2C]`` scales (rounded up) + mins (rounded down)."""
+    N, Hkv, ps, D = xf.shape
+    g = xf.reshape(N, Hkv, ps, C, D // C)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    if T == 1:
+        lo, hi = lo.amin(dim=2, keepdim=True), hi.amax(dim=2, keepdim=True)
+    vmin = lo.to(torch.float16)
+    vmin = torch.where(vmin.double() > lo, _f16_step(torch, vmin, -1), vmin)
+    span = (hi - vmin.double()).clamp(min=0.0)
+    s = _group_scale(torch, span, LEVELS, np.float16).to(torch.float16)
+    s = torch.where(s.double() * LEVELS < span, _f16_step(torch, s, 1), s)
+    step = s.double().repeat_interleave(D // C, dim=-1)
+    base = vmin.double().repeat_interleave(D // C, dim=-1)
+    q = torch.round((xf - base) / step).clamp(0, LEVELS).to(torch.uint8)
+    return _pack(q, D), torch.cat([s, vmin], dim=-1)
+
+
+def _f16_step(torch, h, direction: int):
+    """The float16 next to ``h`` towards +inf (``direction`` 1, ``h > 0``) or -inf (-1): numpy's nextafter."""
+    bits = h.view(torch.int16)
+    if direction > 0:
+        return (bits + 1).view(torch.float16)
+    neg_zero_step = torch.full_like(bits, -32767)  # 0x8001: the smallest negative denormal
+    down = torch.where(bits > 0, bits - 1, torch.where(bits == 0, neg_zero_step, bits + 1))
+    return down.view(torch.float16)
+
+
+def _pack(q, D):
+    """uint8 nibbles ``q [..., D]`` in [0, 15] -> ``[..., D/2]`` (``cold_codec.pack_int4``: first half low)."""
+    return q[..., : D // 2] | (q[..., D // 2:] << 4)
 
 
 def dequantize_pages(q, scale, dtype, codec: ColdCodec):
-    """``ColdCodec.dequantize`` in torch: ``q [..., ps, D|D/2]`` * scales ``[..., ps|1, C]`` in
-    float32 (as the op), cast to ``dtype``."""
-    if codec.cold_format == "int4":
-        q = _unpack_int4(q)
-    D = q.shape[-1]
-    return (q.float() * scale.float().repeat_interleave(D // scale.shape[-1], dim=-1)).to(dtype)
+    """``ColdCodec.dequantize`` in torch: ``q [..., ps, D|D/2]`` * scales ``[..., ps|1, C]`` (INT4:
+    ``q * scale + min``, ``[..., ps|1, 2C]``) in float32 (as the op), cast to ``dtype``."""
+    if codec.cold_format == "int8":
+        D = q.shape[-1]
+        return (q.float() * scale.float().repeat_interleave(D // scale.shape[-1], dim=-1)).to(dtype)
+    q = _unpack_int4(q).float()
+    D, C = q.shape[-1], scale.shape[-1] // 2
+    step = scale[..., :C].float().repeat_interleave(D // C, dim=-1)
+    vmin = scale[..., C:].float().repeat_interleave(D // C, dim=-1)
+    return (q * step + vmin).to(dtype)
 
 
-def dequantize_keys(q, scale, key_min, key_max, dtype, codec: ColdCodec):
-    """``ColdCodec.dequantize_keys`` in torch: INT4 ``min(key_min + q * step, key_max)`` in float32
-    (bounds ``[..., Hkv, D]``), cast to ``dtype``; INT8 keys by their scale."""
+def dequantize_keys(q, scale, key_min, key_max, dtype, codec: ColdCodec, codes=None):
+    """``ColdCodec.dequantize_keys`` in torch: INT4 ``min(lo + q * step, hi)`` in float32 on the
+    bounds ``[..., Hkv, D]`` (or, given ``codes [..., Hkv, r, D]``, the sub-page bounds), cast to
+    ``dtype``; INT8 keys by their scale."""
     if not codec.keys_on_bounds:
         return dequantize_pages(q, scale, dtype, codec)
-    lo, hi, step = key_min.float()[..., None, :], key_max.float()[..., None, :], _level_step(key_min, key_max)
-    return (lo + (_unpack_int4(q) + 8).float() * step[..., None, :]).minimum(hi).to(dtype)
+    u = _unpack_int4(q).float()
+    lo, hi = _token_bounds(key_min, key_max, codes, u.shape[-2])
+    return (lo + u * ((hi - lo) * float(INV_LEVELS))).minimum(hi).to(dtype)
 
 
-def _level_step(key_min, key_max):
-    """``fine_bounds.level_step`` in torch (float32)."""
-    return (key_max.float() - key_min.float()) * float(INV_LEVELS)
+def _token_bounds(key_min, key_max, codes, ps):
+    """``cold_codec.token_bounds`` in torch: float32 ``(lo, hi)`` ``[..., Hkv, 1|ps, D]``."""
+    kmin, kmax = key_min.float()[..., None, :], key_max.float()[..., None, :]
+    if codes is None:
+        return kmin, kmax
+    step = (kmax - kmin) * float(INV_LEVELS)  # fine_bounds.decode, single-rounded float32
+    lo = kmin + (codes & 15).float() * step
+    hi = kmax - (codes >> 4).float() * step
+    sp = ps // codes.shape[-2]
+    return lo.repeat_interleave(sp, dim=-2), hi.repeat_interleave(sp, dim=-2)
 
 
 def _unpack_int4(p):
-    """uint8 ``[..., D/2]`` -> int16 ``[..., D]`` (``cold_codec.unpack_int4``)."""
+    """uint8 ``[..., D/2]`` -> uint8 nibbles ``[..., D]`` in [0, 15] (``cold_codec.unpack_int4`` + 8)."""
     import torch  # noqa: PLC0415 (lazy: heavy; the caller already holds torch tensors)
 
-    return torch.cat([(p & 15).short() - 8, (p >> 4).short() - 8], dim=-1)
+    return torch.cat([p & 15, p >> 4], dim=-1)
 
 
 class DevicePages(KVStorage):
@@ -147,6 +201,7 @@ class DevicePages(KVStorage):
         self.num_cold = host.num_cold or (1 if cold_tier else 0)
         self.granularities = (cold_tier["k_granularity"], cold_tier["v_granularity"]) if cold_tier else None
         self.sub_page_size = self.check_sub_page_size(host.sub_page_size)
+        self.two_level_layers = host.two_level_layers
         h, ps, d = pool.num_kv_heads, pool.page_size, pool.head_dim
         total = self.num_hot + self.num_cold
 
@@ -157,15 +212,12 @@ class DevicePages(KVStorage):
         for _ in range(pool.num_layers):
             t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
-            if self.codec:  # as HostKVStorage: zero values (int4: nibbles 8 = q 0), scales 1
-                c, vdt, sdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype), \
-                    _torch_dtype(torch, self.codec.scale_dtype)
-                zero = 8 * 17 if c.cold_format == "int4" else 0
+            if self.codec:  # as HostKVStorage: zero values (int4: nibbles q = 0), the codec's blank scales
+                c, vdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype)
                 for n, which in (("key", "k"), ("value", "v")):
-                    t[f"{n}_cache_int8"] = torch.full((self.num_cold, *c.pool_shape(h, ps, d)), zero, dtype=vdt,
-                                                      device=device)
-                    t[f"{n}_scale"] = torch.ones((self.num_cold, *c.scale_shape(which, h, ps, d)), dtype=sdt,
-                                                 device=device)
+                    t[f"{n}_cache_int8"] = zeros(self.num_cold, *c.pool_shape(h, ps, d), dt=vdt)
+                    blank = torch.from_numpy(c.blank_scales(which, h, ps, d)).to(device)
+                    t[f"{n}_scale"] = blank.expand(self.num_cold, *blank.shape).clone()
             if self.sub_page_size:
                 t["key_sub_bounds"] = zeros(total, h, ps // self.sub_page_size, d, dt=torch.uint8)
             self.layers.append(t)
@@ -192,7 +244,8 @@ class DevicePages(KVStorage):
         else:
             c = page - self.num_hot  # INT4: float32, as the op attends them (HostKVStorage._keys)
             keys = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
-                                   self._torch.float32 if self.codec.keys_on_bounds else self.dtype, self.codec)
+                                   self._torch.float32 if self.codec.keys_on_bounds else self.dtype, self.codec,
+                                   self._codes(layer, t, page))
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -260,14 +313,15 @@ class DevicePages(KVStorage):
             self._copy(src, dst)
 
     def _copy(self, src: int, dst: int) -> None:
-        for t in self.layers:
+        for layer, t in enumerate(self.layers):
             if src < self.num_hot:
                 t["key_cache"][dst].copy_(t["key_cache"][src])
                 t["value_cache"][dst].copy_(t["value_cache"][src])
             else:
                 c = src - self.num_hot
                 t["key_cache"][dst].copy_(dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c],
-                                                          t["key_min"][src], t["key_max"][src], self.dtype, self.codec))
+                                                          t["key_min"][src], t["key_max"][src], self.dtype, self.codec,
+                                                          self._codes(layer, t, src)))
                 t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
                                                              self.dtype, self.codec))
             t["key_min"][dst].copy_(t["key_min"][src])
@@ -278,9 +332,14 @@ class DevicePages(KVStorage):
                 d = self._torch.tensor([dst], device=self.device)
                 self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
 
+    def _codes(self, layer: int, t: dict, page):
+        """``key_sub_bounds`` rows of ``page`` when ``layer``'s INT4 cold keys quantize on them
+        (``keys_on_codes``), else None."""
+        return t["key_sub_bounds"][page] if self.keys_on_codes(layer) else None
+
     def demote_page(self, hot: int, cold: int) -> None:
         """Queue: quantize full hot page ``hot`` into cold slot ``cold`` (a physical id
-        ``>= num_hot``); its metadata becomes min/max of the dequantized keys."""
+        ``>= num_hot``); its metadata becomes min/max of the dequantized keys (INT4: stays)."""
         if not self.granularities:
             raise ValueError("these pages have no cold tier")
         self.check_range("demoted", hot, 0, self.num_hot)
@@ -305,12 +364,14 @@ class DevicePages(KVStorage):
         for layer, t in enumerate(self.layers):
             ks, vs = self.static[layer] if self.static else (None, None)
             full = torch.full_like(meta, self.page_size)
-            if self.codec.keys_on_bounds:  # INT4 keys on the hot pages' bounds, which the cold pages keep
-                bounds = t["key_min"][hot], t["key_max"][hot]
-                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", bounds=bounds)
+            if self.codec.keys_on_bounds:  # INT4 keys on the hot pages' (sub-page) bounds, which the cold pages keep
+                bounds, codes = (t["key_min"][hot], t["key_max"][hot]), self._codes(layer, t, hot)
+                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", bounds=bounds, codes=codes)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
                 t["key_min"][meta], t["key_max"][meta] = bounds
-                if self.sub_page_size:  # fine codes of the float32 keys the op attends
+                if codes is not None:  # format 3: the hot keys' codes hold the dequantized keys
+                    t["key_sub_bounds"][meta] = codes
+                elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
                     self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, self.codec), full)
             else:
                 q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)

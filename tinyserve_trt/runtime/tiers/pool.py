@@ -6,7 +6,7 @@ physical slot, which the op addresses (``schema.INPUTS``):
 
   hot   physical ids ``[0, P)``           K/V in ``k_pages``/``v_pages`` (pool dtype)
   cold  physical ids ``[P, P + Pcold)``   int8 (or packed int4) in ``k_pages_int8``/``v_pages_int8``,
-                                          scales ``[Pcold, Hkv, ps|1, C]`` (``ops.cold_codec``)
+                                          scales ``[Pcold, Hkv, ps|1, C]`` (INT4 V ``2C``: ``ops.cold_codec``)
 
 The data lives in the pool's ``KVStorage`` (``runtime/kv_storage.py``), which
 quantizes on :meth:`TieredPagePool.demote`; this class binds handles to slots.
@@ -19,8 +19,9 @@ price is one ``np.take`` of the page table per step (:meth:`physical_table`).
 
 Metadata (``key_min``/``key_max`` in the storage, ``num_valid`` here) is indexed
 by physical id, the same id as the K/V page, ``Ptot`` rows. A cold INT8 page's min/max are those of
-its dequantized keys (what the op attends; see ``docs/op.md``); a cold INT4 page keeps its hot min/max,
-on which its keys were quantized (``ops.cold_codec``: they contain the dequantized keys).
+its dequantized keys (what the op attends; see ``docs/op.md``); a cold INT4 page keeps its hot min/max
+and sub-page codes, on which its keys were quantized (``ops.cold_codec`` format 3: they contain the
+dequantized keys).
 
 New pages are always hot; writes go to hot pages only, and only full pages
 are demoted, so a cold page is immutable. :meth:`TieredPagePool.promote` moves a
@@ -53,7 +54,8 @@ class TieredPagePool(PagePool):
     """
 
     def __init__(self, config: CacheConfig, tiers: TierConfig, num_layers: int, num_kv_heads: int,
-                 head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None):
+                 head_dim: int, static_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                 two_level_layers=None):
         hot, cold = config.num_pages, tiers.num_cold_pages
         if (tiers.scales == "static") != (static_scales is not None):
             raise ValueError("TierConfig.scales='static' needs static_scales (a calibration's static_scales()), "
@@ -64,7 +66,7 @@ class TieredPagePool(PagePool):
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
                                 num_cold=cold, static_scales=page_scales, codec=tiers.codec,
-                                sub_page_size=config.sub_page_size)
+                                sub_page_size=config.sub_page_size, two_level_layers=two_level_layers)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
         self.num_hot, self.num_cold = hot, cold
@@ -194,7 +196,7 @@ class TieredPagePool(PagePool):
 
         The page must be full in every layer (cold pages are never written). A
         cached unreferenced cold page is evicted (LRU) when no cold slot is free.
-        Metadata becomes min/max of the dequantized keys (INT4: stays). Returns (old, new)
+        Metadata becomes min/max of the dequantized keys (INT4: min/max and sub-page codes stay). Returns (old, new)
         physical ids. Raises ValueError for a free, cold or partial page and
         OutOfPagesError when the cold tier is full.
         """

@@ -27,6 +27,7 @@ import numpy as np
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig, cold_page_bytes
 from tinyserve_trt.runtime.config import CacheConfig, EngineConfig
+from tinyserve_trt.runtime.kv_storage import SUB_ROLES
 from tinyserve_trt.runtime.tiers.hotness import HotnessPolicy
 from tinyserve_trt.runtime.tiers.pool import TieredPagePool
 
@@ -52,7 +53,10 @@ class Tiering:
                                 cold_format=tier.get("cold_format", "int8"), group_size=tier.get("group_size", 0))
         dims = (package.num_layers, package.num_kv_heads, package.head_dim)
         static = _static_scales(package) if config.kv_scales == "static" else None
-        self.pool = TieredPagePool(replace(cache, num_pages=num_hot), self.tiers, *dims, static_scales=static)
+        # INT4 cold keys of the layers whose node reads key_sub_bounds quantize on them (format 3)
+        two_level = [i for i, layer in enumerate(package.layers) if SUB_ROLES[0] in layer]
+        self.pool = TieredPagePool(replace(cache, num_pages=num_hot), self.tiers, *dims, static_scales=static,
+                                   two_level_layers=two_level)
         self.policy = HotnessPolicy(self.hot_config, self.pool.num_pages)
         self.hot_page_bytes = CacheConfig.page_bytes(ps, *dims, cache.dtype)
         self.cold_page_bytes = cold_page_bytes(self.tiers, ps, *dims, cache.dtype)
