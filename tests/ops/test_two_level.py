@@ -51,6 +51,20 @@ def test_equal_and_unequal_keep_counts(rng, sub_page_size):
         _check(*run_op(case, attrs, "float32"), *sparse_attention_ref(**case, attrs=attrs), "float32")
 
 
+@pytest.mark.parametrize("lens,budgets", [((100, 97), (100, 100)), ((100, 300), (100, 100)), ((100, 300), (100, 40))])
+def test_dense_by_sub_pages_only(rng, lens, budgets):
+    """Budget 100 at page 32: 3 pages < 4 (the page rule selects) but 25 sub-pages of 4 cover all 25 written
+    (the sub-page rule is dense). All rows so: the every-page branch; beside a selecting row: the sparse
+    branch keeps the dense row's every written sub-page. Both as the reference."""
+    attrs = schema.OpAttributes(sub_page_size=4, sink_pages=1, recent_pages=1)
+    case = make_case(CaseSpec(lens, 6, 2, 16, 32, 1, "float32", 0, sub_page_size=4), rng)
+    case["token_budget"] = np.array(budgets, dtype=np.int32)
+    out, sel = run_op(case, attrs, "float32")
+    ref, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    _check(out, sel, ref, ref_sel, "float32")
+    assert sel[0].all(axis=0)[: -(-lens[0] // 32)].all()  # the 100-token row attends all its pages
+
+
 @pytest.mark.parametrize("dtype", schema.FLOAT_TYPES)
 @pytest.mark.parametrize("granularity", [("channel", "token"), ("head", "head"), ("token", "channel")])
 def test_cold_pages_match_reference(rng, dtype, granularity):

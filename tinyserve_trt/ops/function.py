@@ -37,7 +37,7 @@ from .graph_builder import GraphBuilder
 from .int4_onnx import dequantize_int4_keys, dequantize_int4_rows
 from .policies import OnnxScoreContext, get_policy
 from .if_branches import if_branches
-from .two_level_onnx import two_level_selection
+from .two_level_onnx import two_level_counts, two_level_selection
 
 F = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -103,10 +103,12 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     pt64 = b.op("Cast", pt, to=I64)
     h_idx = b.op("Reshape", b.op("Range", zero, b.scalar(Hkv), one), i64(1, -1, 1))  # [1, Hkv, 1]
 
-    def gather_rows(pool, ids, sub=None, cast=True, ra=None):  # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32
+    def gather_rows(pool, ids, sub=None, cast=True, ra=None, row_dims=None):
+        # pool [N, Hkv, a, c], ids [B, Hkv, K] -> [B, Hkv, K, a, c] float32; row_dims: (a, c) as a per-step
+        # value (e.g. a pool [N, Hkv, c] read as a = 1) instead of the pool's Shape
         row = b.op("Add", b.op("Mul", ids, Hkv), h_idx)
         if sub is None:
-            rows = b.op("Reshape", pool, b.cat(i64(-1), b.dim(pool, 2, 4)))
+            rows = b.op("Reshape", pool, b.cat(i64(-1), b.dim(pool, 2, 4) if row_dims is None else row_dims))
         else:  # sub = (j [B, Hkv, K], r): sub-page j of each page; a is ps (split in r) or 1 (broadcast)
             j, r = sub  # (ra given: a is split in ra parts, one per slot - the fine codes, a = r_codes)
             a = b.dim(pool, 2)
@@ -221,10 +223,9 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
             return attended(gather_pages(kc, phys, flat=False), gather_pages(vc, phys, flat=False), selected,
                             b.op("Mul", top, ps), ps, rank_ok, n_slots)
         sel = two_level_selection(
-            b,
-            scores=scores, coarse_per_head=per_head, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax, sub_bounds=schema.TWO_LEVEL_INPUTS[0],
-            gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op, past64=past64, budget=budget,
-            ps=ps, NP=NP, n_b=n_b, pidx_row=pidx_row, forced=forced, keep_n=keep_n, S=S, B=B, Hkv=Hkv, D=D)
+            b, counts=counts, scores=scores, coarse_per_head=per_head, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax,
+            sub_bounds=schema.TWO_LEVEL_INPUTS[0], gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op,
+            ps=ps, NP=NP, n_b=n_b, forced=forced, keep_n=keep_n, B=B, Hkv=Hkv, D=D, GS=GS)
         sub = (sel["j"], sel["r"])
         return attended(gather_pages(kc, sel["phys"], sub, False), gather_pages(vc, sel["phys"], sub, False),
                         sel["selected"], sel["first_token"], sel["sp"], sel["ok"], sel["slots"])
@@ -233,6 +234,11 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     # selection: an If on the per-step dense switch (the same for every layer) - bit-for-bit the
     # same attended tokens, without scoring, ranking or re-gathering them by sub-page.
     if policy.selects:
+        if two_level:  # the sub-page rule's dense rows include the page rule's (a budget covering every
+            # written sub-page covers every page): the sparse branch then always has a selecting row
+            counts = two_level_counts(b, sub_bounds=schema.TWO_LEVEL_INPUTS[0], past64=past64, budget=budget, ps=ps,
+                                      pidx_row=pidx_row, forced=forced, S=S)
+            dense_b = b.op("Or", dense_b, counts["dense"])
         all_dense = b.op("Cast", b.reduce("ReduceMin", b.op("Cast", dense_b, to=I64), [0]), to=TensorProto.BOOL)
         kept = if_branches(b, all_dense, every_page, kept_pages, _KEPT, step_inputs=(pt, past, budget),
                            names=dict(selected=schema.OUTPUT_NAMES[1]))

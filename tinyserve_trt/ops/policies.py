@@ -54,13 +54,16 @@ class SelectionPolicy(ABC):
     def score_onnx(self, ctx: OnnxScoreContext) -> str:
         """ONNX tensor of per-head scores ``[B, Hkv, G*S, NP]`` (broadcastable)."""
 
-    def sub_page_score_onnx(self, builder, qg: str, coarse: str, codes: str, step: str, group_reduce) -> str:
+    def sub_page_score_onnx(self, builder, qg: str, coarse: str, codes: str, step: str, group_reduce,
+                            dims: dict | None = None) -> str:
         """Sub-page scores ``[B, Hkv, K1, r]`` for two-level selection, from the candidate pages'
         per-head coarse scores ``coarse [B, Hkv, G*S, K1]`` and their compact bounds
         (``fine_bounds``: ``codes`` uint8 ``[B, Hkv, K1, r, D]``,
         ``lo = key_min + (codes & 15) * step``, ``hi = key_max - (codes >> 4) * step``,
         ``step [B, Hkv, K1, 1, D]`` float32); ``group_reduce(x, axis)`` combines the per-head
-        scores of a group (the op's ``group_reduce``) on the G*S axis of ``x``.
+        scores of a group (the op's ``group_reduce``) on the G*S axis of ``x``. ``dims``: optional
+        ``[1]``/``[2]`` int64 values ``bh`` (B, Hkv), ``k1``, ``r``, ``d``, ``gs`` (G*S) computed per step
+        outside the layer (else read from the codes' and queries' shapes, per layer).
         Only the policies in ``schema.TWO_LEVEL_POLICIES`` define it."""
         raise ValueError(f"policy {self.name!r} has no two-level (sub-page) score")
 
@@ -115,7 +118,7 @@ class QueryAware(SelectionPolicy):
         q_neg = b.op("Sub", ctx.qg, q_pos)
         return b.op("Add", b.op("MatMul", q_pos, kmax_t), b.op("MatMul", q_neg, kmin_t))
 
-    def sub_page_score_onnx(self, builder, qg, coarse, codes, step, group_reduce):
+    def sub_page_score_onnx(self, builder, qg, coarse, codes, step, group_reduce, dims=None):
         # With lo = min + lo_c*step and hi = max - hi_c*step the bound is the page's own
         # relu(q).max + min(q,0).min (coarse) + sum_d (min(q,0)_d*lo_c - relu(q)_d*hi_c)*step_d,
         # and lo_c = code - 16*hi_c: two MatMuls over code*step and hi_c*step, no decoded lo/hi
@@ -130,7 +133,7 @@ class QueryAware(SelectionPolicy):
         q_neg = b.op("Sub", qg, q_pos)
         w_hi = b.op("Neg", b.op("Add", q_pos, b.op("Mul", q_neg, b.const(float(1 << BITS), np.float32))))
         if b.opset >= BLOCKED_DQ_OPSET:
-            return _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce)
+            return _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce, dims)
         # Opset < 21 (the legacy exporter's 17), measured fastest in ORT CPU of the forms tried
         # (benchmarks/bench_two_level_stage2.py): the (uint8) codes go sub-page-major, so the
         # per-page step broadcasts over the leading axis (over the inner r axis it runs one short
@@ -154,7 +157,7 @@ BLOCKED_DQ_OPSET = 21  # DequantizeLinear's block_size (blocked quantization) ap
 _WHOLE_AXIS = 1 << 30  # a block_size >= r: one scale row [.., 1, D] serves all of a page's sub-pages
 
 
-def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce):
+def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce, dims=None):
     """Opset >= 21: code*step and hi_c*step each one DequantizeLinear from the uint8 codes (a scale
     block spanning the r axis) instead of Cast, Mul and Floor passes over [r, B, Hkv, K1, D]
     floats, and no Transpose: 0.66x the opset-17 form's time in ORT CPU at 8K, batch 1 and 8
@@ -162,16 +165,19 @@ def _levels_blocked(b, q_neg, w_hi, coarse, codes, step, group_reduce):
     division is exact and the cast truncates. Returns ``[B, Hkv, K1, r]``."""
     levels = b.op("DequantizeLinear", codes, step, axis=3, block_size=_WHOLE_AXIS)
     hi_c = b.op("Cast", b.op("DequantizeLinear", codes, b.const(1.0 / 16, np.float32)), to=_UINT8)
-    dims = b.dim(codes, 0, 5)  # B, Hkv, K1, r, D (no -1 in the reshapes: K1 may be 0)
-    bh, k1, r, d = (b.op("Slice", dims, b.const([i], np.int64, "i"), b.const([j], np.int64, "i")) for i, j in
-                    ((0, 2), (2, 3), (3, 4), (4, 5)))
+    if dims is None:  # B, Hkv, K1, r, D (no -1 in the reshapes: K1 may be 0)
+        shape = b.dim(codes, 0, 5)
+        bh, k1, r, d = (b.op("Slice", shape, b.const([i], np.int64, "i"), b.const([j], np.int64, "i")) for i, j in
+                        ((0, 2), (2, 3), (3, 4), (4, 5)))
+        gs = b.dim(w_hi, 2)
+    else:  # per-step values from outside the layer: no Shape/Slice chain per layer
+        bh, k1, r, d, gs = (dims[k] for k in ("bh", "k1", "r", "d", "gs"))
     rows = b.op("Concat", bh, b.op("Mul", k1, r), d, axis=0)
 
     def term(w, x):  # [B, Hkv, G*S, D] x [B, Hkv, D, K1*r]
         return b.op("MatMul", w, b.op("Transpose", b.op("Reshape", x, rows), perm=[0, 1, 3, 2]))
     hi = b.op("DequantizeLinear", hi_c, step, axis=3, block_size=_WHOLE_AXIS)
     s = b.op("Add", term(q_neg, levels), term(w_hi, hi))  # [B, Hkv, G*S, K1*r]
-    gs = b.dim(w_hi, 2)
     s = b.op("Reshape", s, b.op("Concat", bh, gs, k1, r, axis=0))
     per_head = b.op("Add", s, b.unsqueeze(coarse, [4]))  # [B, Hkv, G*S, K1, r]
     return group_reduce(per_head, 2)
