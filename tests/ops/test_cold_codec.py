@@ -46,7 +46,9 @@ def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, dtype,
     top = vmin + 15 * step
     rounding = 2 * np.finfo(np.float32).eps * np.maximum(np.abs(vmin), np.abs(top))
     assert np.all(err <= (step / 2 + rounding)[:, :valid])
-    assert np.all(vmin[:, :valid] <= x[:, :valid]) and np.all(top[:, :valid] >= x[:, :valid])
+    # the min is rounded down exactly; the top level reaches the max up to the float rounding of
+    # max - min (a denormal max above a large negative min may vanish in it: hypothesis found 1.4e-45)
+    assert np.all(vmin[:, :valid] <= x[:, :valid]) and np.all((top + rounding)[:, :valid] >= x[:, :valid])
 
 
 @settings(max_examples=300, deadline=None)
