@@ -51,6 +51,20 @@ def test_int4_values_error_is_at_most_half_a_scale(x, granularity, group, dtype,
     assert np.all(vmin[:, :valid] <= x[:, :valid]) and np.all((top + rounding)[:, :valid] >= x[:, :valid])
 
 
+def _key_page(x, data):
+    """A drawn valid-token count, the INT4 codec and the page bounds of keys ``x [Hkv, ps, D]``."""
+    valid = data.draw(st.integers(1, x.shape[1]))
+    kmin, kmax = page_bounds(x, valid)
+    return valid, ColdCodec("int4", "channel", "token", 2), kmin, kmax
+
+
+def _f32_rounding(lo, hi):
+    """float32 rounding of a dequantized key between ``lo`` and ``hi``: relative, and absolute where
+    the step is subnormal (it may even round to 0)."""
+    return 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
+        + 16 * float(np.finfo(np.float32).smallest_subnormal)
+
+
 @settings(max_examples=300, deadline=None)
 @given(PAGES, st.sampled_from([np.float32, np.float16]), st.data())
 def test_int4_keys_on_the_page_bounds(x, dtype, data):
@@ -61,9 +75,7 @@ def test_int4_keys_on_the_page_bounds(x, dtype, data):
     if not np.all(np.isfinite(x)):
         return
     Hkv, ps, D = x.shape
-    valid = data.draw(st.integers(1, ps))
-    codec = ColdCodec("int4", "channel", "token", 2)
-    kmin, kmax = page_bounds(x, valid)
+    valid, codec, kmin, kmax = _key_page(x, data)
     q, scale = codec.quantize(x, "k", valid, bounds=(kmin, kmax))
     assert q.dtype == np.uint8 and q.shape == (Hkv, ps, D // 2) and scale.shape == (Hkv, 1, 1)
     deq = codec.dequantize_keys(q, scale, kmin, kmax)
@@ -71,9 +83,7 @@ def test_int4_keys_on_the_page_bounds(x, dtype, data):
     lo, hi = kmin.astype(np.float32)[:, None, :], kmax.astype(np.float32)[:, None, :]
     assert np.all(deq >= lo) and np.all(deq <= hi)
     step = level_step(kmin, kmax)[:, None, :].astype(np.float64)
-    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
-    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
-        + 16 * float(np.finfo(np.float32).smallest_subnormal)
+    rounding = _f32_rounding(lo, hi)
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= step / 2 + rounding)
     np.testing.assert_array_equal(deq[:, :valid].min(axis=1), lo[:, 0])  # q = 0 is key_min exactly
@@ -94,9 +104,7 @@ def test_int4_keys_on_the_sub_page_bounds(x, dtype, sp, data):
     if not np.all(np.isfinite(x)):
         return
     Hkv, ps, D = x.shape
-    valid = data.draw(st.integers(1, ps))
-    codec = ColdCodec("int4", "channel", "token", 2)
-    kmin, kmax = page_bounds(x, valid)
+    valid, codec, kmin, kmax = _key_page(x, data)
     codes = page_sub_bounds(x, sp, kmin, kmax, valid)  # [Hkv, r, D], from the hot keys
     q, scale = codec.quantize(x, "k", valid, bounds=(kmin, kmax), sub_codes=codes)
     deq = codec.dequantize_keys(q, scale, kmin, kmax, sub_codes=codes)
@@ -105,9 +113,7 @@ def test_int4_keys_on_the_sub_page_bounds(x, dtype, sp, data):
     assert np.all(deq >= lo) and np.all(deq <= hi)
     assert np.all(deq >= kmin.astype(np.float32)[:, None]) and np.all(deq <= kmax.astype(np.float32)[:, None])
     step = level_step(lo, hi).astype(np.float64)
-    # float32 rounding: relative, and absolute where the step is subnormal (it may even round to 0)
-    rounding = 4 * np.finfo(np.float32).eps * np.maximum(np.abs(lo), np.abs(hi)).astype(np.float64) \
-        + 16 * float(np.finfo(np.float32).smallest_subnormal)
+    rounding = _f32_rounding(lo, hi)
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= (step / 2 + rounding)[:, :valid])
     # the codes of the dequantized keys are never wider than the stored ones: re-encoding them is
