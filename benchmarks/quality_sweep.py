@@ -37,7 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_VARIANTS = ("default:;page8:page_size=8;sum:group_reduce=sum;page8_sum:page_size=8,group_reduce=sum;"
                     "recent4:recent_pages=4;sinks4:sink_pages=4;dense0:dense_layers=0")
 KEYS = {"page_size": int, "group_reduce": str, "sink_pages": int, "recent_pages": int, "dense_layers": int,
-        "sub_page_size": int, "candidate_share": float}
+        "sub_page_size": int, "candidate_share": float, "reuse_steps": int}
 
 
 BASELINE = dict(page_size=16, sub_page_size=0, candidate_share=0.0)  # what ``reads`` is relative to
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     d = ExportConfig()
     defaults = dict(page_size=d.resolved_page_size(), group_reduce="max", sink_pages=d.sink_pages,
                     recent_pages=d.recent_pages, dense_layers=d.dense_layers, sub_page_size=d.resolved_sub_page_size(),
-                    candidate_share=d.candidate_share)
+                    candidate_share=d.candidate_share, reuse_steps=1)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--text", type=Path, default=None, help="plain-text file (default: Hamlet)")
     ap.add_argument("--context", type=int, default=8192)
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         spec = SelectionSpec("query_aware", budget=args.budget, page_size=s["page_size"], sink_pages=s["sink_pages"],
                              recent_pages=s["recent_pages"], group_reduce=s["group_reduce"],
-                             sub_page_size=s["sub_page_size"], candidate_share=s["candidate_share"])
+                             sub_page_size=s["sub_page_size"], candidate_share=s["candidate_share"], reuse_steps=s["reuse_steps"])
         r = pp.run(spec, dense_layers=s["dense_layers"])
         n = int(ids.numel())
         reads = modelled_reads(s, n, args.budget) / modelled_reads(BASELINE, n, args.budget)

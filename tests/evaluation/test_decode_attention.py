@@ -209,3 +209,33 @@ def test_two_level_spec_validation():
         SelectionSpec("window", budget=16, page_size=8, sub_page_size=4)
     with pytest.raises(ValueError, match="candidate_share"):
         SelectionSpec("query_aware", budget=16, page_size=8, sub_page_size=4, candidate_share=1.5)
+
+
+def test_reuse_steps_rows_attend_the_anchor_selection(rng):
+    """LServe-style reuse (``reuse_steps=2``): a step at an even offset from the first decode step
+    selects as usual; the next one attends that selection plus its own forced and own pages."""
+    q, k, v = (torch.tensor(x) for x in random_qkv(rng))
+    base = SelectionSpec("query_aware", budget=24, page_size=PS)
+    start, scale = 33, 0.25
+    plain = decode_attention(q[:, start:], k, v, start, base, scale)
+    reused = decode_attention(q[:, start:], k, v, start, SelectionSpec("query_aware", budget=24, page_size=PS,
+                                                                       reuse_steps=2), scale)
+    torch.testing.assert_close(reused[:, 0::2], plain[:, 0::2], atol=1e-6, rtol=1e-6)  # anchors: unchanged
+    assert (reused[:, 1::2] - plain[:, 1::2]).abs().max() > 1e-3  # reuse is not silently ignored
+    n = -(-T // PS)
+    kmin = torch.tensor(_minmax(k.numpy())[0])
+    kmax = torch.tensor(_minmax(k.numpy())[1])
+    G = H // HKV
+    for t in range(start + 1, T, 2):  # each reusing row by hand: the anchor t-1's pages, t's forced, t's own
+        qa = (q[:, t - 1] * scale).view(HKV, G, 1, D)
+        keep = select_pages(base, torch.tensor([t - 1]), page_scores(base, qa, kmin[:, :n], kmax[:, :n]))[:, 0]
+        pages_t = -(-t // PS)
+        keep = keep.clone()
+        keep[:, 0] = True  # sink
+        keep[:, pages_t - 1] = True  # recent
+        keep[:, t // PS] = True  # own page
+        allowed = keep.repeat_interleave(PS, dim=-1)[:, :t + 1]  # [Hkv, t + 1]
+        logits = (q[:, t].view(HKV, G, D) @ k[:, :t + 1].transpose(1, 2)) * scale
+        logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+        want = (torch.softmax(logits, -1) @ v[:, :t + 1]).reshape(H, D)
+        torch.testing.assert_close(reused[:, t - start], want, atol=1e-6, rtol=1e-6)

@@ -45,6 +45,7 @@ class SelectionSpec:
     page_fraction: float | None = None
     sub_page_size: int = 0  # > 0: two-level selection, the op's (``select_sub_pages``)
     candidate_share: float = schema.attribute("candidate_share").default  # two-level: share of pages as candidates
+    reuse_steps: int = 1  # > 1: a step reuses the selection of the last step whose offset is a multiple (LServe)
 
     def __post_init__(self):
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
@@ -56,6 +57,8 @@ class SelectionSpec:
             raise ValueError(f"budget must be >= 0 (0 = dense), got {self.budget}")
         if self.page_fraction is not None and not 0.0 < self.page_fraction <= 1.0:
             raise ValueError(f"page_fraction must be in (0, 1], got {self.page_fraction}")
+        if not isinstance(self.reuse_steps, int) or self.reuse_steps < 1:
+            raise ValueError(f"reuse_steps must be an int >= 1, got {self.reuse_steps!r}")
         if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size):
             raise ValueError(f"sub_page_size must divide page_size {self.page_size}; got {self.sub_page_size}")
 
@@ -212,6 +215,27 @@ def two_level_keep(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, 
     return keep | (torch.arange(n_sub)[None, :] == (positions // sp)[:, None])
 
 
+def reuse_selection(spec: SelectionSpec, positions: torch.Tensor, q_start: int, keep: torch.Tensor,
+                    unit: int) -> torch.Tensor:
+    """Rows of ``keep [Hkv, C, N]`` (units of ``unit`` tokens) replaced by their anchor row's (the
+    step ``q_start + k*floor((t - q_start)/k)``, k = ``reuse_steps``) plus the row's own forced
+    pages (sinks, recent pages): what a decode step that reuses an earlier selection attends.
+    Anchors must lie in the same chunk (chunks start at multiples of k from ``q_start``)."""
+    k = spec.reuse_steps
+    if k <= 1:
+        return keep
+    off = positions - q_start
+    anchor = (off // k) * k - off[0]
+    if bool((anchor < 0).any()):
+        raise ValueError("reuse anchors outside the chunk")
+    ps = spec.page_size
+    r = ps // unit
+    n_t = (positions + ps - 1) // ps
+    _, forced = _written_and_forced(spec, n_t, keep.shape[-1] // r)
+    forced = forced.repeat_interleave(r, dim=-1)
+    return keep[:, anchor] | forced[None]
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, spec: SelectionSpec,
                      scale: float, chunk: int = 256, probe=None, layer: int = 0) -> torch.Tensor:
     """Attention of decode steps at positions ``q_start .. q_start+S-1``.
@@ -263,10 +287,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         elif spec.sub_page_size:
             sp = spec.sub_page_size
             keep = two_level_keep(spec, positions, qc, kmin[:, :n_np], kmax[:, :n_np], lo, hi, mass)
+            keep = reuse_selection(spec, positions, q_start, keep, sp)
+            keep = keep | (torch.arange(keep.shape[-1])[None, :] == (positions // sp)[:, None])
             logits.view(Hkv, G, C, n_np * (ps // sp), sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)
         else:
             keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))
+            keep = reuse_selection(spec, positions, q_start, keep, ps)
             keep = keep | (torch.arange(n_np)[None, :] == (positions // ps)[:, None])  # own page: the token itself
             logits.view(Hkv, G, C, n_np, ps).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)
