@@ -65,7 +65,7 @@ class TieredPagePool(PagePool):
             layer_page_scales(arr, gran, num_layers, num_kv_heads, config.page_size, head_dim)
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
-                                num_cold=cold, static_scales=page_scales, codec=tiers.codec,
+                                num_cold=cold, static_scales=page_scales, codec=tiers.layer_codecs(num_layers),
                                 sub_page_size=config.sub_page_size, two_level_layers=two_level_layers)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
