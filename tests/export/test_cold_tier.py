@@ -79,6 +79,7 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     D = report.head_dim  # ps 4: K 2D + 2 (placeholder) + V 2D + 4 * 2 * (D/16) * 2 + min/max 4D bytes
     want = (4 * D + 2 + 4 * 2 * (D // 16) * 2 + 4 * D) / ((2 * 4 * D + 2 * D) * 2)
     assert f"int4 (format 3): {want:.3f} of an FP16 page" in line, line
+    assert "int8 layers 0 (from dense layers (the leading 1))" in line, line  # dense_layers=1: the default
     assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
     assert not (tmp_path / "pkg" / "calibration.json").exists()
     # every op node names its cold format twice: the overload (ONNX function) and the
@@ -91,8 +92,10 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     ops = [n for path in (tmp_path / "pkg").glob("*.onnx")
            for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == schema.OP_TYPE]
     assert ops and tier["cold_format"] == "int4"  # the ort backend's default
-    for n in ops:
-        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == tier["cold_format"]
+    assert tier["int8_layers"] == [0] and tier["int8_layers_source"].startswith("dense layers")
+    for n in ops:  # the dense layer 0 stays INT8 by default (int8_layers), the others INT4
+        want = "int8" if n.name == "tinyserve_attention_0" else "int4"
+        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == want
 
 
 def _run(capsys, *argv):

@@ -105,6 +105,7 @@ class ColdTier:
     group_size: int = 0
     cold_format_version: int | None = None  # int4: ops.cold_codec.INT4_FORMAT_VERSION (set when None)
     int8_layers: list = field(default_factory=list)
+    int8_layers_source: str | None = None  # how the exporter chose them (dense layers, calibration, ...)
 
     def __post_init__(self):
         if self.cold_format == "int4":

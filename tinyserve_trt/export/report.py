@@ -73,4 +73,8 @@ def _cold_page(report: ExportReport, config: ExportConfig) -> str:
     tiers = TierConfig(cold_format=fmt, group_size=INT4_GROUP_SIZE if fmt == "int4" else 0)
     ratio = cold_page_ratio(tiers, config.resolved_page_size(), report.head_dim)
     name = f"int4 (format {INT4_FORMAT_VERSION})" if fmt == "int4" else fmt
-    return f"{name}: {ratio:.3f} of an FP16 page"
+    text = f"{name}: {ratio:.3f} of an FP16 page"
+    if fmt == "int4":
+        layers = ",".join(map(str, report.int8_layers)) or "none"
+        text += f"; int8 layers {layers} (from {report.int8_layers_source})"
+    return text
