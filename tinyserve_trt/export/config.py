@@ -83,7 +83,9 @@ class ExportConfig:
                                  f"got {self.int8_layers!r}")
         elif self.int8_layers is not None:
             object.__setattr__(self, "int8_layers", check_int8_layers(self.int8_layers, "int4"))
-        if self.int8_layers not in (None, "none", ()) and self.has_cold_tier and self.resolved_cold_format != "int4":
+        if self.int8_layers not in (None, "none", ()) and not self.has_cold_tier:
+            raise ValueError("int8 layers need a cold tier (--cold-pages int4 or --calibration)")
+        if self.int8_layers not in (None, "none", ()) and self.resolved_cold_format != "int4":
             raise ValueError(f"int8 layers apply to int4 cold pages only (this export's cold format is "
                              f"{self.resolved_cold_format})")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
