@@ -139,7 +139,7 @@ def test_cold_pages_follow_the_runtime_rules():
 
 
 def test_fake_quantize_leaves_hot_and_partial_pages_alone():
-    cfg = CalibrationConfig(page_size=PS)
+    cfg = CalibrationConfig(page_size=PS, cold_format="int8", group_size=0)
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((2, 10, 3)), rng.standard_normal((2, 10, 3))
     k2, v2 = fake_quantize(cfg, [0, 2])(0, k, v)  # page 2 is partial (tokens 8, 9)
@@ -151,8 +151,9 @@ def test_calibrate_on_a_fake_model(tmp_path):
     src = FakeSource()
     prompts = [src.tokenize(t) for t in ("the quick brown fox jumps over the lazy dog" * 2,
                                          "pack my box with five dozen liquor jugs" * 2, "sphinx of black quartz")]
-    cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25)
+    cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25, cold_format="int8", group_size=0)
     art = calibrate(src, prompts[:2], prompts[2:], cfg, model="fake")
+    assert art.int8_layers is None and art.layer_kl == []  # INT8: no sensitivity pass
     assert art.k_absmax.shape == (L, HKV, D) and np.all(art.k_absmax > 0)
     assert sum(v for k, v in art.hit_stats.items() if k != "top10_share") == pytest.approx(1.0)
     ev = art.evaluation
@@ -212,7 +213,7 @@ def test_sensitivity_pass_keeps_the_loud_layer_at_int8(loud):
     src = ScaledLayerSource(loud)
     ids = [src.tokenize(t) for t in PROMPTS]
     cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25, cold_format="int4",
-                            int8_layers_count=1)
+                            group_size=4, int8_layers_count=1)
     kl = layer_sensitivity(src, ids[2:], cfg)
     assert len(kl) == L and kl[loud] > 10 * kl[1 - loud] > 0
     assert most_sensitive(kl, 1) == [loud] and most_sensitive(kl, 0) == [] and most_sensitive(kl, 5) == [0, 1]
@@ -232,7 +233,7 @@ def test_int4_fake_quantize_uses_sub_page_codes_in_two_level_layers():
     rng = np.random.default_rng(0)
     k = np.cumsum(rng.standard_normal((2, 8, D)), axis=1)  # drifting keys: sub-pages span less than pages
     v = rng.standard_normal((2, 8, D))
-    cfg = CalibrationConfig(page_size=PS, cold_format="int4", sub_page_size=2, dense_layers=1)
+    cfg = CalibrationConfig(page_size=PS, cold_format="int4", group_size=4, sub_page_size=2, dense_layers=1)
     assert [cfg.keys_on_codes(i) for i in range(2)] == [False, True]
     t = fake_quantize(cfg, [0, 1])
     err = [np.abs(t(layer, k, v)[0] - k).max() for layer in (0, 1)]

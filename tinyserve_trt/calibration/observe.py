@@ -22,7 +22,7 @@ import numpy as np
 
 from tinyserve_trt.calibration.source import ObservationSource
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
-from tinyserve_trt.contracts.cold_tier import TierConfig, cold_page_bytes
+from tinyserve_trt.contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_bytes
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.ops.quantization import GRANULARITIES
@@ -58,8 +58,8 @@ class CalibrationConfig:
     v_granularity: str = "token"
     max_tokens: int = 1024
     kv_dtype: str = "float16"
-    cold_format: str = "int8"
-    group_size: int = 0
+    cold_format: str = "int4"  # tinyserve-export's default for the ort backend
+    group_size: int = INT4_GROUP_SIZE
     sub_page_size: int = 0
     dense_layers: int = 0
     int8_layers_count: int = 2
