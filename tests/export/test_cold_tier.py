@@ -194,6 +194,8 @@ def test_each_exported_layer_reads_the_pool_in_its_own_codec(int4_mixed, rng):
     pool = llm.engine.pool
     assert [pool.storage.layer_codec(i).cold_format for i in range(manifest["num_layers"])] == \
         ["int8"] + ["int4"] * (manifest["num_layers"] - 1)
+    stats = llm.stats()
+    assert stats["int8_layers"] == [0] and stats["cold_formats"] == "int4 (int8 layers 0)"
 
     ps, H, D = manifest["page_size"], manifest["num_kv_heads"], manifest["head_dim"]
     lens = (14, 9)
