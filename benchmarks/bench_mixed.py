@@ -264,7 +264,8 @@ def main(argv=None) -> int:
         f"{package.page_size}, cold tiers: "
         + "; ".join(f"{fmt} (K per {t.k_granularity} / V per {t.v_granularity}"
                     f"{f' in groups of {t.group_size} channels' if t.group_size else ''}, "
-                    f"{f'float16 scales + mins, format {INT4_FORMAT_VERSION}' if t.cold_format == 'int4' else 'float32 scales'}"
+                    f"{f'float16 scales + mins, format {INT4_FORMAT_VERSION}' if t.cold_format == 'int4' else ''}"
+                    f"{'float32 scales' if t.cold_format == 'int8' else ''}"
                     f"{'; its int8 layers: float32 scales' if t.int8_layers else ''})"
                     for fmt, (t, _) in prices.items())
         + f", {args.kv_scales} scales, token budget {package.token_budget}, {package.manifest['dense_layers']} dense "

@@ -162,7 +162,8 @@ def _assert_same(host, dev, pages, handles):
 def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, cold, kernel, device):
     rng = np.random.default_rng()
     host, dev, pages = _pools(device, dtype, *grans, static=static, cold_format=cold[0], group_size=cold[1],
-                              sub_page_size=cold[2] if len(cold) > 2 else 0, int8_layers=cold[3] if len(cold) > 3 else ())
+                              sub_page_size=cold[2] if len(cold) > 2 else 0,
+                              int8_layers=cold[3] if len(cold) > 3 else ())
     for layer in range(L):  # each layer's device pools in its own codec (int8_layers: INT8 values)
         want = np.int8 if cold[0] == "int8" or layer in (cold[3] if len(cold) > 3 else ()) else np.uint8
         assert pages.layers[layer]["key_cache_int8"].cpu().numpy().dtype == want

@@ -334,7 +334,8 @@ class DevicePages(KVStorage):
             t["key_max"][dst].copy_(t["key_max"][src])
             if self.sub_page_size:
                 t["key_sub_bounds"][dst].copy_(t["key_sub_bounds"][src])
-            if src >= self.num_hot and self.codecs[layer].keys_on_bounds:  # as HostKVStorage.copy_page: exact hot metadata
+            # as HostKVStorage.copy_page: exact hot metadata
+            if src >= self.num_hot and self.codecs[layer].keys_on_bounds:
                 d = self._torch.tensor([dst], device=self.device)
                 self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
 
