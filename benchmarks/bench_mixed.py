@@ -223,9 +223,11 @@ def main(argv=None) -> int:
     rows = [dict(ref, **score(ref, ref, skip), cold_format="-", package=str(package.path))]
     prices = {}
     for pkg in packages:
-        fmt = pkg.cold_tier.get("cold_format", "int8")
-        tiers = TierConfig(1, pkg.cold_tier["k_granularity"], pkg.cold_tier["v_granularity"], cold_format=fmt,
-                           group_size=pkg.cold_tier.get("group_size", 0))
+        tiers = TierConfig(1, pkg.cold_tier["k_granularity"], pkg.cold_tier["v_granularity"],
+                           cold_format=pkg.cold_tier.get("cold_format", "int8"),
+                           group_size=pkg.cold_tier.get("group_size", 0),
+                           int8_layers=pkg.cold_tier.get("int8_layers") or ())
+        fmt = tiers.describe()  # e.g. "int4 (int8 layers 0,1)": bytes summed over the per-layer codecs
         prices[fmt] = (tiers, {dt: (CacheConfig.page_bytes(*dims, dt), cold_page_bytes(tiers, *dims, dt))
                                for dt in ("float32", "float16")})
         for f in fractions:
@@ -262,7 +264,9 @@ def main(argv=None) -> int:
         f"{package.page_size}, cold tiers: "
         + "; ".join(f"{fmt} (K per {t.k_granularity} / V per {t.v_granularity}"
                     f"{f' in groups of {t.group_size} channels' if t.group_size else ''}, "
-                    f"{f'float16 scales + mins, format {INT4_FORMAT_VERSION}' if fmt == 'int4' else 'float32 scales'})"
+                    f"{f'float16 scales + mins, format {INT4_FORMAT_VERSION}' if t.cold_format == 'int4' else ''}"
+                    f"{'float32 scales' if t.cold_format == 'int8' else ''}"
+                    f"{'; its int8 layers: float32 scales' if t.int8_layers else ''})"
                     for fmt, (t, _) in prices.items())
         + f", {args.kv_scales} scales, token budget {package.token_budget}, {package.manifest['dense_layers']} dense "
         f"layers. " + (f"{len(prompts)} consecutive windows of {args.context} tokens of {args.text}, the last "
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
                        "each teacher-forced on the all-hot greedy continuation")
         + f" ({len(prompts) * args.decode} per setting). Perplexity: exp of the mean NLL of the forced tokens.",
         "",
-        f"Baseline of the KV bytes ratio: {baseline}. A cold page costs "
+        f"Baseline of the KV bytes ratio: {baseline}. A cold page (all layers, each in its own format) costs "
         + ", ".join(f"{fmt} {p[package.dtype][1] / p[package.dtype][0]:.3f}" for fmt, (_, p) in prices.items())
         + f" of a hot {package.dtype} page"
         + ("" if package.dtype == "float16" else " (of an FP16 page: " + ", ".join(

@@ -139,7 +139,7 @@ def test_cold_pages_follow_the_runtime_rules():
 
 
 def test_fake_quantize_leaves_hot_and_partial_pages_alone():
-    cfg = CalibrationConfig(page_size=PS)
+    cfg = CalibrationConfig(page_size=PS, cold_format="int8", group_size=0)
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((2, 10, 3)), rng.standard_normal((2, 10, 3))
     k2, v2 = fake_quantize(cfg, [0, 2])(0, k, v)  # page 2 is partial (tokens 8, 9)
@@ -151,8 +151,9 @@ def test_calibrate_on_a_fake_model(tmp_path):
     src = FakeSource()
     prompts = [src.tokenize(t) for t in ("the quick brown fox jumps over the lazy dog" * 2,
                                          "pack my box with five dozen liquor jugs" * 2, "sphinx of black quartz")]
-    cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25)
+    cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25, cold_format="int8", group_size=0)
     art = calibrate(src, prompts[:2], prompts[2:], cfg, model="fake")
+    assert art.int8_layers is None and art.layer_kl == []  # INT8: no sensitivity pass
     assert art.k_absmax.shape == (L, HKV, D) and np.all(art.k_absmax > 0)
     assert sum(v for k, v in art.hit_stats.items() if k != "top10_share") == pytest.approx(1.0)
     ev = art.evaluation
@@ -183,3 +184,67 @@ def test_replayed_selection_is_the_ops():
                                       np.arange(n, dtype=np.int32)[None], np.array([t], np.int32),
                                       np.array([3 * PS], np.int32), attrs=attrs)
         np.testing.assert_array_equal(sel[i, 0, :, :n], ref[0])
+
+
+class ScaledLayerSource(FakeSource):
+    """FakeSource whose layer ``loud`` has K and V scaled up 50x: its INT4 cold pages carry 50x the
+    absolute quantization error of the others, so it dominates the logits' change."""
+
+    def __init__(self, loud: int):
+        super().__init__()
+        self.loud = loud
+
+    def _qkv(self, ids):
+        q, k, v = super()._qkv(ids)
+        k, v = k.copy(), v.copy()
+        k[self.loud] *= 50
+        v[self.loud] *= 50
+        return q, k, v
+
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog" * 2, "pack my box with five dozen liquor jugs" * 2,
+           "sphinx of black quartz, judge my vow" * 2, "how vexingly quick daft zebras jump" * 2]
+
+
+@pytest.mark.parametrize("loud", [0, 1])
+def test_sensitivity_pass_keeps_the_loud_layer_at_int8(loud):
+    from tinyserve_trt.calibration.sensitivity import layer_sensitivity, most_sensitive
+
+    src = ScaledLayerSource(loud)
+    ids = [src.tokenize(t) for t in PROMPTS]
+    cfg = CalibrationConfig(page_size=PS, token_budget=2 * PS, hot_fraction=0.25, cold_format="int4",
+                            group_size=4, int8_layers_count=1)
+    kl = layer_sensitivity(src, ids[2:], cfg)
+    assert len(kl) == L and kl[loud] > 10 * kl[1 - loud] > 0
+    assert most_sensitive(kl, 1) == [loud] and most_sensitive(kl, 0) == [] and most_sensitive(kl, 5) == [0, 1]
+    art = calibrate(src, ids[:2], ids[2:], cfg, model="fake")
+    assert art.int8_layers == [loud] and art.layer_kl == pytest.approx(kl)
+    assert art.evaluation["cold_format"] == f"int4 (int8 layers {loud})"
+    # keeping the loud layer at INT8 is what makes the package better than all-INT4
+    all_int4 = calibrate(src, ids[:2], ids[2:], CalibrationConfig(**{**cfg.__dict__, "int8_layers_count": 0}))
+    assert all_int4.int8_layers == [] and all_int4.layer_kl == []
+    assert art.evaluation["mean_kl"] < all_int4.evaluation["mean_kl"]
+    assert art.evaluation["cold_page_bytes"] > all_int4.evaluation["cold_page_bytes"]
+
+
+def test_int4_fake_quantize_uses_sub_page_codes_in_two_level_layers():
+    """Two-level layers (past dense_layers) quantize INT4 keys on 2-token sub-page bounds: a tighter
+    fit than the page bounds the dense layer 0 uses, so the same keys come back closer."""
+    rng = np.random.default_rng(0)
+    k = np.cumsum(rng.standard_normal((2, 8, D)), axis=1)  # drifting keys: sub-pages span less than pages
+    v = rng.standard_normal((2, 8, D))
+    cfg = CalibrationConfig(page_size=PS, cold_format="int4", group_size=4, sub_page_size=2, dense_layers=1)
+    assert [cfg.keys_on_codes(i) for i in range(2)] == [False, True]
+    t = fake_quantize(cfg, [0, 1])
+    err = [np.abs(t(layer, k, v)[0] - k).max() for layer in (0, 1)]
+    assert 0 < err[1] < err[0]
+    np.testing.assert_array_equal(t(0, k, v)[1], t(1, k, v)[1])  # V does not depend on the layer kind
+
+
+def test_artifact_int8_layers_validation():
+    art = _artifact()
+    with pytest.raises(ArtifactError, match="out of range for 3 layers"):
+        CalibrationArtifact(**{**art.__dict__, "int8_layers": [3]})
+    with pytest.raises(ArtifactError, match="layer_kl has 2 entries for 3 layers"):
+        CalibrationArtifact(**{**art.__dict__, "layer_kl": [0.1, 0.2]})
+    assert CalibrationArtifact(**{**art.__dict__, "int8_layers": [2, 0]}).int8_layers == [0, 2]

@@ -105,10 +105,16 @@ def test_cli_round_trip_package_to_calibrated_export(tmp_path, llama, capsys):
     src, pkg, manifest = llama
     cal = tmp_path / "cal" / "calibration.json"
     assert main([str(pkg), "--data", str(_prompts(tmp_path / "p.txt")), "--samples", "2", "--heldout", "2",
-                 "--decode-steps", "3", "--hot-fraction", "0.5", "-o", str(cal), "--quiet", "--threads", "1"]) == 0
+                 "--decode-steps", "3", "--hot-fraction", "0.5", "-o", str(cal), "--quiet", "--threads", "1",
+                 "--int8-layers-count", "1"]) == 0
     out = capsys.readouterr().out
     assert "engine source, page size 4, token budget 16" in out and "held-out 2 prompts" in out
+    assert "layer sensitivity (mean KL, only that layer INT4)" in out
     art = CalibrationArtifact.load(cal)
+    # a plain package: evaluated as tinyserve-export's default INT4 package, one layer kept at INT8
+    assert len(art.layer_kl) == 2 and all(x >= 0 for x in art.layer_kl) and len(art.int8_layers) == 1
+    assert art.int8_layers == [int(np.argmax(art.layer_kl))]
+    assert art.evaluation["cold_format"] == f"int4 (int8 layers {art.int8_layers[0]})"
     assert (art.page_size, art.token_budget, art.model) == (4, 16, str(pkg))
     assert art.k_absmax.shape == (2, 2, 16) and np.all(art.k_absmax > 0) and np.all(art.v_absmax > 0)
     assert art.evaluation["num_prompts"] == 2 and art.evaluation["top1_agreement"] is not None
@@ -121,6 +127,8 @@ def test_cli_round_trip_package_to_calibrated_export(tmp_path, llama, capsys):
     tier = written["cold_tier"]
     assert tier["hot_fraction"] == 0.5 and tier["calibration"]["file"] == "calibration.json"
     assert tier["calibration"]["model"] == str(pkg)
+    assert tier["cold_format"] == "int4" and tier["int8_layers"] == art.int8_layers  # the artifact's, not dense
+    assert tier["int8_layers_source"] == "calibration (layer sensitivity)"
     np.testing.assert_array_equal(CalibrationArtifact.load(out_pkg / "calibration.json").k_absmax, art.k_absmax)
 
 
@@ -147,5 +155,7 @@ def test_bad_inputs_give_one_line_and_exit_2(tmp_path, llama, capsys):
     _one_line_exit_2(capsys, [pkg, "--data", str(tmp_path)], "cannot read data file")  # a directory
     _one_line_exit_2(capsys, [pkg, "--data", str(data), "--samples", "1", "--heldout", "1", "--page-size", "8"],
                      "page size is 4")
+    _one_line_exit_2(capsys, [pkg, "--data", str(data), "--int8-layers-count", "-1"],
+                     "int8_layers_count must be an int >= 0")
     _one_line_exit_2(capsys, [str(tmp_path / "empty_dir"), "--data", str(data), "--samples", "1", "--heldout", "1",
                               "--source", "engine"], "cannot load")

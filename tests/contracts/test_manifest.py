@@ -116,3 +116,38 @@ def test_constructing_a_bad_manifest_fails_too():
         manifest(page_size=0)
     with pytest.raises(PackageError, match="token_budget"):
         replace(manifest(), token_budget=-1)
+
+
+def _int4_tier(**kw) -> dict:
+    return dict(k_granularity="channel", v_granularity="token", hot_fraction=0.5, sink_pages=1, recent_pages=1,
+                decay=0.9, cold_format="int4", group_size=16, cold_format_version=INT4_FORMAT_VERSION, **kw)
+
+
+@pytest.mark.parametrize("tier, message", [
+    (_int4_tier(int8_layers=[1]), "cold_tier: int8_layers [1] out of range for num_layers=1"),
+    (_int4_tier(int8_layers=[0, 0]), "cold_tier: int8_layers has duplicates: [0, 0]"),
+    (_int4_tier(int8_layers=[-1]), "cold_tier: int8_layers must hold layer indices >= 0"),
+    (_int4_tier(int8_layers="0"), "cold_tier: int8_layers must be a list of layer indices"),
+    ({**_int4_tier(int8_layers=[0]), "cold_format": "int8", "group_size": 0},
+     "cold_tier: int8_layers applies to int4 cold pages only"),
+])
+def test_bad_int8_layers_are_one_line(tmp_path, tier, message):
+    data = manifest().to_dict()
+    data["io"]["layers"][0].update(COLD)
+    data["cold_tier"] = tier
+    with pytest.raises(PackageError) as err:
+        Manifest.load(package(tmp_path, data))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_int8_layers_round_trip_and_absent_means_none(tmp_path):
+    io = PackageIO(manifest().io.inputs, {"logits": "logits"}, [{**LAYER, **COLD}, {**LAYER, **COLD}])
+    cold = ColdTier(**{**_int4_tier(int8_layers=[1]), "cold_format_version": None})
+    manifest(io=io, num_layers=2, cold_tier=cold).save(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert json.loads((tmp_path / MANIFEST_FILE).read_text())["cold_tier"]["int8_layers"] == [1]
+    assert Manifest.load(tmp_path).cold_tier.int8_layers == [1]
+    data = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    del data["cold_tier"]["int8_layers"]  # a package from before the field
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(data))
+    assert Manifest.load(tmp_path).cold_tier.int8_layers == []

@@ -28,12 +28,24 @@ def llama_two_level(tmp_path_factory):
     return src, pkg, json.loads((pkg / "tinyserve.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def llama_int4_mixed(llama, tmp_path_factory):
+    """(source, INT4 package whose layer 0 keeps INT8 cold pages, manifest): per-layer cold shapes."""
+    from tinyserve_trt.export.pipeline import export_model
+
+    src, _, manifest = llama
+    pkg = tmp_path_factory.mktemp("int4_mixed_trt") / "pkg"
+    export_model(src, pkg, ExportConfig(page_size=4, token_budget=16, dense_layers=1, cold_pages=True,
+                                        cold_format="int4", int8_layers=(0,), validate=False), quiet=True)
+    return src, pkg, json.loads((pkg / "tinyserve.json").read_text())
+
+
 def _inputs(pkg):
     model = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
     return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
 
 
-@pytest.mark.parametrize("which", ["llama", "llama_cold", "llama_two_level"])
+@pytest.mark.parametrize("which", ["llama", "llama_cold", "llama_two_level", "llama_int4_mixed"])
 def test_every_dynamic_input_has_a_consistent_range(request, which):
     _, pkg, manifest = request.getfixturevalue(which)
     profiles, limits = engine_profiles(manifest, manifest["max_context"])
@@ -56,7 +68,10 @@ def test_every_dynamic_input_has_a_consistent_range(request, which):
     page_pools = [profiles[layer["key_cache"]][2][0] for layer in manifest["io"]["layers"]]
     assert set(page_pools) == {limits["max_pool_pages"]}
     assert limits["max_pages"] == -(-manifest["max_context"] // manifest["page_size"])
-    if which == "llama_cold":
+    if which == "llama_int4_mixed":  # the INT8 layer's pools are [.., D], the INT4 layer's packed [.., D/2]
+        d = manifest["head_dim"]
+        assert [profiles[layer["key_cache_int8"]][2][-1] for layer in manifest["io"]["layers"]] == [d, d // 2]
+    if which in ("llama_cold", "llama_int4_mixed"):
         layer = manifest["io"]["layers"][0]
         hot, cold, rows = (profiles[layer[r]][2][0] for r in ("key_cache", "key_cache_int8", "key_min"))
         assert rows == hot + cold and limits["max_cold_pages"] == cold  # metadata rows cover both tiers

@@ -84,17 +84,19 @@ def test_int4_keys_on_sub_page_codes_match_the_numpy_codec(dtype, device):
 
 
 def _pools(device, dtype="float32", k_gran="channel", v_gran="token", static=False, cold_format="int8",
-           group_size=0, sub_page_size=0):
+           group_size=0, sub_page_size=0, int8_layers=()):
     """(numpy pool, device-attached pool, its DevicePages) of the same geometry; ``static``:
-    calibrated scales (small enough that some values clip)."""
+    calibrated scales (small enough that some values clip); ``int8_layers``: an int4 tier's INT8 layers."""
     config = CacheConfig(page_size=PS, num_pages=6, dtype=dtype, sub_page_size=sub_page_size)
     tiers = TierConfig(num_cold_pages=4, k_granularity=k_gran, v_granularity=v_gran,
-                       scales="static" if static else "dynamic", cold_format=cold_format, group_size=group_size)
+                       scales="static" if static else "dynamic", cold_format=cold_format, group_size=group_size,
+                       int8_layers=int8_layers)
     scales = (np.full((L, H, 1, D), 6.0 / 127, np.float32), np.full((L, H, 1, 1), 9.0 / 127, np.float32)) \
         if static else None
     host, dev = (TieredPagePool(config, tiers, L, H, D, static_scales=scales) for _ in range(2))
     pages = DevicePages(dev, TORCH_DTYPES[dtype], device, dict(k_granularity=k_gran, v_granularity=v_gran,
-                                                               cold_format=cold_format, group_size=group_size))
+                                                               cold_format=cold_format, group_size=group_size,
+                                                               int8_layers=list(int8_layers)))
     dev.attach_storage(pages)
     return host, dev, pages
 
@@ -151,14 +153,20 @@ def _assert_same(host, dev, pages, handles):
                                                (("channel", "token"), True, ("int8", 0)),
                                                (("channel", "token"), False, ("int4", 0)),
                                                (("channel", "head"), False, ("int4", 4)),
-                                               (("channel", "token"), False, ("int4", 4, 2))],
+                                               (("channel", "token"), False, ("int4", 4, 2)),
+                                               (("channel", "token"), False, ("int4", 4, 2, (0,))),
+                                               (("channel", "token"), False, ("int4", 4, 2, (1,)))],
                          ids=["channel-token", "head-channel", "static", "int4-channel-token", "int4-channel-head-g4",
-                              "int4-two-level"])
+                              "int4-two-level", "int4-two-level-int8-layer-0", "int4-two-level-int8-layer-1"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel-writes", "pool-writes"])
 def test_device_pool_holds_what_the_numpy_pool_holds(dtype, grans, static, cold, kernel, device):
     rng = np.random.default_rng()
     host, dev, pages = _pools(device, dtype, *grans, static=static, cold_format=cold[0], group_size=cold[1],
-                              sub_page_size=cold[2] if len(cold) > 2 else 0)
+                              sub_page_size=cold[2] if len(cold) > 2 else 0,
+                              int8_layers=cold[3] if len(cold) > 3 else ())
+    for layer in range(L):  # each layer's device pools in its own codec (int8_layers: INT8 values)
+        want = np.int8 if cold[0] == "int8" or layer in (cold[3] if len(cold) > 3 else ()) else np.uint8
+        assert pages.layers[layer]["key_cache_int8"].cpu().numpy().dtype == want
     a, b = host.allocate(3), dev.allocate(3)
     assert a == b
     k = (rng.standard_normal((1, H, 10, D)) * 4).astype(dtype)

@@ -408,3 +408,62 @@ def test_int4_single_level_layers_of_a_two_level_pool_read_the_page_bounds(rng):
         sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         out, _ = sess.run(None, {n: layer_feeds[n] for n in schema.node_input_names(True, two_level) if n})
         np.testing.assert_allclose(out, ref, **schema.TOLERANCES["float32"])
+
+
+def test_int8_layers_round_trip_each_layer_in_its_own_codec(rng):
+    """An INT4 pool with int8_layers=[0]: layer 0's cold pools are INT8 (int8 values, float32 scales,
+    keys on a scale), layer 1's packed INT4; demotion quantizes and promotion dequantizes each layer with
+    its own codec (INT8's error bound is ~16x tighter than INT4's: the layers are told apart by it)."""
+    from tinyserve_trt.contracts.cold_tier import cold_page_bytes
+
+    pool = make_pool(hot=6, cold=4, cold_format="int4", group_size=4, int8_layers=[0])
+    x0, x1 = pool.storage.cache_inputs(0), pool.storage.cache_inputs(1)
+    assert x0["key_cache_int8"].dtype == np.int8 and x0["key_cache_int8"].shape[-1] == D
+    assert x1["key_cache_int8"].dtype == np.uint8 and x1["key_cache_int8"].shape[-1] == D // 2
+    (a,) = pool.allocate(1)
+    fill(pool, a, rng)
+    hot = pool.physical(a)
+    k = [pool.storage.read_page(layer, hot)[0].copy() for layer in range(L)]
+    v = [pool.storage.cache_inputs(layer)["value_cache"][hot].copy() for layer in range(L)]
+    pool.demote(a)
+    pool.check_integrity([[a]], check_data=True)
+    cold = pool.physical(a)
+    err = [np.abs(pool.storage.read_page(layer, cold)[0] - k[layer]).max() for layer in range(L)]
+    span = [np.abs(k[layer]).max() for layer in range(L)]
+    assert err[0] <= span[0] / 127 * 0.51 + 1e-6  # INT8: half a step of absmax / 127
+    assert err[1] > span[1] / 127  # INT4: 15 levels, far coarser
+    pool.promote(a)
+    pool.check_integrity([[a]], check_data=True)
+    new = pool.physical(a)
+    for layer in range(L):
+        vq = pool.storage.cache_inputs(layer)["value_cache"][new]
+        assert np.abs(vq - v[layer]).max() <= (1.01 / 127 if layer == 0 else 1.01 / 15 * 2) * np.abs(v[layer]).max() \
+            + 1e-6
+    uniform = TierConfig(num_cold_pages=4, cold_format="int4", group_size=4)
+    assert cold_page_bytes(pool.tiers, PS, L, H, D, "float32") > cold_page_bytes(uniform, PS, L, H, D, "float32")
+    with pytest.raises(ValueError, match="layers' cold formats differ"):
+        pool.storage.codec
+
+
+def test_check_integrity_catches_a_layer_in_the_wrong_format():
+    pool = make_pool(hot=6, cold=4, cold_format="int4", group_size=4, int8_layers=[0])
+    pool.check_integrity()
+    good = pool.storage._kq[0]
+    pool.storage._kq[0] = np.zeros((4, H, PS, D // 2), np.uint8)  # INT4-shaped values in the INT8 layer
+    with pytest.raises(PoolIntegrityError, match="layer 0's key_cache_int8 is uint8"):
+        pool.check_integrity()
+    pool.storage._kq[0] = good
+    pool.storage.codecs[1] = pool.tiers.layer_codec(0)  # the storage thinks layer 1 is INT8 too
+    with pytest.raises(PoolIntegrityError, match="layer 1 stores int8 cold pages, its tier says int4"):
+        pool.check_integrity()
+
+
+def test_tier_config_int8_layers_validation():
+    with pytest.raises(ValueError, match="int8_layers applies to int4 cold pages only"):
+        TierConfig(int8_layers=[0])
+    with pytest.raises(ValueError, match="duplicates"):
+        TierConfig(cold_format="int4", int8_layers=[1, 1])
+    with pytest.raises(ValueError, match=r"int8_layers \[5\] out of range for a 2-layer model"):
+        TierConfig(cold_format="int4", int8_layers=[5]).layer_codecs(2)
+    assert TierConfig(cold_format="int4", int8_layers=[3, 1]).int8_layers == (1, 3)
+    assert TierConfig(cold_format="int4", int8_layers=[0, 1]).describe() == "int4 (int8 layers 0,1)"

@@ -31,15 +31,18 @@ def _toy_page_keys(tokens: list[int], page: int, layer: int) -> np.ndarray:
     return ((ids + 0.25 * pos + layer)[None, :, None] + grid).astype(np.float32)
 
 
-@pytest.mark.parametrize("cold_tier", [COLD_TIER, {**COLD_TIER, "cold_format": "int4", "group_size": 2}],
-                         ids=["int8", "int4"])
+@pytest.mark.parametrize("cold_tier", [COLD_TIER, {**COLD_TIER, "cold_format": "int4", "group_size": 2},
+                                       {**COLD_TIER, "cold_format": "int4", "group_size": 2, "int8_layers": [1]}],
+                         ids=["int8", "int4", "int4-int8-layer-1"])
 def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(fake_backend, cold_tier):
     """A tiered pool: every full page but a sequence's last is demoted after each step.
     The toy model reads each row's cached keys through the page table; what it read
     must be the exact keys for hot pages and their INT8 / INT4 round trip (the package's
     ColdCodec) for cold ones."""
-    codec = tier_codec(cold_tier)
+    codecs = [tier_codec(cold_tier, layer) for layer in range(LAYERS)]  # int8_layers: INT8 in an int4 package
     backend, pool = fake_backend(tiered=True, cold_tier=cold_tier)
+    assert [backend.pages.layers[i]["key_cache_int8"].dtype == torch.int8 for i in range(LAYERS)] == \
+        [c.cold_format == "int8" for c in codecs]
     assert backend.reads_cold_pages and backend.pages.num_cold == PAGES
     sched = Scheduler(SchedulerConfig(max_batch=8, max_tokens_per_step=64, prefill_chunk=8), pool)
     for rid, (prompt, n) in REQUESTS.items():
@@ -57,6 +60,7 @@ def test_cold_pages_are_bound_addressed_physically_and_quantized_on_the_device(f
                     n = min(PAGE_SIZE, past - lp * PAGE_SIZE)
                     if seq.pages[lp] in cold_pages[row]:
                         keys = _toy_page_keys(seq.token_ids, lp, layer)
+                        codec = codecs[layer]
                         keys = codec.dequantize_keys(*codec.quantize(keys, "k"), *page_bounds(keys))
                         read_cold += 1
                     else:

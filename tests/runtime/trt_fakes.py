@@ -30,6 +30,7 @@ from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
 from tinyserve_trt.runtime.pages import PagePool
 from tinyserve_trt.runtime.sampling import SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
+from tinyserve_trt.contracts.cold_tier import tier_codec
 from tinyserve_trt.runtime.tiers import TierConfig, TieredPagePool
 
 LAYERS, HEADS, DIM, PAGE_SIZE, VOCAB, PAGES = 2, 2, 4, 4, 16, 48  # DIM even: INT4 packs channel pairs
@@ -43,14 +44,17 @@ _capturing: list = []  # the fake CUDAGraph being captured, if any
 
 
 def _spec(cold=False, two_level: bool = False) -> dict[str, tuple[str, str]]:
-    """``cold``: False, or the package's cold format (True = int8): the cold inputs' types
-    are ``schema.COLD_DTYPES`` of it, as the engine built from the exported model has them."""
-    cold_types = dict(zip(COLD_ROLES, schema.COLD_DTYPES["int8" if cold is True else cold or "int8"]))
+    """``cold``: False, the package's cold format (True = int8) or a list with each layer's (an
+    int4 package's int8_layers): the cold inputs' types are ``schema.COLD_DTYPES`` of it, as the
+    engine built from the exported model has them."""
+    formats = cold if isinstance(cold, list) else [cold] * LAYERS
+    formats = ["int8" if f is True else f or "int8" for f in formats]
     spec = {n: ("INPUT", "INT32") for n in ("input_ids", "position_ids", "page_table", "past_lens", "token_budget")}
     spec["logits_index"] = ("INPUT", "INT64")
     for i in range(LAYERS):
         spec.update({f"{r}.{i}": ("INPUT", "FLOAT") for r in HOT_ROLES})
         if cold:
+            cold_types = dict(zip(COLD_ROLES, schema.COLD_DTYPES[formats[i]]))
             spec.update({f"{r}.{i}": ("INPUT", TRT_TYPES[cold_types[r]]) for r in COLD_ROLES})
         if two_level and i > 0:  # layer 0 is dense: single level, no fine bounds
             spec[f"key_sub_bounds.{i}"] = ("INPUT", "UINT8")
@@ -275,8 +279,8 @@ def fake_backend(monkeypatch, tmp_path):
     def make(cuda_graphs=True, capturable=True, tiered=False, sub_page_size=0, cold_tier=COLD_TIER, **limits):
         """``limits``: extra ``manifest["engine"]`` entries (max_pool_pages, max_cold_pages);
         ``cold_tier``: the package's (with ``tiered``), e.g. an INT4 one."""
-        engine = FakeEngine(capturable, cold=tiered and cold_tier.get("cold_format", "int8"),
-                            two_level=bool(sub_page_size))
+        formats = [tier_codec(cold_tier, i).cold_format for i in range(LAYERS)]  # per layer (int8_layers)
+        engine = FakeEngine(capturable, cold=tiered and formats, two_level=bool(sub_page_size))
         for i, names in enumerate(layers):
             names.pop("key_sub_bounds", None)
             if sub_page_size and i > 0:

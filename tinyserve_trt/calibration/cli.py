@@ -70,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-granularity", default=_DEFAULTS["k_granularity"])
     p.add_argument("--v-granularity", default=_DEFAULTS["v_granularity"])
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS["max_tokens"])
+    p.add_argument("--cold-format", choices=("int8", "int4"), default=None,
+                   help="cold-page codec the held-out evaluation fake-quantizes with (default: a package's own; "
+                        f"HF: {_DEFAULTS['cold_format']}); int4 also runs the layer sensitivity pass")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="int4 V channels per scale (default: a package's own; HF "
+                        f"{_DEFAULTS['group_size']}, tinyserve-export's)")
+    p.add_argument("--sub-page-size", type=int, default=None,
+                   help="two-level sub-page tokens, 0 = single level (default: a package's own; HF "
+                        f"{_DEFAULTS['sub_page_size']})")
+    p.add_argument("--dense-layers", type=int, default=None,
+                   help=f"leading dense layers (default: a package's own; HF {_DEFAULTS['dense_layers']})")
+    p.add_argument("--int8-layers-count", type=int, default=_DEFAULTS["int8_layers_count"], metavar="N",
+                   help="int4: keep the N layers most sensitive to INT4 cold pages at INT8 (0 = none, no pass; "
+                        "default %(default)s). The pass measures, per layer, the mean KL(all hot || only that "
+                        "layer's cold pages INT4): L+1 forwards per prompt, so it runs on the --heldout prompts "
+                        "only; the artifact records the per-layer KL and the list tinyserve-export --calibration "
+                        "applies")
     p.add_argument("--source", default=None,
                    help="model runner (registry in calibration/source.py): engine for a package, hf for a Hugging "
                         "Face directory; default: picked from MODEL")
@@ -99,9 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.samples < 1 or args.heldout < 0:
             raise DataError("--samples must be >= 1 and --heldout >= 0")
         fixed = {k: v for k, v in (("page_size", args.page_size), ("token_budget", args.token_budget)) if v is not None}
+        codec = {k: v for k, v in (("cold_format", args.cold_format), ("sub_page_size", args.sub_page_size),
+                                   ("dense_layers", args.dense_layers)) if v is not None}
+        if args.group_size is not None:
+            codec["group_size"] = args.group_size
+        elif args.cold_format == "int8":  # INT8 scales take no channel groups
+            codec["group_size"] = 0
         cfg = CalibrationConfig(decode_steps=args.decode_steps, hot_fraction=args.hot_fraction,
                                 k_granularity=args.k_granularity, v_granularity=args.v_granularity,
-                                max_tokens=args.max_tokens, **fixed)
+                                max_tokens=args.max_tokens, int8_layers_count=args.int8_layers_count,
+                                **fixed, **codec)
         if args.source is not None and args.source not in source_names():
             raise ValueError(f"unknown calibration source {args.source!r}; choose from {source_names()}")
         prompts = read_prompts(args.data)
@@ -136,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ev = artifact.evaluation
     print(f"wrote {path} (+ {path.with_suffix('.npz').name}; {kind} source, page size {cfg.page_size}, "
           f"token budget {cfg.token_budget})")
+    if artifact.layer_kl:
+        kl = ", ".join(f"{i}: {x:.2e}" for i, x in enumerate(artifact.layer_kl))
+        print(f"layer sensitivity (mean KL, only that layer INT4): {kl}; int8 layers {artifact.int8_layers}")
     if ev:
         print(f"held-out {ev['num_prompts']} prompts: {ev['cold_page_share']:.0%} of pages cold, "
               f"KV memory saved {ev['memory_saved']:.1%}, top-1 agreement {ev['top1_agreement']:.1%}, "

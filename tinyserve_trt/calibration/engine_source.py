@@ -64,9 +64,15 @@ class EngineSource(ObservationSource):
         self._ids = itertools.count()
 
     def op_settings(self) -> dict:
+        """The package's op settings; with a cold tier also its codec (format, group size) and the
+        two-level layout (sub-page size, dense layers), so held-out evaluation quantizes as its pool."""
         spec = self.package.spec
-        return dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=spec.sink_pages,
-                    recent_pages=spec.recent_pages, kv_dtype=self.package.dtype)
+        out = dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=spec.sink_pages,
+                   recent_pages=spec.recent_pages, kv_dtype=self.package.dtype,
+                   sub_page_size=spec.sub_page_size, dense_layers=spec.dense_layers)
+        if spec.cold_tier is not None:
+            out.update(cold_format=spec.cold_tier.cold_format, group_size=spec.cold_tier.group_size)
+        return out
 
     def tokenize(self, text: str) -> list[int]:
         return self.package.encode(text)

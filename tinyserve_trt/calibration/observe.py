@@ -5,7 +5,11 @@ it is the only code that runs the model. Held-out evaluation compares each
 prompt's next-token distribution with all pages hot against the same cache
 with its coldest pages fake-quantized (quantize -> dequantize, what the op
 reads), chosen by the runtime's rules: sinks and recent pages stay hot, the
-least-hit full pages go cold until ``hot_fraction`` is met.
+least-hit full pages go cold until ``hot_fraction`` is met. Fake quantization is
+the package's: each layer's ``ColdCodec`` (``TierConfig.layer_codecs``: INT8, or INT4
+format 3 with an INT4 package's ``int8_layers`` at INT8), INT4 keys on the page's bounds
+- in a two-level layer on its sub-page codes, computed from the keys as a pool does.
+For INT4, ``sensitivity.layer_sensitivity`` first picks the layers to keep at INT8.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import numpy as np
 
 from tinyserve_trt.calibration.source import ObservationSource
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
-from tinyserve_trt.contracts.cold_tier import TierConfig, cold_page_bytes
-from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page, quantize_page
+from tinyserve_trt.contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_bytes
+from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
+from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+from tinyserve_trt.ops.quantization import GRANULARITIES
 from tinyserve_trt.runtime.config import CacheConfig
 
 Progress = Callable[[Iterable, str], Iterable]
@@ -33,6 +39,12 @@ class CalibrationConfig:
     hot_fraction: share of a sequence's pages kept hot in the evaluation and the artifact.
     hot_recent_pages: trailing pages the hotness policy keeps hot (>= recent_pages).
     max_tokens: prompts are cut to this many tokens. kv_dtype: hot-tier dtype for the memory report.
+    cold_format / group_size: the package's cold codec (``contracts.cold_tier.TierConfig``).
+    sub_page_size / dense_layers: two-level selection's sub-page tokens (0: single level) and the
+    leading dense layers, whose nodes read the page bounds: which layers' INT4 keys quantize on
+    sub-page codes (``KVStorage.keys_on_codes``).
+    int8_layers_count: INT4 only - how many of the most sensitive layers the artifact keeps at
+    INT8 (``sensitivity.py``; 0: none, and no sensitivity pass).
     """
 
     page_size: int = 16
@@ -46,13 +58,18 @@ class CalibrationConfig:
     v_granularity: str = "token"
     max_tokens: int = 1024
     kv_dtype: str = "float16"
+    cold_format: str = "int4"  # tinyserve-export's default for the ort backend
+    group_size: int = INT4_GROUP_SIZE
+    sub_page_size: int = 0
+    dense_layers: int = 0
+    int8_layers_count: int = 2
 
     def __post_init__(self):
         for name in ("page_size", "decode_steps", "recent_pages", "max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("token_budget", "sink_pages"):
+        for name in ("token_budget", "sink_pages", "sub_page_size", "dense_layers", "int8_layers_count"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
@@ -63,6 +80,19 @@ class CalibrationConfig:
         for name in ("k_granularity", "v_granularity"):
             if getattr(self, name) not in GRANULARITIES:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
+        if self.sub_page_size and self.page_size % self.sub_page_size:
+            raise ValueError(f"sub_page_size must divide the page size {self.page_size}, got {self.sub_page_size}")
+        self.tiers()  # validates cold_format / group_size
+
+    def tiers(self, int8_layers=()) -> TierConfig:
+        """The package's cold tier (its codecs) with ``int8_layers``."""
+        k_gran = "channel" if self.cold_format == "int4" else self.k_granularity  # INT4 keys: on the bounds
+        return TierConfig(1, k_gran, self.v_granularity, cold_format=self.cold_format, group_size=self.group_size,
+                          int8_layers=int8_layers)
+
+    def keys_on_codes(self, layer: int) -> bool:
+        """Whether ``layer``'s node is two-level (INT4 keys quantize on its sub-page codes)."""
+        return bool(self.sub_page_size and self.sub_page_size < self.page_size and layer >= self.dense_layers)
 
 
 def _no_progress(it, desc):
@@ -109,46 +139,83 @@ def cold_pages_for(selected_pages: np.ndarray, num_pages: int, cfg: CalibrationC
     return sorted(eligible[: max(0, n_cold)])
 
 
-def fake_quantize(cfg: CalibrationConfig, cold: Sequence[int]):
-    """A KVTransform that replaces the full pages ``cold`` by their dequantized INT8 copies."""
+def fake_quantize(cfg: CalibrationConfig, cold: Sequence[int], codecs: Sequence[ColdCodec] | None = None,
+                  layers: Iterable[int] | None = None):
+    """A KVTransform that replaces the full pages ``cold`` by their dequantized copies, each layer
+    by its codec (``codecs``, default ``cfg.tiers()``'s for every layer); ``layers``: only these
+    layers' pages (None: all)."""
     ps = cfg.page_size
+    only = None if layers is None else set(layers)
 
     def transform(layer, k, v):  # [Hkv, T, D]
+        if only is not None and layer not in only:
+            return k, v
+        codec = cfg.tiers().codec if codecs is None else codecs[layer]
         k, v = k.copy(), v.copy()
-        for j in cold:
-            sl = slice(j * ps, (j + 1) * ps)
-            if k[:, sl].shape[1] != ps:
-                continue  # partial pages are never cold
-            k[:, sl] = dequantize_page(*quantize_page(k[:, sl], cfg.k_granularity))
-            v[:, sl] = dequantize_page(*quantize_page(v[:, sl], cfg.v_granularity))
+        full = [j for j in cold if k[:, j * ps:(j + 1) * ps].shape[1] == ps]  # partial pages are never cold
+        if not full:
+            return k, v
+        idx = np.concatenate([np.arange(j * ps, (j + 1) * ps) for j in full])
+        kp = np.swapaxes(k[:, idx].reshape(k.shape[0], len(full), ps, -1), 0, 1)  # [n, Hkv, ps, D]
+        vp = np.swapaxes(v[:, idx].reshape(v.shape[0], len(full), ps, -1), 0, 1)
+        kq, vq = dequantized_pages(codec, kp, vp, cfg.sub_page_size if cfg.keys_on_codes(layer) else 0)
+        k[:, idx] = np.swapaxes(kq, 0, 1).reshape(k.shape[0], -1, k.shape[-1]).astype(k.dtype)
+        v[:, idx] = np.swapaxes(vq, 0, 1).reshape(v.shape[0], -1, v.shape[-1]).astype(v.dtype)
         return k, v
 
     return transform
 
 
+def dequantized_pages(codec: ColdCodec, k: np.ndarray, v: np.ndarray, sub_page_size: int = 0):
+    """Full pages ``k, v [n, Hkv, ps, D]`` as the op reads them after a pool demoted them with
+    ``codec`` (float32): INT4 keys on the pages' own bounds, with ``sub_page_size`` on their
+    sub-page codes (``fine_bounds.pages_sub_bounds`` of the keys, as a pool stores them)."""
+    if codec.keys_on_bounds:
+        kmin, kmax = page_bounds(k)
+        codes = None
+        if sub_page_size:
+            codes = pages_sub_bounds(k, sub_page_size, kmin, kmax, np.full(k.shape[0], k.shape[-2]))
+        kq, ks = codec.quantize(k, "k", bounds=(kmin, kmax), sub_codes=codes)
+        keys = codec.dequantize_keys(kq, ks, kmin, kmax, sub_codes=codes)
+    else:
+        keys = codec.dequantize(*codec.quantize(k, "k"))
+    return keys, codec.dequantize(*codec.quantize(v, "v"))
+
+
+def heldout_cold_pages(source: ObservationSource, ids: Sequence[int], cfg: CalibrationConfig) -> list[int]:
+    """The full logical pages of ``ids[:-1]`` the runtime would make cold (:func:`cold_pages_for`)."""
+    ctx = len(ids) - 1
+    sel = source.observe(ids[:-1]).selected_pages if ctx >= 2 else np.zeros((1, 1, 1, 1), bool)
+    return [j for j in cold_pages_for(sel, -(-ctx // cfg.page_size), cfg) if j < ctx // cfg.page_size]
+
+
+def kl_divergence(base: np.ndarray, other: np.ndarray) -> float:
+    """KL(softmax(base) || softmax(other)) of two logit vectors."""
+    p, q = _softmax(base), _softmax(other)
+    return float(np.sum(p * (np.log(p + 1e-300) - np.log(q + 1e-300))))
+
+
 def evaluate(source: ObservationSource, prompts: Sequence[Sequence[int]], cfg: CalibrationConfig,
-             progress: Progress = _no_progress) -> dict:
-    """Top-1 agreement, KL(hot || mixed) and memory saved on held-out ``prompts``."""
+             progress: Progress = _no_progress, int8_layers=()) -> dict:
+    """Top-1 agreement, KL(hot || mixed) and memory saved on held-out ``prompts``, the cold pages
+    in the package's codecs (``cfg.tiers(int8_layers)``)."""
     agree, kls, cold_pages, total_pages = [], [], 0, 0
+    tiers = cfg.tiers(int8_layers)
+    codecs = tiers.layer_codecs(source.num_layers)
     for ids in progress(prompts, "evaluate"):
         ctx = len(ids) - 1
-        n = ctx // cfg.page_size  # full pages only can be cold
-        sel = source.observe(ids[:-1]).selected_pages if ctx >= 2 else np.zeros((1, 1, 1, 1), bool)
-        cold = cold_pages_for(sel, -(-ctx // cfg.page_size), cfg)
-        cold = [j for j in cold if j < n]
+        cold = heldout_cold_pages(source, ids, cfg)
         base = source.next_token_logits(ids)
-        mixed = source.next_token_logits(ids, fake_quantize(cfg, cold)) if cold else base
-        p, q = _softmax(base), _softmax(mixed)
+        mixed = source.next_token_logits(ids, fake_quantize(cfg, cold, codecs)) if cold else base
         agree.append(float(base.argmax() == mixed.argmax()))
-        kls.append(float(np.sum(p * (np.log(p + 1e-300) - np.log(q + 1e-300)))))
+        kls.append(kl_divergence(base, mixed))
         cold_pages += len(cold)
         total_pages += -(-ctx // cfg.page_size)
     L, Hkv, D = source.num_layers, source.num_kv_heads, source.head_dim
     hot_b = CacheConfig.page_bytes(cfg.page_size, L, Hkv, D, cfg.kv_dtype)
-    cold_b = cold_page_bytes(TierConfig(1, cfg.k_granularity, cfg.v_granularity), cfg.page_size, L, Hkv, D,
-                             cfg.kv_dtype)
+    cold_b = cold_page_bytes(tiers, cfg.page_size, L, Hkv, D, cfg.kv_dtype)  # per-layer codecs summed
     share = cold_pages / max(total_pages, 1)
-    return {"num_prompts": len(prompts), "cold_page_share": share,
+    return {"num_prompts": len(prompts), "cold_page_share": share, "cold_format": tiers.describe(),
             "memory_saved": share * (1 - cold_b / hot_b), "hot_page_bytes": hot_b, "cold_page_bytes": cold_b,
             "top1_agreement": float(np.mean(agree)) if agree else None,
             "mean_kl": float(np.mean(kls)) if kls else None, "max_kl": float(np.max(kls)) if kls else None}
@@ -163,9 +230,16 @@ def calibrate(source: ObservationSource, calib: Sequence[Sequence[int]], heldout
               cfg: CalibrationConfig, model: str = "", progress: Progress = _no_progress) -> CalibrationArtifact:
     """Observe ``calib``, evaluate on ``heldout`` (token ids, already cut to ``max_tokens``)."""
     k_absmax, v_absmax, hit_stats = observe(source, calib, cfg, progress)
-    report = evaluate(source, heldout, cfg, progress) if heldout else {}
+    layer_kl, int8_layers = [], None
+    if cfg.cold_format == "int4" and heldout:  # L + 1 forwards per held-out prompt
+        from tinyserve_trt.calibration.sensitivity import layer_sensitivity, most_sensitive
+
+        if cfg.int8_layers_count:
+            layer_kl = layer_sensitivity(source, heldout, cfg, progress)
+        int8_layers = most_sensitive(layer_kl, cfg.int8_layers_count)
+    report = evaluate(source, heldout, cfg, progress, int8_layers or ()) if heldout else {}
     return CalibrationArtifact(
         model=model, page_size=cfg.page_size, k_granularity=cfg.k_granularity, v_granularity=cfg.v_granularity,
         hot_fraction=cfg.hot_fraction, k_absmax=k_absmax, v_absmax=v_absmax, token_budget=cfg.token_budget,
         sink_pages=cfg.sink_pages, recent_pages=cfg.hot_recent_pages, num_prompts=len(calib),
-        hit_stats=hit_stats, evaluation=report)
+        hit_stats=hit_stats, evaluation=report, layer_kl=layer_kl, int8_layers=int8_layers)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
+from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig, check_int8_layers
 from tinyserve_trt.ops.quantization import GRANULARITIES, QMAX, group_scale
 
 VERSION = 1
@@ -39,6 +39,10 @@ class CalibrationArtifact:
     hit_stats: share of decode-step page hits on sinks / recent pages / the rest, and how
                concentrated the rest is (``top10_share``: hits on its 10% most-hit pages).
     evaluation: held-out report (``memory_saved``, ``top1_agreement``, ``mean_kl``, ...).
+    layer_kl: INT4 layer sensitivity (``calibration.sensitivity``): per layer, the mean
+              KL(all hot || only this layer's cold pages INT4) on the held-out prompts; [] when not run.
+    int8_layers: the layers an INT4 package keeps at INT8 (the most sensitive ones), which
+                 ``tinyserve-export --calibration`` applies; None when the artifact names none.
     """
 
     model: str
@@ -55,6 +59,8 @@ class CalibrationArtifact:
     num_prompts: int = 0
     hit_stats: dict = field(default_factory=dict)
     evaluation: dict = field(default_factory=dict)
+    layer_kl: list = field(default_factory=list)
+    int8_layers: list | None = None
     version: int = VERSION
 
     def __post_init__(self):
@@ -66,6 +72,17 @@ class CalibrationArtifact:
         if self.k_absmax.ndim != 3 or self.v_absmax.ndim != 2 or self.k_absmax.shape[:2] != self.v_absmax.shape:
             raise ArtifactError(f"k_absmax must be [L, Hkv, D] and v_absmax [L, Hkv], got "
                                 f"{self.k_absmax.shape} and {self.v_absmax.shape}")
+        L = self.k_absmax.shape[0]
+        if self.layer_kl and len(self.layer_kl) != L:
+            raise ArtifactError(f"layer_kl has {len(self.layer_kl)} entries for {L} layers")
+        if self.int8_layers is not None:
+            try:
+                layers = check_int8_layers(self.int8_layers, "int4")
+            except ValueError as e:
+                raise ArtifactError(str(e)) from None
+            if any(i >= L for i in layers):
+                raise ArtifactError(f"int8_layers {list(layers)} out of range for {L} layers")
+            object.__setattr__(self, "int8_layers", list(layers))
 
     # ---- files --------------------------------------------------------------
     def save(self, path: str | Path) -> Path:

@@ -11,7 +11,7 @@ Pure data: no pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,9 @@ class TierConfig:
     ``benchmarks/results/quant_granularity.md`` for SmolLM2.
     scales: ``dynamic`` (each page's absmax) or ``static`` (a calibration's ranges, passed
     to ``TieredPagePool(static_scales=...)``; values outside them clip).
+    int8_layers: int4 only - sorted layer indices whose cold pages are INT8 instead (the
+    INT8 codec, same granularities; issue #17: calibration keeps sensitive layers at INT8).
+    Their range is checked against the model by :meth:`check_layers` (the config has no layer count).
     """
 
     num_cold_pages: int = 1024
@@ -47,8 +50,10 @@ class TierConfig:
     scales: str = "dynamic"
     cold_format: str = "int8"
     group_size: int = 0
+    int8_layers: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "int8_layers", check_int8_layers(self.int8_layers, self.cold_format))
         if not isinstance(self.num_cold_pages, int) or isinstance(self.num_cold_pages, bool) \
                 or self.num_cold_pages <= 0:
             raise ValueError(f"num_cold_pages must be a positive int, got {self.num_cold_pages!r}")
@@ -65,25 +70,74 @@ class TierConfig:
 
     @property
     def codec(self) -> ColdCodec:
-        """How a cold page is stored (``ops.cold_codec``)."""
+        """How a cold page is stored (``ops.cold_codec``) in the layers not in ``int8_layers``."""
         return ColdCodec(self.cold_format, self.k_granularity, self.v_granularity, self.group_size)
+
+    def layer_codec(self, layer: int) -> ColdCodec:
+        """Layer ``layer``'s codec: INT8 for ``int8_layers``, else :attr:`codec`."""
+        return int8_codec(self.codec) if layer in self.int8_layers else self.codec
+
+    def layer_codecs(self, num_layers: int) -> list[ColdCodec]:
+        """One codec per layer (``num_layers`` must cover ``int8_layers``)."""
+        self.check_layers(num_layers)
+        return [self.layer_codec(i) for i in range(num_layers)]
+
+    def check_layers(self, num_layers: int) -> None:
+        """ValueError when an ``int8_layers`` index is not a layer of a ``num_layers`` model."""
+        bad = [i for i in self.int8_layers if i >= num_layers]
+        if bad:
+            raise ValueError(f"int8_layers {bad} out of range for a {num_layers}-layer model (0..{num_layers - 1})")
+
+    def describe(self) -> str:
+        """``int4`` or ``int4 (int8 layers 0,1)``: the format as tables and summaries print it."""
+        return describe_format(self.cold_format, self.int8_layers)
+
+
+def check_int8_layers(layers, cold_format: str) -> tuple:
+    """``layers`` as a sorted tuple of unique ints >= 0, allowed with ``cold_format`` int4 only;
+    ValueError naming the problem."""
+    if layers is None:
+        return ()
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"int8_layers must be a list of layer indices, got {layers!r}")
+    layers = list(layers)
+    if any(not isinstance(i, (int, np.integer)) or isinstance(i, bool) or i < 0 for i in layers):
+        raise ValueError(f"int8_layers must hold layer indices >= 0, got {layers}")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"int8_layers has duplicates: {layers}")
+    if layers and cold_format != "int4":
+        raise ValueError(f"int8_layers applies to int4 cold pages only (cold_format is {cold_format!r})")
+    return tuple(sorted(int(i) for i in layers))
+
+
+def int8_codec(codec: ColdCodec) -> ColdCodec:
+    """The INT8 codec an int4 package's ``int8_layers`` use: INT8, the same V granularity, keys
+    per channel (INT8's scale per channel, KIVI), group_size 0 (INT8 scales are ``[ps|1, D|1]``)."""
+    return ColdCodec("int8", codec.k_granularity, codec.v_granularity, 0)
+
+
+def describe_format(cold_format: str, int8_layers=()) -> str:
+    return f"{cold_format} (int8 layers {','.join(map(str, int8_layers))})" if int8_layers else cold_format
 
 
 def cold_page_bytes(tiers: TierConfig, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                     dtype: str = "float16") -> int:
-    """Bytes one cold page costs over all layers: int8 (or packed int4) K/V, their scales, and
-    key_min/key_max in ``dtype`` (compare ``CacheConfig.page_bytes`` for a hot page)."""
-    kv = sum(tiers.codec.bytes_per_page(w, num_kv_heads, page_size, head_dim) for w in ("k", "v"))
-    return num_layers * (kv + 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize)
+    """Bytes one cold page costs over all layers, each in its own codec (``int8_layers``): int8
+    (or packed int4) K/V, their scales, and key_min/key_max in ``dtype`` (compare
+    ``CacheConfig.page_bytes`` for a hot page)."""
+    meta = 2 * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+    return sum(sum(c.bytes_per_page(w, num_kv_heads, page_size, head_dim) for w in ("k", "v")) + meta
+               for c in tiers.layer_codecs(num_layers))
 
 
 def cold_page_ratio(tiers: TierConfig, page_size: int, head_dim: int, dtype: str = "float16") -> float:
     """What a cold page costs per hot ``dtype`` page (both with key_min/key_max in ``dtype``; the
     same for every layer and KV head): INT4 format 3 at page 32 / head dim 64, V per token in groups
-    of 16 channels, is 0.334 of an FP16 page (format 2: 0.303)."""
+    of 16 channels, is 0.334 of an FP16 page (format 2: 0.303). The package's format: ``int8_layers``
+    are not counted (:func:`cold_page_bytes` sums the layers)."""
     item = np.dtype(dtype).itemsize
     hot = (2 * page_size * head_dim + 2 * head_dim) * item
-    return cold_page_bytes(tiers, page_size, 1, 1, head_dim, dtype) / hot
+    return cold_page_bytes(replace(tiers, int8_layers=()), page_size, 1, 1, head_dim, dtype) / hot
 
 
 @dataclass(frozen=True)
@@ -130,17 +184,25 @@ class HotnessConfig:
             raise ValueError(f"max_promotions must be an int >= 0, got {self.max_promotions!r}")
 
 
-def tier_codec(cold_tier: dict) -> ColdCodec:
-    """The codec of a manifest's ``cold_tier`` section (one written before INT4 is int8)."""
-    return ColdCodec(cold_tier.get("cold_format", "int8"), cold_tier["k_granularity"], cold_tier["v_granularity"],
-                     cold_tier.get("group_size", 0))
+def tier_codec(cold_tier: dict, layer: int | None = None) -> ColdCodec:
+    """The codec of a manifest's ``cold_tier`` section (one written before INT4 is int8): the
+    package's format, or with ``layer`` that layer's (INT8 when in ``int8_layers``)."""
+    c = ColdCodec(cold_tier.get("cold_format", "int8"), cold_tier["k_granularity"], cold_tier["v_granularity"],
+                  cold_tier.get("group_size", 0))
+    return int8_codec(c) if layer is not None and layer in (cold_tier.get("int8_layers") or ()) else c
 
 
-def unused_cold_inputs(cold_tier: dict, num_kv_heads: int, page_size: int, head_dim: int) -> dict:
-    """One zero cold page per cold input (``ops.schema.COLD_INPUTS`` names), for a cold-tier
-    model run over a plain pool: page ids stay below the hot pool's size, so the op never
-    reads it, but its cold overload needs ``Pcold >= 1`` of the right types."""
-    c = tier_codec(cold_tier)
+def tier_codecs(cold_tier: dict, num_layers: int) -> list[ColdCodec]:
+    """Every layer's codec of a manifest's ``cold_tier`` section."""
+    return [tier_codec(cold_tier, i) for i in range(num_layers)]
+
+
+def unused_cold_inputs(cold_tier: dict, num_kv_heads: int, page_size: int, head_dim: int,
+                       layer: int | None = None) -> dict:
+    """One zero cold page per cold input (``ops.schema.COLD_INPUTS`` names) of ``layer``'s codec,
+    for a cold-tier model run over a plain pool: page ids stay below the hot pool's size, so the
+    op never reads it, but its cold overload needs ``Pcold >= 1`` of the right types."""
+    c = tier_codec(cold_tier, layer)
     q = np.zeros((1, *c.pool_shape(num_kv_heads, page_size, head_dim)), c.storage_dtype)
     k, v = (c.blank_scales(w, num_kv_heads, page_size, head_dim)[None] for w in "kv")
     return dict(key_cache_int8=q, value_cache_int8=q.copy(), key_scale=k, value_scale=v)

@@ -89,7 +89,9 @@ class ColdTier:
     only - is refused, its bytes read otherwise), scale granularities and ``group_size``, the
     hot/cold policy defaults (``contracts.cold_tier.TierConfig`` / ``HotnessConfig``
     fields), and ``calibration``: where they came from (``file`` in the package, model,
-    ...), None for defaults."""
+    ...), None for defaults. ``int8_layers`` (int4 only; absent: none): sorted layers whose
+    cold pages, cold inputs and op overload are INT8 (``TierConfig.int8_layers``, issue #17);
+    :class:`Manifest` checks them against ``num_layers``."""
 
     k_granularity: str
     v_granularity: str
@@ -102,6 +104,8 @@ class ColdTier:
     cold_format: str = "int8"
     group_size: int = 0
     cold_format_version: int | None = None  # int4: ops.cold_codec.INT4_FORMAT_VERSION (set when None)
+    int8_layers: list = field(default_factory=list)
+    int8_layers_source: str | None = None  # how the exporter chose them (dense layers, calibration, ...)
 
     def __post_init__(self):
         if self.cold_format == "int4":
@@ -110,8 +114,9 @@ class ColdTier:
             elif self.cold_format_version != INT4_FORMAT_VERSION:
                 raise PackageError(_old_int4(self.cold_format_version))
         try:
-            TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity,
-                       cold_format=self.cold_format, group_size=self.group_size)
+            tiers = TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity,
+                               cold_format=self.cold_format, group_size=self.group_size, int8_layers=self.int8_layers)
+            object.__setattr__(self, "int8_layers", list(tiers.int8_layers))
             HotnessConfig(decay=self.decay, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
                           hot_fraction=self.hot_fraction)
         except ValueError as e:
@@ -192,6 +197,9 @@ class Manifest:
                 lacking = [r for r in COLD_ROLES if r not in layer]
                 if lacking:
                     raise PackageError(f"io.layers[{i}] lacks the cold-tier inputs {lacking}")
+            bad = [i for i in self.cold_tier.int8_layers if i >= self.num_layers]
+            if bad:
+                raise PackageError(f"cold_tier: int8_layers {bad} out of range for num_layers={self.num_layers}")
         if self.dtype not in DTYPES:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
         self._check_two_level()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..ops import schema
 from ..ops.policies import selecting
-from .config import BACKENDS, ExportConfig
+from .config import BACKENDS, INT8_LAYER_CHOICES, ExportConfig
 from .errors import ExportError, InputError
 
 DEFAULTS = ExportConfig()
@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
                         "--calibration it picks the format. Default int4 (format 3: 0.48 of the all-FP16 KV bytes at "
                         "top-1 agreement 0.99 with 20%% hot pages; INT8 keeps 0.66), int8 with --backend trt (INT4 "
                         "in the CUDA kernels is checked in CPU emulation only)")
+    p.add_argument("--int8-layers", default=None, metavar="{dense,none,0,1,...}",
+                   help="int4 packages: layers whose cold pages stay INT8 (issue #17) - 'dense' (the leading "
+                        "--dense-layers: they read every cold page every step), 'none', or comma-separated layer "
+                        "indices. Default: the --calibration artifact's list (its layer sensitivity pass) when it "
+                        "names one, else dense")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the numerical check against the original model (prefill + 8 decode steps)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
@@ -78,9 +83,20 @@ def _config(args) -> ExportConfig:
                             fp16=args.fp16, validate=not args.no_validate, backend=args.backend,
                             cold_pages=args.cold_pages is not None, calibration=args.calibration,
                             cold_format=None if args.cold_pages in (None, "auto") else args.cold_pages,
-                            sub_page_size=args.sub_page_size, candidate_share=args.candidate_share)
+                            sub_page_size=args.sub_page_size, candidate_share=args.candidate_share,
+                            int8_layers=_int8_layers(args.int8_layers))
     except ValueError as e:
         raise InputError(str(e)) from None
+
+
+def _int8_layers(text: str | None):
+    """``--int8-layers``: None (not given), ``dense``/``none``, or a tuple of layer indices."""
+    if text is None or text in INT8_LAYER_CHOICES:
+        return text
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise InputError(f"--int8-layers must be dense, none or comma-separated layer indices, got {text!r}") from None
 
 
 def _int(text: str, flag: str) -> int:

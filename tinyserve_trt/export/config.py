@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..contracts.cold_tier import check_int8_layers
 from ..ops import schema
 
 BACKENDS = ("ort", "trt")
@@ -14,6 +16,7 @@ BACKENDS = ("ort", "trt")
 # (ONNX Runtime and TensorRT: the plugin takes key_sub_bounds, the engine profile covers it).
 DEFAULT_PAGE_SIZE = 32
 DEFAULT_SUB_PAGE_SIZE = 4
+INT8_LAYER_CHOICES = ("dense", "none")  # or layer indices (ExportConfig.int8_layers)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,12 @@ class ExportConfig:
     cold_pages: bool = False
     calibration: str | None = None
     cold_format: str | None = None
+    # INT4 packages only (issue #17): layers whose cold pages stay INT8 - "dense" (the leading
+    # ``dense_layers``: they read every cold page every step, and a two-level package's dense
+    # layers quantize INT4 keys on the coarse page bounds), "none", or layer indices. None: the
+    # calibration artifact's ``int8_layers`` (its per-layer sensitivity pass) when it names them,
+    # else "dense".
+    int8_layers: str | tuple | None = None
     # Two-level selection (issue #15): sparse layers re-rank the candidate pages' sub-pages of
     # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
     # None: the default (``resolved_sub_page_size``).
@@ -68,6 +77,17 @@ class ExportConfig:
                              f"got {self.sub_page_size}")
         if self.cold_format is not None and self.cold_format not in schema.COLD_FORMATS:
             raise ValueError(f"cold_format must be one of {schema.COLD_FORMATS}, got {self.cold_format!r}")
+        if isinstance(self.int8_layers, str):
+            if self.int8_layers not in INT8_LAYER_CHOICES:
+                raise ValueError(f"int8_layers must be one of {INT8_LAYER_CHOICES} or layer indices, "
+                                 f"got {self.int8_layers!r}")
+        elif self.int8_layers is not None:
+            object.__setattr__(self, "int8_layers", check_int8_layers(self.int8_layers, "int4"))
+        if self.int8_layers not in (None, "none", ()) and not self.has_cold_tier:
+            raise ValueError("int8 layers need a cold tier (--cold-pages int4 or --calibration)")
+        if self.int8_layers not in (None, "none", ()) and self.resolved_cold_format != "int4":
+            raise ValueError(f"int8 layers apply to int4 cold pages only (this export's cold format is "
+                             f"{self.resolved_cold_format})")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
 
@@ -79,6 +99,26 @@ class ExportConfig:
     def resolved_cold_format(self) -> str:
         """``cold_format``, or the backend's default (int4 for ort, int8 for trt)."""
         return self.cold_format or ("int8" if self.backend == "trt" else "int4")
+
+    def resolved_int8_layers(self, num_layers: int, calibrated: Sequence[int] | None = None) -> tuple[tuple, str]:
+        """``(layers, where they came from)`` for a ``num_layers`` model: () for int8 packages;
+        ``calibrated`` is the artifact's list (None when it names none). ValueError for an index
+        past the model's layers."""
+        if not self.has_cold_tier or self.resolved_cold_format != "int4":
+            return (), "int8 package"
+        if self.int8_layers is None and calibrated is not None:
+            layers, where = tuple(calibrated), "calibration (layer sensitivity)"
+        elif self.int8_layers in (None, "dense"):
+            n = min(self.dense_layers, num_layers)
+            layers, where = tuple(range(n)), f"dense layers (the leading {n})"
+        elif self.int8_layers == "none":
+            layers, where = (), "none"
+        else:
+            layers, where = self.int8_layers, "--int8-layers"
+        bad = [i for i in layers if i >= num_layers]
+        if bad:
+            raise ValueError(f"int8 layers {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
+        return tuple(sorted(layers)), where
 
     def tolerance(self) -> float:
         """FP16 pages round K/V to 11 significant bits; SmolLM2's logits then move by

@@ -14,11 +14,14 @@ and also takes ``key_cache_int8.{i}``, ``value_cache_int8.{i}``
 ``key_scale.{i}``, ``value_scale.{i}`` ``[num_cold_pages, Hkv, ps|1, D|1]`` float32
 (int4: float16 ``[.., C]``; ``ops.cold_codec``) (the shape of
 the granularity); ``key_min``/``key_max`` then cover both tiers
-(``[total_pages, Hkv, D]``).
+(``[total_pages, Hkv, D]``). The format is per layer (issue #17): an INT4 package's
+``int8_layers`` get INT8 cold inputs and the ``_int8`` overload, the others ``_int4``; both
+function bodies end up in the model (``ops.node.attach_functions``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -81,9 +84,14 @@ def _cold_inputs(graph: ir.Graph, i: int, hkv: int, page_size: int, d: int, cold
 
 
 def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: int, dtype: ir.DataType,
-            last_token_logits: bool = True, cold: ColdCodec | None = None) -> PagedIO:
-    """``cold``: the cold tier's codec (format, granularities), None for hot pages only."""
+            last_token_logits: bool = True, cold: ColdCodec | Sequence[ColdCodec] | None = None) -> PagedIO:
+    """``cold``: the cold tier's codec (format, granularities), one for every layer or a list with
+    one per layer (an INT4 package's ``int8_layers`` are INT8: that layer's cold inputs, overload
+    and ``cold_format`` attribute are INT8's), None for hot pages only."""
     g = model.graph
+    codecs = None if cold is None else [cold] * len(plans) if isinstance(cold, ColdCodec) else list(cold)
+    if codecs is not None and len(codecs) != len(plans):
+        raise ValueError(f"{len(codecs)} cold codecs for {len(plans)} attention layers")
     paged = PagedIO()
     page_table = _input(g, PAGE_TABLE, ir.DataType.INT32, ["batch", "max_pages"])
     past_lens = _input(g, PAST_LENS, ir.DataType.INT32, ["batch"])
@@ -96,6 +104,7 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
     for i, plan in enumerate(plans):
         m = plan.match
         hkv, d = plan.num_kv_heads, plan.head_dim
+        cold = codecs[i] if codecs else None  # this layer's codec
         caches = [_input(g, f"{n}.{i}", dtype, ["num_pages", hkv, page_size, d]) for n in ("key_cache", "value_cache")]
         meta = [_input(g, f"{n}.{i}", dtype, ["total_pages" if cold else "num_pages", hkv, d])
                 for n in ("key_min", "key_max")]

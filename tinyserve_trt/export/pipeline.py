@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from .. import __version__
 from ..contracts.calibration import ArtifactError, CalibrationArtifact
-from ..contracts.cold_tier import INT4_GROUP_SIZE, HotnessConfig, TierConfig, tier_codec
+from ..contracts.cold_tier import INT4_GROUP_SIZE, HotnessConfig, TierConfig, describe_format, tier_codecs
 from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
@@ -48,6 +48,8 @@ class ExportReport:
     source_opset: int | None = None  # ai.onnx opset of the source and of model.onnx
     ort_opset: int | None = None  # of model.ort.onnx (ort_opset.py); None: no ORT graph (trt backend)
     ort_opset_note: str | None = None  # why model.ort.onnx kept the source's opset
+    int8_layers: tuple = ()  # an int4 package's INT8 cold layers (issue #17)
+    int8_layers_source: str | None = None  # where they came from
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -93,7 +95,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
     cold_tier = _cold_tier(config, artifact, len(plans), dims) if config.has_cold_tier else None
-    cold = tier_codec(asdict(cold_tier)) if cold_tier else None
+    cold = tier_codecs(asdict(cold_tier), len(plans)) if cold_tier else None  # per layer (int8_layers)
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
@@ -140,7 +142,8 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
             validation.update(model_max_abs_logit_diff=figure, **ort)
             figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
-            validation["pages"] = f"all hot (the cold-tier inputs hold one unused {cold.cold_format.upper()} page)"
+            fmt = describe_format(cold_tier.cold_format, cold_tier.int8_layers).upper()
+            validation["pages"] = f"all hot (the cold-tier inputs hold one unused page per layer, {fmt})"
         manifest = replace(manifest, validation=validation)
         times["validate"] = time.perf_counter() - t0
         if not figure <= config.tolerance():
@@ -157,7 +160,9 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     ort_graph = written.ort_optimized
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
-                        ort_opset_note=ort_graph.opset_note if ort_graph else None)
+                        ort_opset_note=ort_graph.opset_note if ort_graph else None,
+                        int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
+                        int8_layers_source=cold_tier.int8_layers_source if cold_tier else None)
 
 
 def _load_calibration(config: ExportConfig):
@@ -194,7 +199,12 @@ def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_l
     # the op reads its own sinks / recent pages every step: never demote fewer than it keeps
     fmt = config.resolved_cold_format
     k_gran = "channel" if fmt == "int4" else grans[0]  # INT4 keys: per channel on the page bounds (cold_codec)
-    return ColdTier(inputs=list(schema.COLD_INPUTS), cold_format=fmt,
+    try:
+        int8_layers, where = config.resolved_int8_layers(num_layers, None if artifact is None else artifact.int8_layers)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return ColdTier(inputs=list(schema.COLD_INPUTS), cold_format=fmt, int8_layers=list(int8_layers),
+                    int8_layers_source=where if fmt == "int4" else None,
                     group_size=INT4_GROUP_SIZE if fmt == "int4" else 0, k_granularity=k_gran, v_granularity=grans[1],
                     hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
                     recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)

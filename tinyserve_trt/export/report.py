@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_ratio
+from dataclasses import replace
+
+from ..contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_bytes, cold_page_ratio
 from ..ops import fine_bounds
 from ..ops.cold_codec import INT4_FORMAT_VERSION
 from .config import ExportConfig
@@ -73,4 +75,13 @@ def _cold_page(report: ExportReport, config: ExportConfig) -> str:
     tiers = TierConfig(cold_format=fmt, group_size=INT4_GROUP_SIZE if fmt == "int4" else 0)
     ratio = cold_page_ratio(tiers, config.resolved_page_size(), report.head_dim)
     name = f"int4 (format {INT4_FORMAT_VERSION})" if fmt == "int4" else fmt
-    return f"{name}: {ratio:.3f} of an FP16 page"
+    text = f"{name}: {ratio:.3f} of an FP16 page"
+    if fmt == "int4":
+        layers = ",".join(map(str, report.int8_layers)) or "none"
+        text += f"; int8 layers {layers} (from {report.int8_layers_source})"
+        if report.int8_layers:  # what a cold page costs over all layers, each in its own format
+            mixed = replace(tiers, int8_layers=report.int8_layers)
+            ps, d = config.resolved_page_size(), report.head_dim
+            hot = report.layers * (2 * ps * d + 2 * d) * 2
+            text += f", {cold_page_bytes(mixed, ps, report.layers, 1, d) / hot:.3f} over all layers"
+    return text

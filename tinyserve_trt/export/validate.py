@@ -41,7 +41,8 @@ class PagedState:
         self.sp = sub_page_size  # > 0: also the compact sub-page bounds of two-level layers
         self.cold = None
         if cold_tier:  # one cold page nobody uses: ids stay < num_pages, so the op reads the hot pools only
-            self.cold = unused_cold_inputs(cold_tier, kv_heads, page_size, head_dim)
+            # per layer: an int4 package's int8_layers take INT8 inputs
+            self.cold = [unused_cold_inputs(cold_tier, kv_heads, page_size, head_dim, i) for i in range(layers)]
         shape = (num_pages, kv_heads, page_size, head_dim)
         self.k = [np.zeros(shape, dtype) for _ in range(layers)]
         self.v = [np.zeros(shape, dtype) for _ in range(layers)]
@@ -71,7 +72,7 @@ class PagedState:
             if sub_name:
                 f[sub_name] = self.sub[i]
             if self.cold is not None:
-                f.update({layer[role]: array for role, array in self.cold.items()})
+                f.update({layer[role]: array for role, array in self.cold[i].items()})
                 for name in (layer["key_min"], layer["key_max"], sub_name):  # [P + Pcold] rows
                     if name:
                         f[name] = np.concatenate([f[name], np.zeros_like(f[name][:1])])

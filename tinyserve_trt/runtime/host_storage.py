@@ -14,6 +14,8 @@ Arrays are ``np.zeros``: pages never written are never resident.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tinyserve_trt.ops.cold_codec import ColdCodec
@@ -24,16 +26,22 @@ from tinyserve_trt.runtime.kv_storage import KVStorage
 
 class HostKVStorage(KVStorage):
     """Numpy page storage; ``granularities``/``static_scales`` as in :class:`KVStorage`;
-    ``codec``: the cold format (default: int8 with ``granularities``)."""
+    ``codec``: the cold format, one for every layer or a list with one per layer (an INT4
+    package's ``int8_layers``; default: int8 with ``granularities``)."""
 
     def __init__(self, num_layers: int, num_hot: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype, num_cold: int = 0, granularities: tuple[str, str] | None = None,
-                 static_scales: tuple[np.ndarray, np.ndarray] | None = None, codec: ColdCodec | None = None,
-                 sub_page_size: int = 0, two_level_layers=None):
+                 static_scales: tuple[np.ndarray, np.ndarray] | None = None,
+                 codec: ColdCodec | Sequence[ColdCodec] | None = None, sub_page_size: int = 0,
+                 two_level_layers=None):
         """``two_level_layers``: the layers whose op node is two-level (INT4 cold keys on the
         sub-page codes, ``KVStorage.keys_on_codes``); None = every layer."""
+        codecs = None
         if codec is not None:
-            granularities = (codec.k_granularity, codec.v_granularity)
+            codecs = [codec] * num_layers if isinstance(codec, ColdCodec) else list(codec)
+            if len(codecs) != num_layers:
+                raise ValueError(f"{len(codecs)} cold codecs for {num_layers} layers")
+            granularities = (codecs[0].k_granularity, codecs[0].v_granularity)
         if (num_cold > 0) != (granularities is not None):
             raise ValueError("a cold tier needs both num_cold > 0 and its scale granularities")
         self.num_layers, self.num_hot, self.num_cold = num_layers, num_hot, num_cold
@@ -41,7 +49,7 @@ class HostKVStorage(KVStorage):
         self.granularities, self.static_scales = granularities, static_scales
         self.sub_page_size = self.check_sub_page_size(sub_page_size)
         self.two_level_layers = frozenset(range(num_layers) if two_level_layers is None else map(int, two_level_layers))
-        self.codec = codec or (ColdCodec("int8", *granularities) if granularities else None)
+        self.codecs = codecs or ([ColdCodec("int8", *granularities)] * num_layers if granularities else None)
         dtype = np.dtype(dtype)
         L, h, p, d = num_layers, num_kv_heads, page_size, head_dim
         self._k = np.zeros((L, num_hot, h, p, d), dtype)
@@ -51,12 +59,12 @@ class HostKVStorage(KVStorage):
         if sub_page_size:
             self._sub = np.zeros((L, num_hot + num_cold, h, p // sub_page_size, d), np.uint8)
         if granularities:
-            c = self.codec
-            # unused slots hold zero values (int4: nibbles q = 0) and the codec's blank scales
-            self._kq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
-            self._vq = np.zeros((L, num_cold) + c.pool_shape(h, p, d), c.storage_dtype)
-            self._ks, self._vs = (np.broadcast_to(c.blank_scales(w, h, p, d), (L, num_cold)
-                                                  + c.scale_shape(w, h, p, d)).copy() for w in "kv")
+            # per layer (their codecs' shapes and dtypes may differ): unused slots hold zero values
+            # (int4: nibbles q = 0) and the codec's blank scales
+            self._kq = [np.zeros((num_cold,) + c.pool_shape(h, p, d), c.storage_dtype) for c in self.codecs]
+            self._vq = [np.zeros((num_cold,) + c.pool_shape(h, p, d), c.storage_dtype) for c in self.codecs]
+            self._ks, self._vs = ([np.broadcast_to(c.blank_scales(w, h, p, d), (num_cold,) + c.scale_shape(w, h, p, d))
+                                   .copy() for c in self.codecs] for w in "kv")
 
     @property
     def dtype(self) -> np.dtype:
@@ -78,7 +86,7 @@ class HostKVStorage(KVStorage):
         checks these for a reallocation instead of every layer's views)."""
         out = (self._k, self._v, self._key_min, self._key_max)
         if self.granularities:
-            out += (self._kq, self._vq, self._ks, self._vs)
+            out += (*self._kq, *self._vq, *self._ks, *self._vs)
         return out + ((self._sub,) if self.sub_page_size else ())
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -96,11 +104,11 @@ class HostKVStorage(KVStorage):
         page's float32: the op dequantizes them in float32 and never rounds to the pool dtype)."""
         if page < self.num_hot:
             return self._k[layer, page]
-        c = page - self.num_hot
-        if self.codec.keys_on_bounds:  # float32, as the op attends them (the fine codes hold these)
-            return self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], self._key_min[layer, page],
-                                              self._key_max[layer, page], sub_codes=self._codes(layer, page))
-        return self.codec.dequantize(self._kq[layer, c], self._ks[layer, c], self.dtype)
+        c, codec = page - self.num_hot, self.codecs[layer]
+        if codec.keys_on_bounds:  # float32, as the op attends them (the fine codes hold these)
+            return codec.dequantize_keys(self._kq[layer][c], self._ks[layer][c], self._key_min[layer, page],
+                                         self._key_max[layer, page], sub_codes=self._codes(layer, page))
+        return codec.dequantize(self._kq[layer][c], self._ks[layer][c], self.dtype)
 
     # ---- data moves -------------------------------------------------------------
     def reset_pages(self, pages: np.ndarray) -> None:
@@ -137,18 +145,18 @@ class HostKVStorage(KVStorage):
             self._k[:, dst], self._v[:, dst] = self._k[:, src], self._v[:, src]
         else:
             c = src - self.num_hot
-            for layer in range(self.num_layers):
-                self._k[layer, dst] = self.codec.dequantize_keys(
-                    self._kq[layer, c], self._ks[layer, c], self._key_min[layer, src], self._key_max[layer, src],
+            for layer, codec in enumerate(self.codecs):  # each layer with its own codec
+                self._k[layer, dst] = codec.dequantize_keys(
+                    self._kq[layer][c], self._ks[layer][c], self._key_min[layer, src], self._key_max[layer, src],
                     self.dtype, sub_codes=self._codes(layer, src))
-            self._v[:, dst] = self.codec.dequantize(self._vq[:, c], self._vs[:, c], self.dtype)
+                self._v[layer, dst] = codec.dequantize(self._vq[layer][c], self._vs[layer][c], self.dtype)
         for arr in (self._key_min, self._key_max) + ((self._sub,) if self.sub_page_size else ()):
             arr[:, dst] = arr[:, src]
-        if src >= self.num_hot and self.codec.keys_on_bounds:
+        if src >= self.num_hot:
             # INT4 keys rounded to the pool dtype stay inside the page bounds (monotone rounding), but
             # a hot page's metadata is exact: recompute it (and fine codes of these keys)
-            self._refresh_minmax(slice(None), np.array([dst]), self._k[:, [dst]],
-                                 np.full((self.num_layers, 1), self.page_size))
+            for layer in (i for i, c in enumerate(self.codecs) if c.keys_on_bounds):
+                self._refresh_minmax(layer, np.array([dst]), self._k[layer, [dst]], np.array([self.page_size]))
 
     def demote_page(self, hot: int, cold: int) -> None:
         if not self.granularities:
@@ -156,23 +164,23 @@ class HostKVStorage(KVStorage):
         self.check_range("demoted", hot, 0, self.num_hot)
         self.check_range("cold", cold, self.num_hot, self.num_hot + self.num_cold)
         c = cold - self.num_hot
-        for layer in range(self.num_layers):
+        for layer, codec in enumerate(self.codecs):  # each layer with its own codec (int8_layers)
             ks, vs = (None, None) if self.static_scales is None else (s[layer] for s in self.static_scales)
-            self._vq[layer, c], self._vs[layer, c] = self.codec.quantize(self._v[layer, hot], "v", scale=vs)
-            if self.codec.keys_on_bounds:  # INT4 keys: quantized on the page's (sub-page) bounds, which stay
+            self._vq[layer][c], self._vs[layer][c] = codec.quantize(self._v[layer, hot], "v", scale=vs)
+            if codec.keys_on_bounds:  # INT4 keys: quantized on the page's (sub-page) bounds, which stay
                 bounds = self._key_min[layer, hot], self._key_max[layer, hot]
                 codes = self._codes(layer, hot)
-                self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", bounds=bounds,
-                                                                             sub_codes=codes)
+                self._kq[layer][c], self._ks[layer][c] = codec.quantize(self._k[layer, hot], "k", bounds=bounds,
+                                                                        sub_codes=codes)
                 self._key_min[layer, cold], self._key_max[layer, cold] = bounds
                 if codes is not None:  # the hot keys' codes hold the dequantized keys (format 3)
                     self._sub[layer, cold] = codes
                 elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
-                    keys = self.codec.dequantize_keys(self._kq[layer, c], self._ks[layer, c], *bounds)
+                    keys = codec.dequantize_keys(self._kq[layer][c], self._ks[layer][c], *bounds)
                     self._sub[layer, cold] = pages_sub_bounds(keys[None], self.sub_page_size, bounds[0][None],
                                                               bounds[1][None], np.array([self.page_size]))[0]
                 continue
-            self._kq[layer, c], self._ks[layer, c] = self.codec.quantize(self._k[layer, hot], "k", scale=ks)
+            self._kq[layer][c], self._ks[layer][c] = codec.quantize(self._k[layer, hot], "k", scale=ks)
             keys = self._keys(layer, cold)[None]  # what the op attends: min/max describe these
             self._refresh_minmax(layer, np.array([cold]), keys, np.array([self.page_size]))
 

@@ -54,6 +54,8 @@ class KVStorage(ABC):
     ``static_scales``: ``(K, V)`` page scales ``[num_layers, Hkv, ps|1, D|1]`` (numpy)
     of a calibration (cold pages quantize with them), or None (each page's absmax).
     ``sub_page_size``: tokens per sub-page of two-level selection, 0 without ``key_sub_bounds``.
+    ``codecs``: the cold format of each layer (``ops.cold_codec.ColdCodec``; an INT4 package's
+    ``int8_layers`` are INT8, ``contracts.cold_tier.TierConfig.layer_codecs``), None without a cold tier.
     """
 
     num_layers: int
@@ -63,7 +65,7 @@ class KVStorage(ABC):
     page_size: int
     head_dim: int
     granularities: tuple[str, str] | None
-    codec: object | None  # ops.cold_codec.ColdCodec
+    codecs: list | None  # ops.cold_codec.ColdCodec per layer
     static_scales: tuple[np.ndarray, np.ndarray] | None
     sub_page_size: int = 0
 
@@ -137,11 +139,26 @@ class KVStorage(ABC):
         dequantized keys (INT4: min/max and codes stay, the keys were quantized on them). May be
         deferred until :meth:`flush`."""
 
+    def layer_codec(self, layer: int):
+        """``layer``'s cold codec (None without a cold tier)."""
+        codecs = getattr(self, "codecs", None)
+        return None if codecs is None else codecs[layer]
+
+    @property
+    def codec(self):
+        """The one cold codec of every layer; ValueError when layers differ (use :meth:`layer_codec`)."""
+        codecs = getattr(self, "codecs", None)
+        if not codecs:
+            return None
+        if any(c != codecs[0] for c in codecs):
+            raise ValueError("the layers' cold formats differ (int8_layers): ask layer_codec(layer)")
+        return codecs[0]
+
     def keys_on_codes(self, layer: int) -> bool:
         """Whether ``layer``'s INT4 cold keys quantize on its sub-page codes (format 3): the layer's op
         node is two-level (reads ``key_sub_bounds``; a package's dense layers' are not, and read the
         page bounds, ``two_level_layers``)."""
-        codec = getattr(self, "codec", None)
+        codec = self.layer_codec(layer)
         return bool(self.sub_page_size and codec is not None and codec.keys_on_bounds
                     and layer in self.two_level_layers)
 

@@ -70,7 +70,7 @@ def check_bounds(pool) -> None:
             if n == 0:
                 continue
             keys, kmin, kmax = pool.storage.read_page(layer, p)
-            if _keys_on_bounds(pool, p):
+            if _keys_on_bounds(pool, p, layer):
                 _check_int4_cold_bounds(pool, page, p, layer, keys, kmin, kmax)
                 continue
             if not (np.array_equal(keys[:, :n].min(axis=1), kmin) and
@@ -82,8 +82,9 @@ def check_bounds(pool) -> None:
                 fail(f"page {page} (physical {p}) layer {layer} sub-page bounds are stale")
 
 
-def _keys_on_bounds(pool, physical: int) -> bool:
-    codec = getattr(pool.storage, "codec", None)
+def _keys_on_bounds(pool, physical: int, layer: int) -> bool:
+    """Whether ``layer``'s cold page ``physical`` holds INT4 keys (per-layer codecs: ``int8_layers``)."""
+    codec = pool.storage.layer_codec(layer) if hasattr(pool.storage, "layer_codec") else None
     return bool(codec is not None and codec.keys_on_bounds and physical >= getattr(pool, "num_hot", physical + 1))
 
 

@@ -9,8 +9,10 @@ Per layer, by the op's input names (``schema.INPUTS``)::
   key_scale, value_scale            [Pcold, Hkv, ps|1, D|1] float32 (int4: float16 [.., C])
   key_sub_bounds                    [P + Pcold, Hkv, r, D] uint8       (two-level only)
 
-The cold format and scale shapes are the package's ``ColdCodec``
-(``contracts.cold_tier.tier_codec``), the same as ``HostKVStorage``'s.
+The cold format and scale shapes are the package's ``ColdCodec`` of each layer
+(``contracts.cold_tier.tier_codecs``: an INT4 package's ``int8_layers`` hold INT8 pools, so
+pools differ in dtype and shape between layers; the engine's node of each layer carries the
+same format in its ``cold_format`` attribute), the same as ``HostKVStorage``'s.
 ``P``/``Pcold`` are a ``TieredPagePool``'s hot/cold slots; over a plain
 ``PagePool`` a package with a cold tier gets one unused cold page (the op's
 ``_int8``/``_int4`` overload needs one and the kernels check ``Ptot >= P + Pcold``; page
@@ -48,7 +50,7 @@ import contextlib
 
 import numpy as np
 
-from tinyserve_trt.contracts.cold_tier import tier_codec
+from tinyserve_trt.contracts.cold_tier import tier_codecs
 from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import INV_LEVELS, LEVELS, pages_sub_bounds
 from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, SUB_ROLES, KVStorage
@@ -194,7 +196,8 @@ class DevicePages(KVStorage):
         host = pool.storage
         if host.num_cold and cold_tier is None:
             raise ValueError("a tiered page pool needs a package with a cold tier (exported with --calibration)")
-        self.codec = tier_codec(cold_tier) if cold_tier else None  # the package's: its engine reads these pools
+        # the package's, per layer (int8_layers of an int4 package are INT8): its engine reads these pools
+        self.codecs = tier_codecs(cold_tier, pool.num_layers) if cold_tier else None
         self.num_layers, self.num_kv_heads, self.page_size, self.head_dim = (
             pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim)
         self.num_hot = host.num_hot
@@ -209,11 +212,12 @@ class DevicePages(KVStorage):
             return torch.zeros(shape, dtype=dt, device=device)
 
         self.layers: list[dict] = []
-        for _ in range(pool.num_layers):
+        for layer in range(pool.num_layers):
             t = dict(key_cache=zeros(self.num_hot, h, ps, d), value_cache=zeros(self.num_hot, h, ps, d),
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
-            if self.codec:  # as HostKVStorage: zero values (int4: nibbles q = 0), the codec's blank scales
-                c, vdt = self.codec, _torch_dtype(torch, self.codec.storage_dtype)
+            if self.codecs:  # as HostKVStorage: zero values (int4: nibbles q = 0), the layer codec's blank scales
+                c = self.codecs[layer]
+                vdt = _torch_dtype(torch, c.storage_dtype)
                 for n, which in (("key", "k"), ("value", "v")):
                     t[f"{n}_cache_int8"] = zeros(self.num_cold, *c.pool_shape(h, ps, d), dt=vdt)
                     blank = torch.from_numpy(c.blank_scales(which, h, ps, d)).to(device)
@@ -244,7 +248,8 @@ class DevicePages(KVStorage):
         else:
             c = page - self.num_hot  # INT4: float32, as the op attends them (HostKVStorage._keys)
             keys = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
-                                   self._torch.float32 if self.codec.keys_on_bounds else self.dtype, self.codec,
+                                   self._torch.float32 if self.codecs[layer].keys_on_bounds else self.dtype,
+                                   self.codecs[layer],
                                    self._codes(layer, t, page))
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
@@ -320,15 +325,17 @@ class DevicePages(KVStorage):
             else:
                 c = src - self.num_hot
                 t["key_cache"][dst].copy_(dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c],
-                                                          t["key_min"][src], t["key_max"][src], self.dtype, self.codec,
+                                                          t["key_min"][src], t["key_max"][src], self.dtype,
+                                                          self.codecs[layer],
                                                           self._codes(layer, t, src)))
                 t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
-                                                             self.dtype, self.codec))
+                                                             self.dtype, self.codecs[layer]))
             t["key_min"][dst].copy_(t["key_min"][src])
             t["key_max"][dst].copy_(t["key_max"][src])
             if self.sub_page_size:
                 t["key_sub_bounds"][dst].copy_(t["key_sub_bounds"][src])
-            if src >= self.num_hot and self.codec.keys_on_bounds:  # as HostKVStorage.copy_page: exact hot metadata
+            # as HostKVStorage.copy_page: exact hot metadata
+            if src >= self.num_hot and self.codecs[layer].keys_on_bounds:
                 d = self._torch.tensor([dst], device=self.device)
                 self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
 
@@ -364,19 +371,20 @@ class DevicePages(KVStorage):
         for layer, t in enumerate(self.layers):
             ks, vs = self.static[layer] if self.static else (None, None)
             full = torch.full_like(meta, self.page_size)
-            if self.codec.keys_on_bounds:  # INT4 keys on the hot pages' (sub-page) bounds, which the cold pages keep
+            codec = self.codecs[layer]  # each layer with its own (int8_layers)
+            if codec.keys_on_bounds:  # INT4 keys on the hot pages' (sub-page) bounds, which the cold pages keep
                 bounds, codes = (t["key_min"][hot], t["key_max"][hot]), self._codes(layer, t, hot)
-                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", bounds=bounds, codes=codes)
+                q, s = quantize_pages(torch, t["key_cache"][hot], codec, "k", bounds=bounds, codes=codes)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
                 t["key_min"][meta], t["key_max"][meta] = bounds
                 if codes is not None:  # format 3: the hot keys' codes hold the dequantized keys
                     t["key_sub_bounds"][meta] = codes
                 elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
-                    self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, self.codec), full)
+                    self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, codec), full)
             else:
-                q, s = quantize_pages(torch, t["key_cache"][hot], self.codec, "k", ks)
+                q, s = quantize_pages(torch, t["key_cache"][hot], codec, "k", ks)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
-                keys = dequantize_pages(q, s, self.dtype, self.codec)  # what the op attends: min/max describe these
+                keys = dequantize_pages(q, s, self.dtype, codec)  # what the op attends: min/max describe these
                 self._refresh_minmax(t, meta, keys, full)
-            q, s = quantize_pages(torch, t["value_cache"][hot], self.codec, "v", vs)
+            q, s = quantize_pages(torch, t["value_cache"][hot], codec, "v", vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s

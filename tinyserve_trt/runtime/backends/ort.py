@@ -116,7 +116,7 @@ class OrtBackend(Backend):
         self._pool_values: dict[str, tuple] = {}  # input -> ((buffer address, shape), OrtValue kept alive)
         self._pool_key = None  # the storage's buffer addresses when the pools were last bound
         plain = "key_cache_int8" not in pool.cache_inputs(0)
-        self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else {}
+        self._unused_cold = _unused_cold_tier(package) if package.cold_tier and plain else None
         self._bind_pools()
         self._fed: dict[str, tuple] = {}  # role -> (buffer, its OrtValue): bound once, refilled in place
         self._out_shape = None  # (batch, new tokens, page-table width) the outputs are bound for
@@ -131,7 +131,7 @@ class OrtBackend(Backend):
         if key == self._pool_key and len(key) > 1:
             return
         for layer, names in enumerate(self.package.layers):
-            arrays = {**self.pool.cache_inputs(layer), **self._unused_cold}
+            arrays = {**self.pool.cache_inputs(layer), **(self._unused_cold[layer] if self._unused_cold else {})}
             for role, array in arrays.items():
                 name = names.get(role)
                 if name is None:
@@ -235,9 +235,10 @@ def _kind_of(providers: list) -> str:
     return kinds[first]
 
 
-def _unused_cold_tier(package) -> dict[str, np.ndarray]:
-    """One zero cold page per cold input, for a cold-tier package over a plain pool
-    (page ids stay below the hot pool's size, so the op never reads it)."""
+def _unused_cold_tier(package) -> list[dict[str, np.ndarray]]:
+    """Per layer, one zero cold page per cold input in that layer's format (int8_layers), for a
+    cold-tier package over a plain pool (page ids stay below the hot pool's size, so the op never reads it)."""
     from tinyserve_trt.contracts.cold_tier import unused_cold_inputs
 
-    return unused_cold_inputs(package.cold_tier, package.num_kv_heads, package.page_size, package.head_dim)
+    return [unused_cold_inputs(package.cold_tier, package.num_kv_heads, package.page_size, package.head_dim, i)
+            for i in range(package.num_layers)]

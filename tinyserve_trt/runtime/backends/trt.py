@@ -11,7 +11,8 @@ copy-on-write copies to the device (``PagePool.attach_storage``).
 
 Cold tier (issues #6, #17): over a ``TieredPagePool`` the engine's cold inputs
 (``key_cache_int8.{i}`` ...) are bound to device INT8 or packed INT4 pools (the
-package's ``cold_format``, which the plugin reads as a field), the page table is
+package's ``cold_format`` per layer - an int4 package's ``int8_layers`` are INT8 -, which
+each node's plugin reads as a field), the page table is
 the pool's physical table, and the pool's demotions quantize on the device,
 batched per step (``DevicePages.flush``).
 

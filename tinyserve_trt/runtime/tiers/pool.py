@@ -65,7 +65,7 @@ class TieredPagePool(PagePool):
             layer_page_scales(arr, gran, num_layers, num_kv_heads, config.page_size, head_dim)
             for arr, gran in zip(static_scales, (tiers.k_granularity, tiers.v_granularity)))
         storage = HostKVStorage(num_layers, hot, num_kv_heads, config.page_size, head_dim, config.dtype,
-                                num_cold=cold, static_scales=page_scales, codec=tiers.codec,
+                                num_cold=cold, static_scales=page_scales, codec=tiers.layer_codecs(num_layers),
                                 sub_page_size=config.sub_page_size, two_level_layers=two_level_layers)
         super().__init__(replace(config, num_pages=hot + cold), num_layers, num_kv_heads, head_dim, storage)
         self.config, self.tiers = config, tiers
@@ -246,6 +246,26 @@ class TieredPagePool(PagePool):
         return self.storage.read_page(layer, p)[0]
 
     # ---- invariant ------------------------------------------------------------
+    def _check_layer_formats(self, fail) -> None:
+        """Each layer's cold pools are its tier codec's (``TierConfig.layer_codec``: an INT4
+        package's ``int8_layers`` INT8): the storage's codec, value dtype and shapes."""
+        h, ps, d = self.num_kv_heads, self.page_size, self.head_dim
+        for layer in range(self.num_layers):
+            want = self.tiers.layer_codec(layer)
+            have = self.storage.layer_codec(layer)
+            if have != want:
+                fail(f"layer {layer} stores {getattr(have, 'cold_format', None)} cold pages, its tier says "
+                     f"{want.cold_format} ({self.tiers.describe()})")
+            x = self.storage.cache_inputs(layer)
+            shapes = {"key_cache_int8": want.pool_shape(h, ps, d), "value_cache_int8": want.pool_shape(h, ps, d),
+                      "key_scale": want.scale_shape("k", h, ps, d), "value_scale": want.scale_shape("v", h, ps, d)}
+            for role, shape in shapes.items():
+                arr = x[role]
+                dtype = want.storage_dtype if role.endswith("int8") else want.scale_dtype
+                if tuple(arr.shape) != (self.num_cold, *shape) or not _same_dtype(arr, dtype):
+                    fail(f"layer {layer}'s {role} is {_dtype_name(arr)} {list(arr.shape)}, its {want.cold_format} "
+                         f"codec stores {np.dtype(dtype).name} {[self.num_cold, *shape]}")
+
     def check_integrity(self, holders: Iterable[Sequence[int]] | None = None, check_data: bool = False) -> None:
         """PagePool's handle invariants, plus: a handle is bound iff in use or evictable,
         bindings are one-to-one, every slot is bound or free exactly once, cold pages
@@ -276,5 +296,15 @@ class TieredPagePool(PagePool):
         cold_slots = slots[slots >= self.num_hot]
         if np.any(self._num_valid[:, cold_slots] != self.page_size):
             fail("a cold page is not full")
+        self._check_layer_formats(fail)
         if check_data:
             self._check_minmax()
+
+
+def _dtype_name(arr) -> str:
+    return str(arr.dtype).replace("torch.", "")
+
+
+def _same_dtype(arr, dtype) -> bool:
+    """numpy or torch ``arr`` holds ``dtype`` (a numpy dtype)."""
+    return _dtype_name(arr) == np.dtype(dtype).name

@@ -50,7 +50,8 @@ class Tiering:
         num_hot = max(1, min(n, target + headroom))
         self.tiers = TierConfig(num_cold_pages=max(1, n - target), k_granularity=tier["k_granularity"],
                                 v_granularity=tier["v_granularity"], scales=config.kv_scales,
-                                cold_format=tier.get("cold_format", "int8"), group_size=tier.get("group_size", 0))
+                                cold_format=tier.get("cold_format", "int8"), group_size=tier.get("group_size", 0),
+                                int8_layers=tier.get("int8_layers") or ())
         dims = (package.num_layers, package.num_kv_heads, package.head_dim)
         static = _static_scales(package) if config.kv_scales == "static" else None
         # INT4 cold keys of the layers whose node reads key_sub_bounds quantize on them (format 3)
@@ -59,7 +60,7 @@ class Tiering:
                                    two_level_layers=two_level)
         self.policy = HotnessPolicy(self.hot_config, self.pool.num_pages)
         self.hot_page_bytes = CacheConfig.page_bytes(ps, *dims, cache.dtype)
-        self.cold_page_bytes = cold_page_bytes(self.tiers, ps, *dims, cache.dtype)
+        self.cold_page_bytes = cold_page_bytes(self.tiers, ps, *dims, cache.dtype)  # summed over per-layer codecs
         self.demoted = self.promoted = 0
         self.peak = dict(kv_bytes=0, kv_bytes_all_hot=0)
 
@@ -97,6 +98,7 @@ class Tiering:
                     cold_slots=pool.num_cold,
                     pages_hot=len(pool.hot_pages()), pages_cold=len(pool.cold_pages()), pages_demoted=self.demoted,
                     pages_promoted=self.promoted, cold_format=self.tiers.cold_format,
+                    int8_layers=list(self.tiers.int8_layers), cold_formats=self.tiers.describe(),
                     **self.kv_bytes(), peak_kv_bytes=self.peak["kv_bytes"],
                     peak_kv_bytes_all_hot=self.peak["kv_bytes_all_hot"])
 
