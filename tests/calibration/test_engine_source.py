@@ -128,7 +128,7 @@ def test_cli_round_trip_package_to_calibrated_export(tmp_path, llama, capsys):
     assert tier["hot_fraction"] == 0.5 and tier["calibration"]["file"] == "calibration.json"
     assert tier["calibration"]["model"] == str(pkg)
     assert tier["cold_format"] == "int4" and tier["int8_layers"] == art.int8_layers  # the artifact's, not dense
-    assert tier["int8_layers_source"] == "calibration (layer sensitivity)"
+    assert tier["int8_layers_source"] == "from calibration (layer sensitivity)"
     np.testing.assert_array_equal(CalibrationArtifact.load(out_pkg / "calibration.json").k_absmax, art.k_absmax)
 
 

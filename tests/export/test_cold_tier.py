@@ -15,6 +15,7 @@ import pytest
 
 from tests.tiny_models import write_calibration
 from tinyserve_trt.export import cli
+from tinyserve_trt.contracts.cold_tier import DEFAULT_HOT_FRACTION
 from tinyserve_trt.export.config import ExportConfig
 from tinyserve_trt.ops import schema
 from tinyserve_trt.runtime.model_package import ModelPackage
@@ -79,7 +80,7 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     D = report.head_dim  # ps 4: K 2D + 2 (placeholder) + V 2D + 4 * 2 * (D/16) * 2 + min/max 4D bytes
     want = (4 * D + 2 + 4 * 2 * (D // 16) * 2 + 4 * D) / ((2 * 4 * D + 2 * D) * 2)
     assert f"int4 (format 3): {want:.3f} of an FP16 page" in line, line
-    assert "int8 layers 0 (from dense layers (the leading 1))" in line, line  # dense_layers=1: the default
+    assert "int8 layers none (default; tinyserve-calibrate picks them)" in line, line
     assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
     assert not (tmp_path / "pkg" / "calibration.json").exists()
     # every op node names its cold format twice: the overload (ONNX function) and the
@@ -92,10 +93,10 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     ops = [n for path in (tmp_path / "pkg").glob("*.onnx")
            for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == schema.OP_TYPE]
     assert ops and tier["cold_format"] == "int4"  # the ort backend's default
-    assert tier["int8_layers"] == [0] and tier["int8_layers_source"].startswith("dense layers")
-    for n in ops:  # the dense layer 0 stays INT8 by default (int8_layers), the others INT4
-        want = "int8" if n.name == "tinyserve_attention_0" else "int4"
-        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == want
+    assert tier["int8_layers"] == [] and tier["int8_layers_source"].startswith("default")
+    assert tier["hot_fraction"] == DEFAULT_HOT_FRACTION["int4"] == 0.15  # the INT4 default, not INT8's 0.5
+    for n in ops:  # no INT8 layers without calibration: every node INT4
+        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == "int4"
 
 
 def _run(capsys, *argv):
@@ -148,7 +149,7 @@ def int4_mixed(llama, tmp_path_factory):
 def test_int8_layers_get_int8_inputs_and_overload(int4_mixed):
     pkg, manifest, report = int4_mixed
     tier = manifest["cold_tier"]
-    assert tier["int8_layers"] == [0] and tier["int8_layers_source"] == "--int8-layers"
+    assert tier["int8_layers"] == [0] and tier["int8_layers_source"] == "from --int8-layers"
     assert report.int8_layers == (0,) and manifest["num_layers"] >= 2
     v = manifest["validation"]
     assert v["max_abs_logit_diff"] <= v["tolerance"] and "INT4 (INT8 LAYERS 0)" in v["pages"]

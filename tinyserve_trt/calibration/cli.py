@@ -17,6 +17,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from tinyserve_trt.calibration.observe import CalibrationConfig, calibrate
+from tinyserve_trt.contracts.cold_tier import DEFAULT_HOT_FRACTION
 from tinyserve_trt.calibration.source import detect_source, make_source, source_names
 
 _DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None,
                    help=f"decode budget observed under (default: a package's, HF {_DEFAULTS['token_budget']})")
     p.add_argument("--decode-steps", type=int, default=_DEFAULTS["decode_steps"])
-    p.add_argument("--hot-fraction", type=float, default=_DEFAULTS["hot_fraction"])
+    p.add_argument("--hot-fraction", type=float, default=None,
+                   help="share of pages kept hot in the evaluation and the artifact (default: the cold "
+                        f"format's, {DEFAULT_HOT_FRACTION})")
     p.add_argument("--k-granularity", default=_DEFAULTS["k_granularity"])
     p.add_argument("--v-granularity", default=_DEFAULTS["v_granularity"])
     p.add_argument("--max-tokens", type=int, default=_DEFAULTS["max_tokens"])
@@ -83,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"leading dense layers (default: a package's own; HF {_DEFAULTS['dense_layers']})")
     p.add_argument("--int8-layers-count", type=int, default=_DEFAULTS["int8_layers_count"], metavar="N",
                    help="int4: keep the N layers most sensitive to INT4 cold pages at INT8 (0 = none, no pass; "
-                        "default %(default)s). The pass measures, per layer, the mean KL(all hot || only that "
+                        "default: 10%% of the layers, rounded up). The pass measures, per layer, the mean KL(all hot || only that "
                         "layer's cold pages INT4): L+1 forwards per prompt, so it runs on the --heldout prompts "
                         "only; the artifact records the per-layer KL and the list tinyserve-export --calibration "
                         "applies")

@@ -22,7 +22,8 @@ import numpy as np
 
 from tinyserve_trt.calibration.source import ObservationSource
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
-from tinyserve_trt.contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_bytes
+from tinyserve_trt.contracts.cold_tier import (DEFAULT_HOT_FRACTION, INT4_GROUP_SIZE, TierConfig, cold_page_bytes,
+                                               default_int8_layers_count)
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.ops.quantization import GRANULARITIES
@@ -53,7 +54,7 @@ class CalibrationConfig:
     sink_pages: int = 1
     recent_pages: int = 1
     hot_recent_pages: int = 2
-    hot_fraction: float = 0.5
+    hot_fraction: float | None = None  # None: DEFAULT_HOT_FRACTION of the cold format
     k_granularity: str = "channel"
     v_granularity: str = "token"
     max_tokens: int = 1024
@@ -62,7 +63,7 @@ class CalibrationConfig:
     group_size: int = INT4_GROUP_SIZE
     sub_page_size: int = 0
     dense_layers: int = 0
-    int8_layers_count: int = 2
+    int8_layers_count: int | None = None  # None: default_int8_layers_count(layers)
 
     def __post_init__(self):
         for name in ("page_size", "decode_steps", "recent_pages", "max_tokens"):
@@ -71,11 +72,13 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         for name in ("token_budget", "sink_pages", "sub_page_size", "dense_layers", "int8_layers_count"):
             v = getattr(self, name)
+            if v is None and name == "int8_layers_count":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if self.hot_recent_pages < self.recent_pages:
             raise ValueError("hot_recent_pages must be >= recent_pages: the op reads recent pages every step")
-        if not 0.0 <= self.hot_fraction <= 1.0:
+        if self.hot_fraction is not None and not 0.0 <= self.hot_fraction <= 1.0:
             raise ValueError(f"hot_fraction must be in [0, 1], got {self.hot_fraction!r}")
         for name in ("k_granularity", "v_granularity"):
             if getattr(self, name) not in GRANULARITIES:
@@ -83,6 +86,15 @@ class CalibrationConfig:
         if self.sub_page_size and self.page_size % self.sub_page_size:
             raise ValueError(f"sub_page_size must divide the page size {self.page_size}, got {self.sub_page_size}")
         self.tiers()  # validates cold_format / group_size
+
+    @property
+    def resolved_hot_fraction(self) -> float:
+        """``hot_fraction``, else the cold format's default (``DEFAULT_HOT_FRACTION``)."""
+        return DEFAULT_HOT_FRACTION[self.cold_format] if self.hot_fraction is None else self.hot_fraction
+
+    def resolved_int8_layers_count(self, num_layers: int) -> int:
+        """``int8_layers_count``, else ``default_int8_layers_count(num_layers)``."""
+        return default_int8_layers_count(num_layers) if self.int8_layers_count is None else self.int8_layers_count
 
     def tiers(self, int8_layers=()) -> TierConfig:
         """The package's cold tier (its codecs) with ``int8_layers``."""
@@ -135,7 +147,7 @@ def cold_pages_for(selected_pages: np.ndarray, num_pages: int, cfg: CalibrationC
     protected = set(range(min(cfg.sink_pages, num_pages))) | set(range(max(0, num_pages - cfg.hot_recent_pages),
                                                                        num_pages))
     eligible = sorted((j for j in range(num_pages) if j not in protected), key=lambda j: (hits[j], j))
-    n_cold = num_pages - math.ceil(cfg.hot_fraction * num_pages)
+    n_cold = num_pages - math.ceil(cfg.resolved_hot_fraction * num_pages)
     return sorted(eligible[: max(0, n_cold)])
 
 
@@ -234,12 +246,13 @@ def calibrate(source: ObservationSource, calib: Sequence[Sequence[int]], heldout
     if cfg.cold_format == "int4" and heldout:  # L + 1 forwards per held-out prompt
         from tinyserve_trt.calibration.sensitivity import layer_sensitivity, most_sensitive
 
-        if cfg.int8_layers_count:
+        count = cfg.resolved_int8_layers_count(source.num_layers)
+        if count:
             layer_kl = layer_sensitivity(source, heldout, cfg, progress)
-        int8_layers = most_sensitive(layer_kl, cfg.int8_layers_count)
+        int8_layers = most_sensitive(layer_kl, count)
     report = evaluate(source, heldout, cfg, progress, int8_layers or ()) if heldout else {}
     return CalibrationArtifact(
         model=model, page_size=cfg.page_size, k_granularity=cfg.k_granularity, v_granularity=cfg.v_granularity,
-        hot_fraction=cfg.hot_fraction, k_absmax=k_absmax, v_absmax=v_absmax, token_budget=cfg.token_budget,
+        hot_fraction=cfg.resolved_hot_fraction, k_absmax=k_absmax, v_absmax=v_absmax, token_budget=cfg.token_budget,
         sink_pages=cfg.sink_pages, recent_pages=cfg.hot_recent_pages, num_prompts=len(calib),
         hit_stats=hit_stats, evaluation=report, layer_kl=layer_kl, int8_layers=int8_layers)

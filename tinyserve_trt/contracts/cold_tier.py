@@ -11,6 +11,7 @@ Pure data: no pool.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,6 +26,22 @@ SCALES = ("dynamic", "static")
 # head (format 3, asymmetric: a float16 scale and min per group, 8 more). INT4 keys take no scale:
 # per channel on the page (two-level: sub-page) bounds (ops/cold_codec.py).
 INT4_GROUP_SIZE = 16
+# Hot share of live pages an export's cold tier keeps when no calibration says otherwise, per cold
+# format. INT4: 0.15 - on SmolLM2, fake-quantizing every cold page of 8 held-out prompts x 8
+# positions (2K tokens, stdlib sources), KL to all-hot is 1.6e-4 at 15% hot and 1.5e-4 at 20% with
+# the 3 most sensitive layers at INT8 (benchmarks/results/int4_layer_sensitivity.md), while 15% hot
+# prices the KV at ~0.47 of all-FP16 instead of ~0.50. INT8: 0.5, the runtime's earlier default.
+DEFAULT_HOT_FRACTION = {"int8": 0.5, "int4": 0.15}
+# Share of an INT4 package's layers (rounded up) calibration keeps at INT8: its sensitivity pass
+# ranks layers by KL. On SmolLM2 three of 30 layers carry 90% of the summed single-layer KL (layer
+# 18 alone 63%) and INT8 for them cuts the all-INT4 KL by 79% on prompts that did not pick them
+# (int4_layer_sensitivity.md), for 0.02 of the all-FP16 KV bytes.
+INT8_LAYER_SHARE = 0.1
+
+
+def default_int8_layers_count(num_layers: int) -> int:
+    """INT8 layers calibration keeps in an INT4 package of ``num_layers`` layers by default."""
+    return math.ceil(INT8_LAYER_SHARE * num_layers)
 
 
 @dataclass(frozen=True)

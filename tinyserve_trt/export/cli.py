@@ -66,8 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int8-layers", default=None, metavar="{dense,none,0,1,...}",
                    help="int4 packages: layers whose cold pages stay INT8 (issue #17) - 'dense' (the leading "
                         "--dense-layers: they read every cold page every step), 'none', or comma-separated layer "
-                        "indices. Default: the --calibration artifact's list (its layer sensitivity pass) when it "
-                        "names one, else dense")
+                        "indices. Default: the --calibration artifact's list (tinyserve-calibrate's layer sensitivity "
+                        "pass) when it names one, else none")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the numerical check against the original model (prefill + 8 decode steps)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")

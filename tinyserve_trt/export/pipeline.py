@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from .. import __version__
 from ..contracts.calibration import ArtifactError, CalibrationArtifact
-from ..contracts.cold_tier import INT4_GROUP_SIZE, HotnessConfig, TierConfig, describe_format, tier_codecs
+from ..contracts.cold_tier import DEFAULT_HOT_FRACTION, INT4_GROUP_SIZE, HotnessConfig, TierConfig, describe_format, tier_codecs
 from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
@@ -183,8 +183,8 @@ def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_l
                dims: dict) -> ColdTier:
     """The manifest's ``cold_tier``: granularities, hot/cold policy parameters (the calibration's,
     else the runtime defaults) and where they came from."""
-    if artifact is None:
-        tiers, hot = TierConfig(), HotnessConfig()
+    if artifact is None:  # the cold format's default hot share (contracts.cold_tier.DEFAULT_HOT_FRACTION)
+        tiers, hot = TierConfig(), HotnessConfig(hot_fraction=DEFAULT_HOT_FRACTION[config.resolved_cold_format])
         grans, source = (tiers.k_granularity, tiers.v_granularity), None
     else:
         want = (num_layers, dims["kv_heads"], dims["head_dim"])

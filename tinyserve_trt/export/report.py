@@ -78,7 +78,7 @@ def _cold_page(report: ExportReport, config: ExportConfig) -> str:
     text = f"{name}: {ratio:.3f} of an FP16 page"
     if fmt == "int4":
         layers = ",".join(map(str, report.int8_layers)) or "none"
-        text += f"; int8 layers {layers} (from {report.int8_layers_source})"
+        text += f"; int8 layers {layers} ({report.int8_layers_source})"
         if report.int8_layers:  # what a cold page costs over all layers, each in its own format
             mixed = replace(tiers, int8_layers=report.int8_layers)
             ps, d = config.resolved_page_size(), report.head_dim
