@@ -90,6 +90,19 @@ def test_next_token_logits_read_the_transformed_pool(engine_source, llama):
         out[0].outputs[0].token_ids[1]
 
 
+def test_next_token_logits_many_equals_one_request_per_transform(engine_source):
+    """One prefill, the last step run once per transform from a restored snapshot: the same logits as
+    a fresh request per transform, in order - a transform must not leak into the next one's run."""
+    transforms = [None, lambda layer, k, v: (k, np.zeros_like(v)), None,
+                  lambda layer, k, v: (k * (2.0 if layer == 1 else 1.0), v)]
+    many = engine_source.next_token_logits_many(PROMPT, transforms)
+    assert len(many) == len(transforms)
+    for got, t in zip(many, transforms):
+        np.testing.assert_allclose(got, engine_source.next_token_logits(PROMPT, t), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(many[0], many[2])  # the zeroed values were restored in between
+    assert np.abs(many[1] - many[0]).max() > 1e-3 and np.abs(many[3] - many[0]).max() > 1e-3
+
+
 def _prompts(path, n=4):
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
     path.write_text("\n".join(" ".join(words[i:] + words[:i]) * 2 for i in range(n)) + "\n")

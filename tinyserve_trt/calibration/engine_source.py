@@ -94,6 +94,38 @@ class EngineSource(ObservationSource):
         _, logits, _ = self._forced(token_ids, len(token_ids) - 1, transform)
         return logits.astype(np.float64)
 
+    def next_token_logits_many(self, token_ids: Sequence[int],
+                               transforms: Sequence[KVTransform | None]) -> list[np.ndarray]:
+        """One prefill of all but the last token, then the last token's decode step once per
+        transform: the cached pages are restored from a snapshot and transformed before each run
+        (the step itself rewrites only the last token's slot, the same every time)."""
+        token_ids = [int(t) for t in token_ids]
+        T = len(token_ids)
+        if T < 2:
+            raise ValueError("next_token_logits needs at least 2 tokens (a cache and a decode step)")
+        engine = self.engine
+        sched, backend = engine.scheduler, engine.backend
+        rid = f"calibrate-{next(self._ids)}"
+        seq = engine.add_request(rid, token_ids[:-1], self._SamplingParams(temperature=0, max_tokens=2,
+                                                                             ignore_eos=True))
+        logits = []
+        try:
+            while True:
+                batch = sched.schedule()
+                past, new = int(batch.past_lens[0]), int(batch.num_new_tokens[0])
+                if new == 1 and past == T - 1:  # the last token's step
+                    snapshot = self._read(seq.pages, T - 1)
+                    for transform in transforms:
+                        self._rewrite(seq.pages, T - 1, transform, snapshot)
+                        logits.append(backend.run(batch).logits[0].astype(np.float64))
+                    # close the step (the scheduler wants every batch postprocessed) before the cancel
+                    sched.postprocess(batch, self._SampleOutput(np.array([int(np.argmax(logits[-1]))], np.int64)))
+                    return logits
+                backend.run(batch)
+                sched.postprocess(batch, self._SampleOutput(np.array([token_ids[past + new]], np.int64)))
+        finally:
+            sched.cancel(rid)
+
     # ---- one teacher-forced request ------------------------------------------------
     def _forced(self, token_ids: Sequence[int], decode_from: int, transform: KVTransform | None = None):
         """Prefill ``token_ids[:decode_from]``, then decode the rest one token a step.
@@ -144,14 +176,16 @@ class EngineSource(ObservationSource):
         return (np.stack([tokens(pool.k_pages(i)) for i in range(self.num_layers)]),
                 np.stack([tokens(pool.v_pages(i)) for i in range(self.num_layers)]))
 
-    def _rewrite(self, pages: list[int], T: int, transform: KVTransform) -> None:
-        """Pass the first ``T`` cached tokens of every layer through ``transform`` and write them back."""
-        keys, values = self._read(pages, T)
+    def _rewrite(self, pages: list[int], T: int, transform: KVTransform | None,
+                 snapshot: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Pass the first ``T`` cached tokens of every layer (or ``snapshot``, a :meth:`_read`) through
+        ``transform`` (None: as they are) and write them back."""
+        keys, values = self._read(pages, T) if snapshot is None else snapshot
         ps = self.page_size
         pos = np.arange(T)
         slots = np.asarray(pages, np.int64)[pos // ps] * ps + pos % ps
         for layer in range(self.num_layers):
-            k, v = transform(layer, keys[layer], values[layer])
+            k, v = (keys[layer], values[layer]) if transform is None else transform(layer, keys[layer], values[layer])
             self.engine.pool.write_tokens(layer, slots, np.ascontiguousarray(np.swapaxes(k, 0, 1)),
                                           np.ascontiguousarray(np.swapaxes(v, 0, 1)))
 

@@ -84,21 +84,29 @@ class HFSource(ObservationSource):
         return Observation(keys=k, values=v, selected_pages=sel)
 
     def next_token_logits(self, token_ids: Sequence[int], transform: KVTransform | None = None) -> np.ndarray:
+        return self.next_token_logits_many(token_ids, [transform])[0]
+
+    def next_token_logits_many(self, token_ids: Sequence[int],
+                               transforms: Sequence[KVTransform | None]) -> list[np.ndarray]:
+        """The prefix's K/V captured once; one decode step of the last token per transform."""
         torch = self.torch
         from transformers import DynamicCache  # noqa: PLC0415
 
         (_, k, v), _ = self._capture(token_ids[:-1])
-        layers = []
-        for layer in range(self.num_layers):
-            kl, vl = (k[layer], v[layer]) if transform is None else transform(layer, k[layer], v[layer])
-            layers.append((torch.from_numpy(np.ascontiguousarray(kl, np.float32))[None],
-                           torch.from_numpy(np.ascontiguousarray(vl, np.float32))[None]))
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
         T = len(token_ids)
-        with torch.no_grad():
-            out = self.model(torch.tensor([[token_ids[-1]]]), position_ids=torch.tensor([[T - 1]]), use_cache=True,
-                             **{self._cache_kwarg: cache})
-        return out.logits[0, -1].double().numpy()
+        out_logits = []
+        for transform in transforms:
+            layers = []
+            for layer in range(self.num_layers):
+                kl, vl = (k[layer], v[layer]) if transform is None else transform(layer, k[layer], v[layer])
+                layers.append((torch.from_numpy(np.ascontiguousarray(kl, np.float32))[None],
+                               torch.from_numpy(np.ascontiguousarray(vl, np.float32))[None]))
+            cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+            with torch.no_grad():
+                out = self.model(torch.tensor([[token_ids[-1]]]), position_ids=torch.tensor([[T - 1]]),
+                                 use_cache=True, **{self._cache_kwarg: cache})
+            out_logits.append(out.logits[0, -1].double().numpy())
+        return out_logits
 
 
 register_source("hf")(HFSource)

@@ -217,8 +217,10 @@ def evaluate(source: ObservationSource, prompts: Sequence[Sequence[int]], cfg: C
     for ids in progress(prompts, "evaluate"):
         ctx = len(ids) - 1
         cold = heldout_cold_pages(source, ids, cfg)
-        base = source.next_token_logits(ids)
-        mixed = source.next_token_logits(ids, fake_quantize(cfg, cold, codecs)) if cold else base
+        if cold:
+            base, mixed = source.next_token_logits_many(ids, [None, fake_quantize(cfg, cold, codecs)])
+        else:
+            base = mixed = source.next_token_logits(ids)
         agree.append(float(base.argmax() == mixed.argmax()))
         kls.append(kl_divergence(base, mixed))
         cold_pages += len(cold)

@@ -36,9 +36,9 @@ def layer_sensitivity(source: ObservationSource, prompts: Sequence[Sequence[int]
         cold = heldout_cold_pages(source, ids, cfg)
         if not cold:
             continue
-        base = source.next_token_logits(ids)
-        for layer in range(L):
-            one = source.next_token_logits(ids, fake_quantize(cfg, cold, codecs, layers=[layer]))
+        base, *ones = source.next_token_logits_many(
+            ids, [None] + [fake_quantize(cfg, cold, codecs, layers=[layer]) for layer in range(L)])
+        for layer, one in enumerate(ones):
             total[layer] += kl_divergence(base, one)
     return (total / max(len(prompts), 1)).tolist()
 

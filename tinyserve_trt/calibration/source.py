@@ -73,6 +73,13 @@ class ObservationSource(ABC):
         """``[vocab]`` float64 logits after ``token_ids``; the cache of all but the last token
         passes through ``transform`` first (None: untouched)."""
 
+    def next_token_logits_many(self, token_ids: Sequence[int],
+                               transforms: Sequence[KVTransform | None]) -> list[np.ndarray]:
+        """:meth:`next_token_logits` for each of ``transforms`` over one prompt. The built-in
+        sources run the prompt once and only the last token per transform (the layer sensitivity
+        pass asks for ``L + 1`` of them)."""
+        return [self.next_token_logits(token_ids, t) for t in transforms]
+
 
 SOURCES: dict[str, Callable[..., ObservationSource]] = {}
 # built-in sources register when their module is imported (heavy imports: torch, onnxruntime)
