@@ -2,7 +2,8 @@
 
 For each package (``--model``, repeatable: e.g. an ``--cold-pages int4`` and an
 ``int8`` export of the same model, shown side by side) and each hot fraction
-(``--fractions``; 1.0 is the all-hot reference, run once on the first package)
+(``--fractions``; 1.0 is the all-hot reference, run once on the first package;
+``default`` stands for the packages' own hot fractions, what they ship with)
 ``--prompts`` held-out prompts of ``--context`` tokens go through the engine
 (chunked prefill, then ``--decode`` greedy steps) with the package's cold tier:
 pages the op rarely selects are demoted between steps.
@@ -181,7 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens (with --text: window tokens)")
     ap.add_argument("--decode", type=int, default=16, help="positions scored per prompt")
-    ap.add_argument("--fractions", default="1.0,0.5,0.25,0.1", help="hot fractions; 1.0 is the reference")
+    ap.add_argument("--fractions", default="1.0,default",
+                    help="hot fractions, comma-separated; 1.0 is the reference, 'default' the packages' own "
+                         "(their manifests' cold_tier.hot_fraction: what a user gets); e.g. 1.0,0.5,0.25,0.1")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--data", help="prompts file (default: Python stdlib sources)")
     src.add_argument("--text", metavar="FILE", help=f"one long plain text cut into --prompts windows of --context "
@@ -205,7 +208,11 @@ def main(argv=None) -> int:
     geometry = {(p.dtype, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim) for p in packages}
     if len(geometry) > 1:
         raise SystemExit(f"bench_mixed: the packages differ in dtype/page size/geometry {sorted(geometry)}")
-    fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = []
+    for f in args.fractions.split(","):
+        for x in ([p.cold_tier["hot_fraction"] for p in packages] if f.strip() == "default" else [float(f)]):
+            if x not in fractions:
+                fractions.append(x)
     if 1.0 not in fractions:
         fractions.insert(0, 1.0)
     if args.text:

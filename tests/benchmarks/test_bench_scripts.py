@@ -70,7 +70,7 @@ def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
     root = tiny_root / "bench-mixed"
     root.mkdir(exist_ok=True)
     pkg = build_cold_package(llama[0], llama[2], root)
-    pkg4 = build_cold_package(llama[0], llama[2], root, cold_format="int4")
+    pkg4 = build_cold_package(llama[0], llama[2], root, cold_format="int4", int8_layers=[0])  # as calibrated
     data = tmp_path / "prompts.txt"
     data.write_text("\n".join(f"prompt number {i} " * 8 for i in range(3)))
     out = tmp_path / "mixed.md"
@@ -82,7 +82,7 @@ def test_bench_mixed_smoke(tiny_root, llama, tmp_path, capsys):
     m = re.fullmatch(r"RESULT kv_bytes_ratio=(\d+\.\d+) top1_agreement=(\d+\.\d+)", last)
     assert m and float(m.group(1)) < 1.0
     text = out.read_text()
-    # the int4 package keeps its dense layer 0 at INT8 (int8_layers' default): the column says so
+    # the int4 package keeps layer 0 at INT8 (its calibration's int8_layers): the column says so
     assert "| int4 (int8 layers 0) | 25% |" in text and "| int8 | 25% |" in text
     assert "Baseline of the KV bytes ratio: all pages hot" in text
     rows = {r["cold_format"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
@@ -139,6 +139,7 @@ def test_bench_mixed_text_perplexity(tiny_root, llama, tmp_path, capsys):
     """--text: consecutive windows, the text forced; the all-hot perplexity equals the original export's
     on the same scored tokens (contexts within the token budget: the op attends densely)."""
     from tests.tiny_models import build_cold_package
+    from tinyserve_trt.runtime.model_package import ModelPackage
 
     src, _, manifest = llama
     root = tiny_root / "bench-mixed-text"
@@ -149,15 +150,15 @@ def test_bench_mixed_text_perplexity(tiny_root, llama, tmp_path, capsys):
     out = tmp_path / "mixed.md"
     mixed = load("bench_mixed")
     args = ["--model", str(pkg), "--text", str(text), "--prompts", "3", "--context", "16", "--decode", "6",
-            "--fractions", "1.0,0.25", "--batch", "2", "--threads", "1", "--check-integrity", "--out", str(out)]
+            "--fractions", "1.0,default", "--batch", "2", "--threads", "1", "--check-integrity", "--out", str(out)]
     assert mixed.main(args) == 0
     capsys.readouterr()
     record = json.loads(out.with_suffix(".json").read_text())
     ref, low = record["rows"]
     assert (ref["hot_fraction"], ref["ppl_ratio"], ref["agreement"], ref["positions"]) == (1.0, 1.0, 1.0, 18)
-    assert low["hot_fraction"] == 0.25 and low["positions"] == 18 and low["cold_pages"] > 0
+    shipped = ModelPackage.load(pkg).cold_tier["hot_fraction"]  # "default": the package's own hot fraction
+    assert shipped < 1.0 and low["hot_fraction"] == shipped and low["positions"] == 18 and low["cold_pages"] > 0
     assert low["ppl_ratio"] == pytest.approx(low["perplexity"] / ref["perplexity"])
-    from tinyserve_trt.runtime.model_package import ModelPackage
 
     ids = ModelPackage.load(pkg).encode(text.read_text())
     nlls = [x for i in range(3) for x in _original_nll(src, manifest["source_io"], ids[16 * i:16 * (i + 1)], 6)]
