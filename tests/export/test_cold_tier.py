@@ -231,7 +231,7 @@ def test_each_exported_layer_reads_the_pool_in_its_own_codec(int4_mixed, rng):
 
 @pytest.mark.parametrize("flags, message", [
     (("--cold-pages", "int4", "--int8-layers", "99"), "int8 layers [99] out of range: the model has 2 layers"),
-    (("--cold-pages", "int4", "--int8-layers", "0,x"), "--int8-layers must be dense, none or comma-separated"),
+    (("--cold-pages", "int4", "--int8-layers", "0,x"), "--int8-layers must be auto, dense, none or comma-separated"),
     (("--cold-pages", "int4", "--int8-layers", "1,1"), "int8_layers has duplicates"),
     (("--cold-pages", "int8", "--int8-layers", "0"), "int8 layers apply to int4 cold pages only"),
     (("--int8-layers", "0"), "int8 layers need a cold tier"),

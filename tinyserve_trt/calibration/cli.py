@@ -1,8 +1,9 @@
-"""``tinyserve-calibrate MODEL --data FILE [--samples N] [-o calibration.json]``.
+"""``tinyserve-calibrate MODEL [--data FILE] [--samples N] [-o calibration.json]``.
 
 Reads prompts (JSON Lines with a ``text`` or ``prompt`` field, or plain text
-with one prompt per non-empty line), observes the first ``--samples`` of
-them, evaluates on the next ``--heldout``, and writes the artifact
+with one prompt per non-empty line; without ``--data`` the built-in text,
+this project's documentation cut into ~2K-token pieces), observes the first
+``--samples`` of them, evaluates on the next ``--heldout``, and writes the artifact
 (``-o`` JSON + ``.npz`` beside it). MODEL is a tinyserve package (observed
 through the runtime: the ``engine`` source) or a Hugging Face model directory
 (torch: ``hf``); ``--source`` forces one. Exit 2 with one line on bad input.
@@ -16,6 +17,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
+from tinyserve_trt.calibration.default_text import NAME, default_prompts
 from tinyserve_trt.calibration.observe import CalibrationConfig, calibrate
 from tinyserve_trt.contracts.cold_tier import DEFAULT_HOT_FRACTION
 from tinyserve_trt.calibration.source import detect_source, make_source, source_names
@@ -58,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", metavar="MODEL",
                    help="a tinyserve package (tinyserve-export's output: observed through the runtime) or a "
                         "Hugging Face model directory (transformers, torch)")
-    p.add_argument("--data", required=True, metavar="FILE", help="prompts: .jsonl (text/prompt) or text lines")
-    p.add_argument("--samples", type=int, default=16, metavar="N", help="calibration prompts (default 16)")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="prompts: .jsonl (text/prompt) or text lines. Default: the built-in text (tinyserve's own "
+                        f"documentation in {len(default_prompts())} pieces of ~2K tokens; not your domain - "
+                        "prefer your own prompts)")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="calibration prompts (default 16; with the built-in text, its pieces left after --heldout)")
     p.add_argument("--heldout", type=int, default=4, metavar="N", help="held-out prompts for the report (default 4)")
     p.add_argument("-o", "--output", default="calibration.json", help="artifact path (default calibration.json)")
     p.add_argument("--page-size", type=int, default=None,
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"tinyserve-calibrate: error: {msg}\n")
 
     try:
+        prompts = read_prompts(args.data) if args.data is not None else default_prompts()
+        if args.samples is None:
+            args.samples = 16 if args.data is not None else max(len(prompts) - args.heldout, 1)
         if args.samples < 1 or args.heldout < 0:
             raise DataError("--samples must be >= 1 and --heldout >= 0")
         fixed = {k: v for k, v in (("page_size", args.page_size), ("token_budget", args.token_budget)) if v is not None}
@@ -131,9 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                                 **fixed, **codec)
         if args.source is not None and args.source not in source_names():
             raise ValueError(f"unknown calibration source {args.source!r}; choose from {source_names()}")
-        prompts = read_prompts(args.data)
         if len(prompts) < args.samples + args.heldout:
-            raise DataError(f"{args.data} holds {len(prompts)} prompts; --samples {args.samples} + "
+            raise DataError(f"{args.data or NAME} holds {len(prompts)} prompts; --samples {args.samples} + "
                             f"--heldout {args.heldout} needed")
         kind = detect_source(args.model_dir) if args.source is None else args.source
     except ValueError as e:

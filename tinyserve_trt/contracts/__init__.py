@@ -13,12 +13,14 @@ inside functions, against this table and for cycles)::
     ops          the op: schema, numpy reference, ONNX function     imports nothing of ours
     contracts    this package                                       ops
     cuda         ctypes kernels, TensorRT + plugin loading           ops
-    export       ONNX rewrite, package writing, engine build         ops, contracts, cuda
+    export       ONNX rewrite, package writing, engine build         ops, contracts, cuda, calibration
     runtime      pages, scheduler, backends, LLM, server             ops, contracts, cuda
     calibration  observe -> artifact (sizes pages like the runtime)  ops, contracts, runtime
 
 So the runtime never imports export or calibration, export never imports the
-runtime or calibration, and nothing here imports ``tinyserve_dev`` (dev-only).
+runtime, and nothing here imports ``tinyserve_dev`` (dev-only). Export imports
+calibration in one place, inside a function: ``export/auto_int8.py`` measures the
+INT4 package it just wrote to pick its INT8 layers (``--int8-layers auto``).
 Only plain Python and numpy are imported at this package's import.
 """
 
@@ -26,7 +28,7 @@ LAYERS = {
     "ops": (),
     "contracts": ("ops",),
     "cuda": ("ops",),
-    "export": ("ops", "contracts", "cuda"),
+    "export": ("ops", "contracts", "cuda", "calibration"),
     "runtime": ("ops", "contracts", "cuda"),
     "calibration": ("ops", "contracts", "runtime"),
 }

@@ -105,7 +105,10 @@ class ColdTier:
     group_size: int = 0
     cold_format_version: int | None = None  # int4: ops.cold_codec.INT4_FORMAT_VERSION (set when None)
     int8_layers: list = field(default_factory=list)
-    int8_layers_source: str | None = None  # how the exporter chose them (dense layers, calibration, ...)
+    int8_layers_source: str | None = None  # how the exporter chose them (dense layers, calibration, auto, ...)
+    # the export's own sensitivity pass (int8 layers "auto"): mean KL(all hot || only that layer
+    # INT4) per layer, on the built-in text; None when the layers came from elsewhere
+    int8_layers_kl: list | None = None
 
     def __post_init__(self):
         if self.cold_format == "int4":
@@ -113,6 +116,11 @@ class ColdTier:
                 object.__setattr__(self, "cold_format_version", INT4_FORMAT_VERSION)
             elif self.cold_format_version != INT4_FORMAT_VERSION:
                 raise PackageError(_old_int4(self.cold_format_version))
+        if self.int8_layers_kl is not None and (
+                not isinstance(self.int8_layers_kl, list)
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                           for x in self.int8_layers_kl)):
+            raise PackageError(f"cold_tier: int8_layers_kl must be a list of numbers >= 0, got {self.int8_layers_kl!r}")
         try:
             tiers = TierConfig(k_granularity=self.k_granularity, v_granularity=self.v_granularity,
                                cold_format=self.cold_format, group_size=self.group_size, int8_layers=self.int8_layers)
@@ -200,6 +208,9 @@ class Manifest:
             bad = [i for i in self.cold_tier.int8_layers if i >= self.num_layers]
             if bad:
                 raise PackageError(f"cold_tier: int8_layers {bad} out of range for num_layers={self.num_layers}")
+            kl = self.cold_tier.int8_layers_kl
+            if kl is not None and len(kl) != self.num_layers:
+                raise PackageError(f"cold_tier: int8_layers_kl has {len(kl)} entries for num_layers={self.num_layers}")
         if self.dtype not in DTYPES:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
         self._check_two_level()

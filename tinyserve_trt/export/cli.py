@@ -63,11 +63,13 @@ def parser() -> argparse.ArgumentParser:
                         "--calibration it picks the format. Default int4 (format 3: 0.48 of the all-FP16 KV bytes at "
                         "top-1 agreement 0.99 with 20%% hot pages; INT8 keeps 0.66), int8 with --backend trt (INT4 "
                         "in the CUDA kernels is checked in CPU emulation only)")
-    p.add_argument("--int8-layers", default=None, metavar="{dense,none,0,1,...}",
-                   help="int4 packages: layers whose cold pages stay INT8 (issue #17) - 'dense' (the leading "
-                        "--dense-layers: they read every cold page every step), 'none', or comma-separated layer "
-                        "indices. Default: the --calibration artifact's list (tinyserve-calibrate's layer sensitivity "
-                        "pass) when it names one, else none")
+    p.add_argument("--int8-layers", default=None, metavar="{auto,dense,none,0,1,...}",
+                   help="int4 packages: layers whose cold pages stay INT8 (issue #17) - 'auto' (write the package "
+                        "all-INT4, measure each layer's sensitivity to INT4 cold pages on 2 prompts of up to 2048 "
+                        "tokens of the built-in text and keep the 10%% most sensitive at INT8: about a minute for "
+                        "SmolLM2), 'dense' (the leading --dense-layers), 'none', or comma-separated layer indices. "
+                        "Default: the --calibration artifact's list (tinyserve-calibrate's pass on your data) with "
+                        "an artifact, else auto")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the numerical check against the original model (prefill + 8 decode steps)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
@@ -96,7 +98,7 @@ def _int8_layers(text: str | None):
     try:
         return tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise InputError(f"--int8-layers must be dense, none or comma-separated layer indices, got {text!r}") from None
+        raise InputError(f"--int8-layers must be auto, dense, none or comma-separated layer indices, got {text!r}") from None
 
 
 def _int(text: str, flag: str) -> int:

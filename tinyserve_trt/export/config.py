@@ -16,7 +16,7 @@ BACKENDS = ("ort", "trt")
 # (ONNX Runtime and TensorRT: the plugin takes key_sub_bounds, the engine profile covers it).
 DEFAULT_PAGE_SIZE = 32
 DEFAULT_SUB_PAGE_SIZE = 4
-INT8_LAYER_CHOICES = ("dense", "none")  # or layer indices (ExportConfig.int8_layers)
+INT8_LAYER_CHOICES = ("auto", "dense", "none")  # or layer indices (ExportConfig.int8_layers)
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,13 @@ class ExportConfig:
     cold_pages: bool = False
     calibration: str | None = None
     cold_format: str | None = None
-    # INT4 packages only (issue #17): layers whose cold pages stay INT8 - "dense" (the leading
-    # ``dense_layers``), "none", or layer indices. None: the calibration artifact's ``int8_layers``
-    # (its per-layer sensitivity pass) when it names them, else none. Which layers matter is a
-    # property of the model, not of the dense ones: on SmolLM2 INT8 dense layers leave the all-INT4
-    # KL unchanged (7.1e-4 vs 7.2e-4) while INT8 for the 3 layers calibration ranks first cuts it by
-    # 79% (benchmarks/results/int4_layer_sensitivity.md).
+    # INT4 packages only (issue #17): layers whose cold pages stay INT8 - "auto" (the export runs
+    # the layer sensitivity pass on its own all-INT4 package over the built-in text: auto_int8.py),
+    # "dense" (the leading ``dense_layers``), "none", or layer indices. None: the calibration
+    # artifact's ``int8_layers`` (its per-layer sensitivity pass) when an artifact is given, else
+    # "auto". Which layers matter is a property of the model, not of the dense ones: on SmolLM2
+    # INT8 dense layers leave the all-INT4 KL unchanged (7.1e-4 vs 7.2e-4) while INT8 for the 3
+    # layers calibration ranks first cuts it by 79% (benchmarks/results/int4_layer_sensitivity.md).
     int8_layers: str | tuple | None = None
     # Two-level selection (issue #15): sparse layers re-rank the candidate pages' sub-pages of
     # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
@@ -101,19 +102,32 @@ class ExportConfig:
         """``cold_format``, or the backend's default (int4 for ort, int8 for trt)."""
         return self.cold_format or ("int8" if self.backend == "trt" else "int4")
 
-    def resolved_int8_layers(self, num_layers: int, calibrated: Sequence[int] | None = None) -> tuple[tuple, str]:
+    def runs_int8_pass(self) -> bool:
+        """Whether the export picks the INT8 layers by the sensitivity pass (``auto_int8.py``):
+        ``int8_layers`` "auto", or None for an int4 cold tier without a calibration artifact."""
+        if not self.has_cold_tier or self.resolved_cold_format != "int4":
+            return False
+        return self.int8_layers == "auto" or (self.int8_layers is None and self.calibration is None)
+
+    def resolved_int8_layers(self, num_layers: int, calibrated: Sequence[int] | None = None,
+                             measured: tuple[Sequence[int], str] | None = None) -> tuple[tuple, str]:
         """``(layers, where they came from)`` for a ``num_layers`` model: () for int8 packages;
-        ``calibrated`` is the artifact's list (None when it names none). ValueError for an index
-        past the model's layers."""
+        ``calibrated`` is the artifact's list (None when it names none), ``measured`` the
+        sensitivity pass's ``(layers, description)`` when :meth:`runs_int8_pass`. ValueError for an
+        index past the model's layers or an auto export without ``measured``."""
         if not self.has_cold_tier or self.resolved_cold_format != "int4":
             return (), "int8 package"
-        if self.int8_layers is None and calibrated is not None:
+        if self.runs_int8_pass():
+            if measured is None:
+                raise ValueError("int8 layers 'auto' need the sensitivity pass's result (export_model runs it)")
+            layers, where = tuple(measured[0]), measured[1]
+        elif self.int8_layers is None and calibrated is not None:
             layers, where = tuple(calibrated), "from calibration (layer sensitivity)"
         elif self.int8_layers == "dense":
             n = min(self.dense_layers, num_layers)
             layers, where = tuple(range(n)), f"the dense layers (the leading {n})"
-        elif self.int8_layers is None:
-            layers, where = (), "default; tinyserve-calibrate picks them"
+        elif self.int8_layers is None:  # a calibration artifact that names none (an INT8 one)
+            layers, where = (), "the calibration names none"
         elif self.int8_layers == "none":
             layers, where = (), "--int8-layers none"
         else:

@@ -59,10 +59,19 @@ def _progress(msg: str, quiet: bool) -> None:
 
 
 def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = ExportConfig(),
-                 overwrite: bool = False, quiet: bool = False, extra_manifest: dict | None = None) -> ExportReport:
+                 overwrite: bool = False, quiet: bool = False, extra_manifest: dict | None = None,
+                 int8_pick=None) -> ExportReport:
+    """``int8_pick``: the sensitivity pass's ``calibration.int8_pick.Int8Pick`` when
+    ``config.runs_int8_pass()``; None runs it first (``auto_int8.py``)."""
     source, outdir = Path(source), Path(outdir)
     if outdir.exists() and not overwrite:
         raise InputError(f"{outdir} exists (use --force to replace it)")
+    if config.runs_int8_pass() and int8_pick is None:
+        from .auto_int8 import export_with_int8_pass
+
+        _load_calibration(config)  # a bad artifact fails before minutes of work
+        return export_with_int8_pass(source, outdir, config, overwrite, quiet, extra_manifest,
+                                     lambda msg: _progress(msg, quiet))
     times = {}
     if config.backend == "trt":  # fail before minutes of work, not after
         from .trt_build import require_tensorrt
@@ -94,7 +103,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
-    cold_tier = _cold_tier(config, artifact, len(plans), dims) if config.has_cold_tier else None
+    cold_tier = _cold_tier(config, artifact, len(plans), dims, int8_pick) if config.has_cold_tier else None
     cold = tier_codecs(asdict(cold_tier), len(plans)) if cold_tier else None  # per layer (int8_layers)
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
@@ -180,9 +189,10 @@ def _load_calibration(config: ExportConfig):
 
 
 def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_layers: int,
-               dims: dict) -> ColdTier:
+               dims: dict, int8_pick=None) -> ColdTier:
     """The manifest's ``cold_tier``: granularities, hot/cold policy parameters (the calibration's,
-    else the runtime defaults) and where they came from."""
+    else the runtime defaults), the INT8 layers (``int8_pick``: the export's own sensitivity pass)
+    and where they came from."""
     if artifact is None:  # the cold format's default hot share (contracts.cold_tier.DEFAULT_HOT_FRACTION)
         tiers, hot = TierConfig(), HotnessConfig(hot_fraction=DEFAULT_HOT_FRACTION[config.resolved_cold_format])
         grans, source = (tiers.k_granularity, tiers.v_granularity), None
@@ -200,11 +210,14 @@ def _cold_tier(config: ExportConfig, artifact: CalibrationArtifact | None, num_l
     fmt = config.resolved_cold_format
     k_gran = "channel" if fmt == "int4" else grans[0]  # INT4 keys: per channel on the page bounds (cold_codec)
     try:
-        int8_layers, where = config.resolved_int8_layers(num_layers, None if artifact is None else artifact.int8_layers)
+        measured = None if int8_pick is None else (int8_pick.layers, int8_pick.describe())
+        int8_layers, where = config.resolved_int8_layers(num_layers, None if artifact is None else artifact.int8_layers,
+                                                         measured)
     except ValueError as e:
         raise InputError(str(e)) from None
     return ColdTier(inputs=list(schema.COLD_INPUTS), cold_format=fmt, int8_layers=list(int8_layers),
                     int8_layers_source=where if fmt == "int4" else None,
+                    int8_layers_kl=list(int8_pick.layer_kl) if int8_pick is not None and fmt == "int4" else None,
                     group_size=INT4_GROUP_SIZE if fmt == "int4" else 0, k_granularity=k_gran, v_granularity=grans[1],
                     hot_fraction=hot.hot_fraction, sink_pages=max(hot.sink_pages, config.sink_pages),
                     recent_pages=max(hot.recent_pages, config.recent_pages), decay=hot.decay, calibration=source)
