@@ -15,14 +15,20 @@ from pathlib import Path
 VOCAB = 256
 
 
-def export_source(arch: str, outdir: Path, seed: int = 0) -> Path:
+def export_source(arch: str, outdir: Path, seed: int = 0, edit=None) -> Path:
     """Write ``outdir/model.onnx`` (+ config.json, byte tokenizer) of a random tiny ``arch`` model,
-    built and exported by the package's own fixture sources (legacy exporter, eager attention)."""
+    built and exported by the package's own fixture sources (legacy exporter, eager attention).
+    ``edit``: called with the torch model (under ``no_grad``) before the export."""
     from tinyserve_dev.models.tiny_models import TinyModelConfig, build_tiny_model
     from tinyserve_trt.export.hf.torch_export import export_causal_lm
 
     model = build_tiny_model(TinyModelConfig(kind=arch, vocab_size=VOCAB, max_positions=512, seed=seed),
                              attn_implementation="eager")
+    if edit is not None:
+        import torch
+
+        with torch.no_grad():
+            edit(model)
     outdir.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer / deprecation chatter of the exporters

@@ -80,7 +80,8 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     D = report.head_dim  # ps 4: K 2D + 2 (placeholder) + V 2D + 4 * 2 * (D/16) * 2 + min/max 4D bytes
     want = (4 * D + 2 + 4 * 2 * (D // 16) * 2 + 4 * D) / ((2 * 4 * D + 2 * D) * 2)
     assert f"int4 (format 3): {want:.3f} of an FP16 page" in line, line
-    assert "int8 layers none (default; tinyserve-calibrate picks them)" in line, line
+    # no calibration: the export's own sensitivity pass picks the INT8 layers (tests/export/test_auto_int8.py)
+    assert "int8 layers 0 (auto: layer sensitivity on the built-in text, 2 prompts)" in line, line
     assert tier["calibration"] is None and (tier["k_granularity"], tier["v_granularity"]) == ("channel", "token")
     assert not (tmp_path / "pkg" / "calibration.json").exists()
     # every op node names its cold format twice: the overload (ONNX function) and the
@@ -93,10 +94,11 @@ def test_cold_pages_without_calibration_uses_the_runtime_defaults(llama, tmp_pat
     ops = [n for path in (tmp_path / "pkg").glob("*.onnx")
            for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == schema.OP_TYPE]
     assert ops and tier["cold_format"] == "int4"  # the ort backend's default
-    assert tier["int8_layers"] == [] and tier["int8_layers_source"].startswith("default")
+    assert tier["int8_layers"] == [0] and tier["int8_layers_source"].startswith("auto")
     assert tier["hot_fraction"] == DEFAULT_HOT_FRACTION["int4"] == 0.15  # the INT4 default, not INT8's 0.5
-    for n in ops:  # no INT8 layers without calibration: every node INT4
-        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == "int4"
+    for n in ops:  # the picked layer INT8, the others INT4
+        fmt = "int8" if n.overload.startswith("dense") else "int4"  # layer 0 is the dense one
+        assert node_attributes(n).cold_format == schema.overload_cold_format(n.overload) == fmt
 
 
 def _run(capsys, *argv):
