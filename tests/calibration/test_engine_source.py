@@ -172,3 +172,31 @@ def test_bad_inputs_give_one_line_and_exit_2(tmp_path, llama, capsys):
                      "int8_layers_count must be an int >= 0")
     _one_line_exit_2(capsys, [str(tmp_path / "empty_dir"), "--data", str(data), "--samples", "1", "--heldout", "1",
                               "--source", "engine"], "cannot load")
+
+
+def test_tail_logits_rerun_the_last_steps_per_transform(engine_source):
+    """The engine's one-prefill tail equals one request per prefix where both define the same thing:
+    untransformed, every row; transformed, the first row (later rows see the transformed cache in
+    the engine's K/V of the tail tokens, so they differ - by less than the transform's own effect)."""
+    from dataclasses import replace
+
+    from tinyserve_trt.calibration.int8_pick import pass_config
+    from tinyserve_trt.calibration.observe import fake_quantize, heldout_cold_pages
+    from tinyserve_trt.calibration.source import ObservationSource
+
+    src = engine_source
+    cfg = replace(pass_config(src, 200), hot_fraction=0.2)
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, 250, 120)]
+    cold = heldout_cold_pages(src, ids[:len(ids) - 4 + 1], cfg)
+    assert cold
+    transforms = [None, fake_quantize(cfg, cold, cfg.tiers().layer_codecs(src.num_layers))]
+    fast = src.tail_logits_many(ids, transforms, 4)
+    slow = ObservationSource.tail_logits_many(src, ids, transforms, 4)
+    assert [f.shape for f in fast] == [(4, src.package.vocab_size)] * 2
+    np.testing.assert_allclose(fast[0], slow[0], atol=1e-5)
+    np.testing.assert_allclose(fast[1][0], slow[1][0], atol=1e-5)
+    effect = np.abs(fast[1] - fast[0]).max()
+    assert effect > 1e-4 and np.abs(fast[1] - slow[1]).max() < effect
+    assert np.allclose(src.next_token_logits_many(ids, transforms[:1])[0], fast[0][-1], atol=1e-5)
+    with pytest.raises(ValueError, match="positions must be in"):
+        src.tail_logits_many(ids, transforms, len(ids))

@@ -126,6 +126,43 @@ class EngineSource(ObservationSource):
         finally:
             sched.cancel(rid)
 
+    def tail_logits_many(self, token_ids: Sequence[int], transforms: Sequence[KVTransform | None],
+                         positions: int) -> list[np.ndarray]:
+        """One prefill of the first ``T - positions`` tokens, the last ``positions`` as teacher-forced
+        decode steps (their batches kept); then per transform the first ``T - positions`` cached
+        tokens are restored from a snapshot, transformed, and the kept steps rerun in order (each
+        rewrites its own token's slot first, so the later tokens see the transformed cache)."""
+        token_ids = [int(t) for t in token_ids]
+        T = len(token_ids)
+        if not isinstance(positions, int) or not 1 <= positions <= T - 1:
+            raise ValueError(f"positions must be in [1, {T - 1}], got {positions!r}")
+        start = T - positions
+        engine = self.engine
+        sched, backend = engine.scheduler, engine.backend
+        rid = f"calibrate-{next(self._ids)}"
+        seq = engine.add_request(rid, token_ids[:start], self._SamplingParams(temperature=0, max_tokens=positions + 2,
+                                                                            ignore_eos=True))
+        steps, snapshot = [], None
+        try:
+            while len(steps) < positions:
+                batch = sched.schedule()
+                past, new = int(batch.past_lens[0]), int(batch.num_new_tokens[0])
+                if past >= start and new == 1:  # a tail step: keep its batch (fresh arrays per step)
+                    if snapshot is None:
+                        snapshot = self._read(seq.pages, start)
+                    steps.append(batch)  # max_tokens leaves it unfinished: its pages stay
+                backend.run(batch)
+                nxt = past + new
+                token = token_ids[nxt] if nxt < T else 0
+                sched.postprocess(batch, self._SampleOutput(np.array([token], np.int64)))
+            out = []
+            for transform in transforms:
+                self._rewrite(seq.pages, start, transform, snapshot)
+                out.append(np.stack([backend.run(b).logits[0].astype(np.float64) for b in steps]))
+            return out
+        finally:
+            sched.cancel(rid)
+
     # ---- one teacher-forced request ------------------------------------------------
     def _forced(self, token_ids: Sequence[int], decode_from: int, transform: KVTransform | None = None):
         """Prefill ``token_ids[:decode_from]``, then decode the rest one token a step.

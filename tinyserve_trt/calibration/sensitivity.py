@@ -24,8 +24,11 @@ from tinyserve_trt.calibration.source import ObservationSource
 
 
 def layer_sensitivity(source: ObservationSource, prompts: Sequence[Sequence[int]], cfg: CalibrationConfig,
-                      progress: Progress = _no_progress) -> list[float]:
-    """``[L]`` mean KL(all hot || only this layer's cold pages INT4) over ``prompts`` (token ids).
+                      progress: Progress = _no_progress, positions: int = 1) -> list[float]:
+    """``[L]`` mean KL(all hot || only this layer's cold pages INT4) over ``prompts`` (token ids) and
+    the next token at each of their last ``positions`` tokens (the cold pages: those of the context
+    before the first of them). One position is a noisy estimate - a confident next token has KL ~0
+    whatever the layer - so the export's own pass (``int8_pick.py``) averages 8.
     Prompts too short to have a full cold page contribute 0 to every layer."""
     if cfg.cold_format != "int4":
         raise ValueError(f"the layer sensitivity pass measures INT4 cold pages; cold_format is {cfg.cold_format!r}")
@@ -33,13 +36,17 @@ def layer_sensitivity(source: ObservationSource, prompts: Sequence[Sequence[int]
     codecs = cfg.tiers().layer_codecs(L)  # every layer INT4: what keeping it at INT8 would avoid
     total = np.zeros(L, np.float64)
     for ids in progress(prompts, "layer sensitivity"):
-        cold = heldout_cold_pages(source, ids, cfg)
+        n = min(positions, len(ids) - 1)
+        cold = heldout_cold_pages(source, ids[:len(ids) - n + 1], cfg) if n >= 1 else []
         if not cold:
             continue
-        base, *ones = source.next_token_logits_many(
-            ids, [None] + [fake_quantize(cfg, cold, codecs, layers=[layer]) for layer in range(L)])
+        transforms = [None] + [fake_quantize(cfg, cold, codecs, layers=[layer]) for layer in range(L)]
+        if n == 1:
+            base, *ones = [x[None] for x in source.next_token_logits_many(ids, transforms)]
+        else:
+            base, *ones = source.tail_logits_many(ids, transforms, n)
         for layer, one in enumerate(ones):
-            total[layer] += kl_divergence(base, one)
+            total[layer] += np.mean([kl_divergence(b, o) for b, o in zip(base, one)])
     return (total / max(len(prompts), 1)).tolist()
 
 

@@ -80,6 +80,20 @@ class ObservationSource(ABC):
         pass asks for ``L + 1`` of them)."""
         return [self.next_token_logits(token_ids, t) for t in transforms]
 
+    def tail_logits_many(self, token_ids: Sequence[int], transforms: Sequence[KVTransform | None],
+                         positions: int) -> list[np.ndarray]:
+        """Per transform ``[positions, vocab]``: the next-token logits at each of the last ``positions``
+        tokens, the first ``T - positions`` cached tokens passed through the transform. This default
+        runs one prefix per position, the tail tokens before it cached as the prefill computed them;
+        the engine source prefills once and reruns the tail as decode steps per transform, so their
+        K/V are computed over the transformed cache (as when decoding after the pages went cold).
+        The first row is the same either way."""
+        T = len(token_ids)
+        if not isinstance(positions, int) or not 1 <= positions <= T - 1:
+            raise ValueError(f"positions must be in [1, {T - 1}], got {positions!r}")
+        rows = [self.next_token_logits_many(token_ids[: T - positions + 1 + i], transforms) for i in range(positions)]
+        return [np.stack([row[j] for row in rows]) for j in range(len(transforms))]
+
 
 SOURCES: dict[str, Callable[..., ObservationSource]] = {}
 # built-in sources register when their module is imported (heavy imports: torch, onnxruntime)
