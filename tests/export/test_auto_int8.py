@@ -37,24 +37,24 @@ def _export(src, pkg, **kw):
 def _direct_pass(src, tmp_path):
     """Per-layer KL and pick of ``layer_sensitivity`` called directly on an all-INT4 package of ``src``."""
     from tinyserve_trt.calibration.engine_source import EngineSource
-    from tinyserve_trt.calibration.int8_pick import pass_config, pass_prompts
+    from tinyserve_trt.calibration.int8_pick import PASS_POSITIONS, pass_config, pass_prompts
     from tinyserve_trt.calibration.sensitivity import layer_sensitivity, most_sensitive
 
     _export(src, tmp_path / "all-int4", int8_layers="none", validate=False)
     source = EngineSource(str(tmp_path / "all-int4"))
-    kl = layer_sensitivity(source, pass_prompts(source), pass_config(source, 2048))
+    kl = layer_sensitivity(source, pass_prompts(source), pass_config(source, 2048), positions=PASS_POSITIONS)
     return kl, most_sensitive(kl, default_int8_layers_count(source.num_layers))
 
 
 @pytest.fixture(scope="module")
 def sensitive_layer1(tmp_path_factory):
-    """The tiny LLaMA (same seed) with layer 1's attention output x10 and layer 0's x0.1."""
+    """The tiny LLaMA (same seed) with layer 1's attention output x30 and layer 0's x0.01."""
     pytest.importorskip("torch")
     from tests.tiny_models import export_source
 
     def edit(model):
-        model.model.layers[0].self_attn.o_proj.weight *= 0.1
-        model.model.layers[1].self_attn.o_proj.weight *= 10
+        model.model.layers[0].self_attn.o_proj.weight *= 0.01
+        model.model.layers[1].self_attn.o_proj.weight *= 30
 
     return export_source("llama", tmp_path_factory.mktemp("sensitive") / "src", edit=edit)
 
@@ -146,5 +146,5 @@ def test_the_pass_fits_a_short_max_context(llama, tmp_path):
     _, _, manifest = _export(llama[0], tmp_path / "pkg", max_context=64, validate=False)
     assert manifest["max_context"] == 64 and manifest["cold_tier"]["int8_layers_source"].startswith("auto")
     source = EngineSource(str(tmp_path / "pkg"))
-    assert [len(p) for p in pass_prompts(source)] == [63, 63]  # + the next token's slot
+    assert [len(p) for p in pass_prompts(source)] == [62, 62]  # + two slots the tail's request runs past the prompt
     assert [len(p) for p in pass_prompts(source, 3, 16)] == [16, 16, 16]

@@ -55,8 +55,8 @@ def pass_prompts(source, num_prompts: int = PASS_PROMPTS, max_tokens: int = PASS
     ``max_tokens`` and to what the package's max context holds."""
     if num_prompts < 1 or max_tokens < 2:
         raise ValueError(f"need >= 1 prompt of >= 2 tokens, got {num_prompts} of {max_tokens}")
-    # the engine reserves a slot for the token after the last one: a prompt takes max_context - 1
-    limit = min(max_tokens, source.max_context - 1 if source.max_context else max_tokens)
+    # the tail's request runs two tokens past the prompt (tail_logits_many keeps it unfinished)
+    limit = min(max_tokens, source.max_context - 2 if source.max_context else max_tokens)
     return [source.tokenize(text)[:limit] for text in default_prompts()[:num_prompts]]
 
 
