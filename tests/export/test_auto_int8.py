@@ -148,3 +148,25 @@ def test_the_pass_fits_a_short_max_context(llama, tmp_path):
     source = EngineSource(str(tmp_path / "pkg"))
     assert [len(p) for p in pass_prompts(source)] == [62, 62]  # + two slots the tail's request runs past the prompt
     assert [len(p) for p in pass_prompts(source, 3, 16)] == [16, 16, 16]
+
+
+def test_which_exports_run_the_pass(tmp_path):
+    cal = str(tmp_path / "cal.json")  # only named: the config does not read it
+    runs = {name: ExportConfig(**kw).runs_int8_pass() for name, kw in {
+        "int4 default": dict(cold_pages=True),
+        "int4 auto with calibration": dict(calibration=cal, int8_layers="auto"),
+        "calibration": dict(calibration=cal),
+        "none": dict(cold_pages=True, int8_layers="none"),
+        "dense": dict(cold_pages=True, int8_layers="dense"),
+        "indices": dict(cold_pages=True, int8_layers=(3,)),
+        "int8": dict(cold_pages=True, cold_format="int8"),
+        "trt": dict(cold_pages=True, backend="trt"),
+        "no tier": dict(),
+    }.items()}
+    assert [k for k, v in runs.items() if v] == ["int4 default", "int4 auto with calibration"]
+    config = ExportConfig(cold_pages=True)
+    with pytest.raises(ValueError, match="need the sensitivity pass's result"):
+        config.resolved_int8_layers(30)
+    assert config.resolved_int8_layers(30, measured=((23, 18), AUTO)) == ((18, 23), AUTO)
+    with pytest.raises(ValueError, match="out of range"):
+        config.resolved_int8_layers(4, measured=((5,), AUTO))
