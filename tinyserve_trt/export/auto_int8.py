@@ -3,8 +3,8 @@
 The default for an int4 cold tier without ``--calibration``. :func:`export_with_int8_pass`
 writes the package with every layer INT4 (no validation, ORT backend) into a temporary
 directory, runs the layer sensitivity pass on it through the runtime
-(``calibration.int8_pick``: 2 pieces of the built-in text, up to 2048 tokens each, the format's
-default hot share, ``default_int8_layers_count(L)`` layers), then writes the real package with
+(``calibration.int8_pick``: 2 pieces of the built-in text, up to 2048 tokens each, the next token
+at each one's last 8, the format's default hot share, ``default_int8_layers_count(L)`` layers), then writes the real package with
 those layers - validated as usual. The manifest's ``cold_tier.int8_layers_source`` says
 ``auto: layer sensitivity on the built-in text, 2 prompts`` and ``cold_tier.int8_layers_kl``
 holds the per-layer KL; the summary's time line shows the pass as ``int8 layers``.
@@ -27,7 +27,7 @@ def export_with_int8_pass(source: Path, outdir: Path, config: ExportConfig, over
                           extra_manifest: dict | None, progress):
     """``export_model`` of ``config`` with ``int8_layers`` picked by the sensitivity pass;
     the report's ``seconds["int8 layers"]`` is the all-INT4 export plus the pass."""
-    from ..calibration.int8_pick import PASS_PROMPTS, PASS_TOKENS, pick_int8_layers  # noqa: PLC0415
+    from ..calibration.int8_pick import PASS_POSITIONS, PASS_PROMPTS, PASS_TOKENS, pick_int8_layers  # noqa: PLC0415
     from .pipeline import export_model  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -36,7 +36,7 @@ def export_with_int8_pass(source: Path, outdir: Path, config: ExportConfig, over
         probe = replace(config, int8_layers="none", validate=False, backend="ort")
         export_model(source, Path(tmp) / "pkg", probe, quiet=True)
         progress(f"picking INT8 layers: each layer's sensitivity to INT4 cold pages on {PASS_PROMPTS} prompts of "
-                 f"up to {PASS_TOKENS} tokens of the built-in text")
+                 f"up to {PASS_TOKENS} tokens of the built-in text (the next token at the last {PASS_POSITIONS} of each)")
         try:
             pick = pick_int8_layers(Path(tmp) / "pkg")
         except Exception as e:  # noqa: BLE001 - the runtime's failure, as one line

@@ -66,8 +66,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int8-layers", default=None, metavar="{auto,dense,none,0,1,...}",
                    help="int4 packages: layers whose cold pages stay INT8 (issue #17) - 'auto' (write the package "
                         "all-INT4, measure each layer's sensitivity to INT4 cold pages on 2 prompts of up to 2048 "
-                        "tokens of the built-in text and keep the 10%% most sensitive at INT8: about a minute for "
-                        "SmolLM2), 'dense' (the leading --dense-layers), 'none', or comma-separated layer indices. "
+                        "tokens of the built-in text, the next token at each one's last 8, and keep the 10%% most "
+                        "sensitive at INT8: minutes for SmolLM2), 'dense' (the leading --dense-layers), 'none', or comma-separated layer indices. "
                         "Default: the --calibration artifact's list (tinyserve-calibrate's pass on your data) with "
                         "an artifact, else auto")
     p.add_argument("--no-validate", action="store_true",
