@@ -151,3 +151,17 @@ def test_int8_layers_round_trip_and_absent_means_none(tmp_path):
     del data["cold_tier"]["int8_layers"]  # a package from before the field
     (tmp_path / MANIFEST_FILE).write_text(json.dumps(data))
     assert Manifest.load(tmp_path).cold_tier.int8_layers == []
+
+
+def test_int8_layers_kl_is_checked(tmp_path):
+    base = dict(k_granularity="channel", v_granularity="token", hot_fraction=0.15, sink_pages=1, recent_pages=2,
+                decay=0.9, cold_format="int4", group_size=16, int8_layers=[0])
+    io = PackageIO(manifest().io.inputs, {"logits": "logits"}, [{**LAYER, **COLD}])
+    cold = ColdTier(**base, int8_layers_source="auto", int8_layers_kl=[2e-4])
+    manifest(io=io, cold_tier=cold).save(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert Manifest.load(tmp_path).cold_tier.int8_layers_kl == [2e-4]
+    for bad, message in (([-1.0], "int8_layers_kl must be a list of numbers >= 0"),
+                         ("x", "int8_layers_kl must be a list"), ([1e-4, 2e-4], "int8_layers_kl has 2 entries")):
+        with pytest.raises(PackageError, match=message):
+            manifest(io=io, cold_tier=ColdTier(**base, int8_layers_kl=bad))
