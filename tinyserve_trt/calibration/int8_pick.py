@@ -4,9 +4,12 @@
 calls :func:`pick_int8_layers` on it: the layer sensitivity pass (``sensitivity.py``) through the
 package's own engine (``engine_source.py``) on ``num_prompts`` pieces of the built-in text
 (``default_text.py``) of up to ``max_tokens`` tokens each (fewer when the package's max context
-is shorter), the next token at each prompt's last ``PASS_POSITIONS`` tokens, the cold tier's default hot share (``DEFAULT_HOT_FRACTION``); the
-``default_int8_layers_count(L)`` layers of largest KL are kept at INT8. Cost: one prefill and
-``(L + 1) x PASS_POSITIONS`` decode steps per prompt (~1 minute for SmolLM2's 30 layers on 2 prompts of 2048 tokens).
+is shorter), the next token at each prompt's last ``PASS_POSITIONS`` tokens, the cold tier's
+default hot share (``DEFAULT_HOT_FRACTION``); the ``default_int8_layers_count(L)`` layers of
+largest KL are kept at INT8. Cost: one prefill and
+``(L + 1) x PASS_POSITIONS`` decode steps per prompt (SmolLM2, 30 layers, 2 prompts of 2048
+tokens: 366 s with the all-INT4 export on a loaded 2-core CPU; it picked 17,18,23, the benchmark's
+layers 18, 23 and 17 - one position per prompt had picked 0,3,6).
 When no prompt has a full cold page (a tiny max context), every KL is 0 and no layer is picked.
 """
 
