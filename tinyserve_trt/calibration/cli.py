@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:  # not a model directory / package, unknown source
         fail(f"cannot load {args.model_dir} ({kind} source): {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     try:
-        limit = min(cfg.max_tokens, source.max_context or cfg.max_tokens)
+        # the engine runs a request two tokens past its prompt (the held-out tail's last step): leave them
+        limit = min(cfg.max_tokens, source.max_context - 2 if source.max_context else cfg.max_tokens)
         ids = [source.tokenize(t)[:limit] for t in prompts[: args.samples + args.heldout]]
     except (OSError, ValueError) as e:  # e.g. a package without tokenizer.json
         fail(f"cannot tokenize the prompts: {str(e).splitlines()[0]}")

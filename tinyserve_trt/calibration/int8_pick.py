@@ -20,13 +20,11 @@ from pathlib import Path
 
 from tinyserve_trt.calibration.default_text import NAME, default_prompts
 from tinyserve_trt.calibration.observe import CalibrationConfig
+from tinyserve_trt.calibration.sensitivity import SENSITIVITY_POSITIONS as PASS_POSITIONS
 from tinyserve_trt.calibration.sensitivity import layer_sensitivity, most_sensitive
 
 PASS_PROMPTS = 2
 PASS_TOKENS = 2048
-# next tokens measured per prompt (its last ones): one is noise - on SmolLM2 2 docs prompts x 1 position
-# ranked layers 0,3,6 and another 2 ranked 8,17,20 - while the benchmark's 8 per prompt find 18 first
-PASS_POSITIONS = 8
 
 
 @dataclass(frozen=True)

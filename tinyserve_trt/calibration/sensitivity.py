@@ -23,12 +23,19 @@ from tinyserve_trt.calibration.observe import (CalibrationConfig, Progress, _no_
 from tinyserve_trt.calibration.source import ObservationSource
 
 
+# next tokens measured per prompt (its last ones): one is noise - on SmolLM2 2 docs prompts x 1 position
+# ranked layers 0,3,6 and another 2 ranked 8,17,20 - while 8 per prompt find 18 first, as
+# benchmarks/results/int4_layer_sensitivity.md does
+SENSITIVITY_POSITIONS = 8
+
+
 def layer_sensitivity(source: ObservationSource, prompts: Sequence[Sequence[int]], cfg: CalibrationConfig,
-                      progress: Progress = _no_progress, positions: int = 1) -> list[float]:
+                      progress: Progress = _no_progress, positions: int = SENSITIVITY_POSITIONS) -> list[float]:
     """``[L]`` mean KL(all hot || only this layer's cold pages INT4) over ``prompts`` (token ids) and
     the next token at each of their last ``positions`` tokens (the cold pages: those of the context
     before the first of them). One position is a noisy estimate - a confident next token has KL ~0
-    whatever the layer - so the export's own pass (``int8_pick.py``) averages 8.
+    whatever the layer - so both tinyserve-calibrate and the export's own pass (``int8_pick.py``)
+    average ``SENSITIVITY_POSITIONS``.
     Prompts too short to have a full cold page contribute 0 to every layer."""
     if cfg.cold_format != "int4":
         raise ValueError(f"the layer sensitivity pass measures INT4 cold pages; cold_format is {cfg.cold_format!r}")
