@@ -97,34 +97,10 @@ class EngineSource(ObservationSource):
     def next_token_logits_many(self, token_ids: Sequence[int],
                                transforms: Sequence[KVTransform | None]) -> list[np.ndarray]:
         """One prefill of all but the last token, then the last token's decode step once per
-        transform: the cached pages are restored from a snapshot and transformed before each run
-        (the step itself rewrites only the last token's slot, the same every time)."""
-        token_ids = [int(t) for t in token_ids]
-        T = len(token_ids)
-        if T < 2:
+        transform (:meth:`tail_logits_many` with one position)."""
+        if len(token_ids) < 2:
             raise ValueError("next_token_logits needs at least 2 tokens (a cache and a decode step)")
-        engine = self.engine
-        sched, backend = engine.scheduler, engine.backend
-        rid = f"calibrate-{next(self._ids)}"
-        seq = engine.add_request(rid, token_ids[:-1], self._SamplingParams(temperature=0, max_tokens=2,
-                                                                             ignore_eos=True))
-        logits = []
-        try:
-            while True:
-                batch = sched.schedule()
-                past, new = int(batch.past_lens[0]), int(batch.num_new_tokens[0])
-                if new == 1 and past == T - 1:  # the last token's step
-                    snapshot = self._read(seq.pages, T - 1)
-                    for transform in transforms:
-                        self._rewrite(seq.pages, T - 1, transform, snapshot)
-                        logits.append(backend.run(batch).logits[0].astype(np.float64))
-                    # close the step (the scheduler wants every batch postprocessed) before the cancel
-                    sched.postprocess(batch, self._SampleOutput(np.array([int(np.argmax(logits[-1]))], np.int64)))
-                    return logits
-                backend.run(batch)
-                sched.postprocess(batch, self._SampleOutput(np.array([token_ids[past + new]], np.int64)))
-        finally:
-            sched.cancel(rid)
+        return [rows[0] for rows in self.tail_logits_many(token_ids, transforms, 1)]
 
     def tail_logits_many(self, token_ids: Sequence[int], transforms: Sequence[KVTransform | None],
                          positions: int) -> list[np.ndarray]:

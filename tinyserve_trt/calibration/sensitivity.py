@@ -48,10 +48,7 @@ def layer_sensitivity(source: ObservationSource, prompts: Sequence[Sequence[int]
         if not cold:
             continue
         transforms = [None] + [fake_quantize(cfg, cold, codecs, layers=[layer]) for layer in range(L)]
-        if n == 1:
-            base, *ones = [x[None] for x in source.next_token_logits_many(ids, transforms)]
-        else:
-            base, *ones = source.tail_logits_many(ids, transforms, n)
+        base, *ones = source.tail_logits_many(ids, transforms, n)
         for layer, one in enumerate(ones):
             total[layer] += np.mean([kl_divergence(b, o) for b, o in zip(base, one)])
     return (total / max(len(prompts), 1)).tolist()
