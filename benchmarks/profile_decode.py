@@ -92,7 +92,12 @@ def node_counts(model_path: Path) -> Counter:
 def session(path: Path, threads: int, profile_prefix: str | None = None):
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
+    import onnx
+
+    from tinyserve_trt.export.native_decode import session_options
+
+    # a graph that decodes on the native CPU kernel needs its library (export/native_decode.py)
+    so = session_options(onnx.load(str(path), load_external_data=False))
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
     if profile_prefix:
         so.enable_profiling = True

@@ -137,7 +137,9 @@ class OrtOptimized:
     the CPU EP only. ``weights``: the file its shared initializers point into;
     ``shared_bytes`` / ``own_bytes``: weight bytes read from there / from its own data file.
     ``opset``: its ai.onnx opset (the exporter raises it past the source's, ``export.ort_opset``);
-    ``opset_note``: why it kept an older one (None when raised or already new enough)."""
+    ``opset_note``: why it kept an older one (None when raised or already new enough).
+    ``native``: the domain of the native CPU decode kernel the graph calls (``export.native_decode``;
+    the runtime registers ``tinyserve_trt.cpu``'s library, or loads the portable model without it)."""
 
     file: str
     onnxruntime: str
@@ -147,8 +149,11 @@ class OrtOptimized:
     own_bytes: int = 0
     opset: int | None = None  # None: a package from before the field
     opset_note: str | None = None
+    native: str | None = None  # the custom-op domain whose library every session must register (or None)
 
     def __post_init__(self):
+        if self.native is not None and not isinstance(self.native, str):
+            raise PackageError(f"ort_optimized.native must be a string or null, got {self.native!r}")
         if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
                                        or self.opset < 1):
             raise PackageError(f"ort_optimized.opset must be a positive int, got {self.opset!r}")

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                         "sensitive at INT8: minutes for SmolLM2), 'dense' (the leading --dense-layers), 'none', or comma-separated layer indices. "
                         "Default: the --calibration artifact's list (tinyserve-calibrate's pass on your data) with "
                         "an artifact, else auto")
+    p.add_argument("--no-native-decode", action="store_true",
+                   help="keep the op's ONNX function for decode steps in model.ort.onnx too (default: decode steps "
+                        "run the native CPU kernel, built with the host C++ compiler on first use, where it validates)")
     p.add_argument("--no-validate", action="store_true",
                    help="skip the numerical check against the original model (prefill + 8 decode steps)")
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
@@ -86,7 +89,8 @@ def _config(args) -> ExportConfig:
                             cold_pages=args.cold_pages is not None, calibration=args.calibration,
                             cold_format=None if args.cold_pages in (None, "auto") else args.cold_pages,
                             sub_page_size=args.sub_page_size, candidate_share=args.candidate_share,
-                            int8_layers=_int8_layers(args.int8_layers))
+                            int8_layers=_int8_layers(args.int8_layers),
+                            native_decode=not args.no_native_decode)
     except ValueError as e:
         raise InputError(str(e)) from None
 

@@ -56,6 +56,10 @@ class ExportConfig:
     # None: the default (``resolved_sub_page_size``).
     sub_page_size: int | None = None
     candidate_share: float = schema.attribute("candidate_share").default
+    # model.ort.onnx decodes on the op's native CPU kernel (an ORT custom op built with the host
+    # C++ compiler on first use: tinyserve_trt/cpu, export/native_decode.py) where it validates;
+    # False, or no compiler: the ONNX function decodes too.
+    native_decode: bool = True
     # One MatMul (+ Split) per group of projections that read the same activation: QKV,
     # gate/up (``pack_matmuls.py``); the packed weights replace the originals.
     pack_projections: bool = True

@@ -34,7 +34,7 @@ LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machine
 PREPARED_FILE = ".model.ort-prepared.onnx"
 
 
-def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
+def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None, native: bool = False):
     """What ORT optimizes into ``model.ort.onnx``: ``model`` (an ``onnx.ModelProto``, weights
     loaded or external) raised to ai.onnx ``opset`` when it is older (``ort_opset.raise_opset``,
     which raises ``OpsetRaiseError``; None: kept), with the op inlined, its shapes shared
@@ -42,8 +42,10 @@ def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
     rotary's rotate_half as one MatMul (``rotate_half.py``) and, with ``contrib_ops``, each
     residual Add + RMSNorm as ORT's SkipSimplifiedLayerNormalization (``skip_norm.py``) and each
     rotary as ORT's RotaryEmbedding (``rotary.py``).
-    The exporter validates this graph against the source too, and drops the contrib ops or the
-    raise when either alone takes a model past the tolerance (``ort_validation.py``)."""
+    With ``native``, each op node the native CPU kernel implements decodes on it (``If(S == 1)``,
+    ``native_decode.py``); sessions then need its library (``native_decode.session_options``).
+    The exporter validates this graph against the source too, and drops the contrib ops, the
+    raise or the native kernel when one alone takes a model past the tolerance (``ort_validation.py``)."""
     from .merge_nodes import merge_identical_nodes
     from .rotate_half import fuse_rotate_half
     from .shared_shapes import inferred, live, share_shape_dims
@@ -54,6 +56,11 @@ def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
         from .ort_opset import raise_opset
 
         model = raise_opset(model, opset)  # before inlining: the op's bodies are rebuilt at ``opset``
+    calls = None
+    if native:  # the op nodes the native kernel takes, before inlining dissolves them
+        from .native_decode import native_calls, switch_decode_steps
+
+        calls = native_calls(model)
     prepared = share_shape_dims(model)[0]
     merge_identical_nodes(prepared)  # the layers' per-step values, also those If branches read
     shapes = inferred(prepared)
@@ -65,6 +72,8 @@ def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None):
         nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
         del prepared.graph.node[:]
         prepared.graph.node.extend(nodes)
+    if calls:  # last: each layer's own body nodes (not the merged per-step ones) go in its prefill branch
+        switch_decode_steps(prepared, calls)
     return prepared
 MIN_EXTERNAL_BYTES = 1024
 INLINE_MAX_BYTES = 1 << 16  # a made constant this small (rotate_half's matrix: 16 KiB) stays in the graph file
@@ -100,37 +109,42 @@ def _weights_by_content(package: Path) -> dict[tuple[str, int], tuple[str, int, 
     return out
 
 
-def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | None = None) -> OrtOptimized:
+def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | None = None,
+                         native: bool = False) -> OrtOptimized:
     """Write ``model.ort.onnx`` (+ a ``model.ort.onnx.data`` only for initializers ORT made)
     into the ``package`` directory, which already holds ``model.onnx``; returns its record.
-    ``contrib_ops``, ``opset``: as :func:`prepared_graph`; when the opset raise fails the graph
-    keeps the source's opset and the record says why (``opset_note``)."""
+    ``contrib_ops``, ``opset``, ``native``: as :func:`prepared_graph`; when the opset raise fails the
+    graph keeps the source's opset and the record says why (``opset_note``)."""
     import onnx
     import onnxruntime as ort
 
+    from .native_decode import NATIVE_DOMAIN, session_options, uses_native
     from .ort_opset import OpsetRaiseError, opset_note
     from ..ops.node import onnx_opset
 
     package = Path(package)
     with tempfile.TemporaryDirectory(prefix=".ort-graph.", dir=package) as tmp:
         tmp = Path(tmp)
-        so = ort.SessionOptions()
+        so = session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         so.optimized_model_filepath = str(tmp / ORT_GRAPH_FILE)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.data")
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                     str(MIN_EXTERNAL_BYTES))
-        so.log_severity_level = 3
         # Shapes resolved first (shared_shapes.py) so ORT merges the op's per-step bookkeeping
         # across layers; written beside model.onnx so its weights resolve to the same file.
         prepared = package / PREPARED_FILE
         source = onnx.load(str(package / MODEL_FILE), load_external_data=False)
         note = None
         try:
-            graph = prepared_graph(source, contrib_ops, opset)
+            graph = prepared_graph(source, contrib_ops, opset, native)
         except OpsetRaiseError as e:
             note = opset_note(onnx_opset(source), str(e))
-            graph = prepared_graph(source, contrib_ops)
+            graph = prepared_graph(source, contrib_ops, native=native)
+        if uses_native(graph):
+            from ..cpu import native as cpu_native
+
+            cpu_native.register(so)
         onnx.save_model(graph, str(prepared))
         try:
             ort.InferenceSession(str(prepared), so, providers=["CPUExecutionProvider"])
@@ -167,4 +181,5 @@ def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | N
         onnx.save_model(optimized, str(package / ORT_GRAPH_FILE))
     return OrtOptimized(file=ORT_GRAPH_FILE, onnxruntime=ort.__version__, level=LEVEL,
                         shared_bytes=shared, own_bytes=own_bytes, weights=MODEL_DATA_FILE,
-                        opset=onnx_opset(optimized), opset_note=note)
+                        opset=onnx_opset(optimized), opset_note=note,
+                        native=NATIVE_DOMAIN if uses_native(optimized) else None)

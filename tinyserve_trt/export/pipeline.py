@@ -48,6 +48,7 @@ class ExportReport:
     source_opset: int | None = None  # ai.onnx opset of the source and of model.onnx
     ort_opset: int | None = None  # of model.ort.onnx (ort_opset.py); None: no ORT graph (trt backend)
     ort_opset_note: str | None = None  # why model.ort.onnx kept the source's opset
+    ort_decode: str | None = None  # what decodes in model.ort.onnx: the native kernel or the function, and why
     int8_layers: tuple = ()  # an int4 package's INT8 cold layers (issue #17)
     int8_layers_source: str | None = None  # where they came from
 
@@ -147,7 +148,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
 
             ort = validate_ort_graph(proto, manifest.to_dict(), config.tolerance(),
                                      lambda graph: _validate(original_bytes, graph, manifest.to_dict()),
-                                     lambda msg: _progress(msg, quiet))
+                                     lambda msg: _progress(msg, quiet), native=config.native_decode)
             validation.update(model_max_abs_logit_diff=figure, **ort)
             figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
@@ -160,7 +161,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
                                   f"{config.tolerance():g}")
     t0 = time.perf_counter()
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
-    finalize = _build_trt_engine(config) if config.backend == "trt" else _save_ort_graph
+    finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     weights = weight_bytes(proto)
@@ -170,8 +171,21 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
+                        ort_decode=_ort_decode(ort_graph, manifest.validation or {}, config),
                         int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None)
+
+
+def _ort_decode(ort_graph, validation: dict, config: ExportConfig) -> str | None:
+    """The summary's line on model.ort.onnx's decode steps (``native_decode.py``)."""
+    if ort_graph is None:
+        return None
+    if ort_graph.native:
+        return f"native CPU kernel ({ort_graph.native}); prefill: the op's ONNX function"
+    if not config.native_decode:
+        return "the op's ONNX function (--no-native-decode)"
+    check = validation.get("ort_native_check")
+    return "the op's ONNX function" + (f" (native kernel {check})" if check else "")
 
 
 def _load_calibration(config: ExportConfig):
@@ -233,17 +247,27 @@ def _with_calibration(finalize, artifact: CalibrationArtifact):
     return both
 
 
-def _save_ort_graph(tmp: Path, manifest: Manifest) -> Manifest:
+def _ort_graph_saver(config: ExportConfig):
     """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
-    file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions and
-    opset are the validated ones (``ort_validation.py``); unvalidated, the fusions and the
-    raised opset (the source's when the conversion fails)."""
+    file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions,
+    opset and native decode kernel are the validated ones (``ort_validation.py``); unvalidated,
+    the fusions, the raised opset (the source's when the conversion fails) and the kernel
+    when ``config.native_decode`` and it builds."""
+    def finalize(tmp: Path, manifest: Manifest) -> Manifest:
+        return _save_ort_graph(tmp, manifest, config.native_decode)
+
+    return finalize
+
+
+def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True) -> Manifest:
+    from ..cpu import native as cpu_native
     from .ort_graph import save_optimized_graph
     from .ort_opset import ORT_OPSET
 
     validation = manifest.validation or {}
     contrib = validation.get("ort_contrib_ops", True)  # False: they failed validation
-    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET))
+    native = validation.get("ort_native", native and cpu_native.available() is None)
+    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET), native)
     if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
         record = replace(record, opset_note=validation["ort_opset_note"])
     return replace(manifest, ort_optimized=record)
@@ -325,12 +349,13 @@ def _shape_donors(m, values) -> dict:
 def _validate(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict) -> float:
     import onnxruntime as ort
 
+    from .native_decode import session_options
     from .validate import validate
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     orig = ort.InferenceSession(original_bytes, so, providers=["CPUExecutionProvider"])
-    new = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    new = ort.InferenceSession(proto.SerializeToString(), session_options(proto), providers=["CPUExecutionProvider"])
     return validate(orig, new, manifest).max_abs_diff
 
 

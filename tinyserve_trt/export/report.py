@@ -25,6 +25,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
               f"{report.validation:.2e} (<= {config.tolerance():g})" if report.validation is not None
               else "skipped"),
              ("ORT graph opset", _ort_opset(report)),
+             ("ORT graph decode", report.ort_decode or "no ORT graph"),
              ("package size", _size(report)),
              ("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))]
     width = max(len(k) for k, _ in rows)

@@ -25,11 +25,14 @@ unused INT8 tier, so every page is read hot.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
+log = logging.getLogger("tinyserve.runtime")
 _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
              "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
@@ -98,7 +101,7 @@ class OrtBackend(Backend):
         providers = providers or provider_list(kind, self.package, device_id)
         if kind == "cpu":
             # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
-            return ort.InferenceSession(str(self.package.ort_model_path(ort.__version__)), so, providers=providers)
+            return ort.InferenceSession(str(self._cpu_graph(ort, so)), so, providers=providers)
         model = self.package.model_path
         if kind == "cuda" and inline:
             model = inlined_model(model)  # ORT #27873: the CUDA EP may fail on model-local functions
@@ -106,6 +109,24 @@ class OrtBackend(Backend):
             return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
         except Exception as e:
             raise session_error(kind, model, e, inlined=inline) from None
+
+    def _cpu_graph(self, ort, so):
+        """The graph the CPU EP loads: ``model.ort.onnx`` when this ORT wrote it, with the native
+        decode kernel's library registered in ``so`` when the graph calls it; the portable model
+        (the op's ONNX function throughout) when that library cannot be built here (logged)."""
+        path = self.package.ort_model_path(ort.__version__)
+        opt = self.package.spec.ort_optimized
+        if path == self.package.model_path or opt is None or not opt.native:
+            return path
+        from tinyserve_trt.cpu import native
+
+        reason = native.available()
+        if reason is None:
+            native.register(so)
+            return path
+        log.warning("%s: the native CPU decode kernel is unavailable (%s); loading the portable model",
+                    self.package.path, reason)
+        return self.package.model_path
 
     # ---- CPU EP: pages in host memory, shared with ORT ---------------------------
     def _init_host(self, package, pool, want_selected: bool) -> None:

@@ -1,0 +1,136 @@
+"""model.ort.onnx decodes on the native CPU kernel: each op node becomes If(S == 1).
+
+The structure (then: one native node; else: the op's inlined function), which
+nodes it leaves alone (cold pages, policies the kernel lacks), the manifest
+record, and that the native graph gives the function graph's logits with
+selection on and the original export's greedy ids dense.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from tinyserve_trt.contracts.manifest import MANIFEST_FILE, MODEL_FILE, ORT_GRAPH_FILE
+from tinyserve_trt.cpu import native as cpu_native
+from tinyserve_trt.export.config import ExportConfig
+from tinyserve_trt.export.native_decode import NATIVE_DOMAIN, NATIVE_OP, ineligible, native_calls, uses_native
+from tinyserve_trt.export.ort_graph import prepared_graph
+from tinyserve_trt.export.pipeline import export_model
+from tinyserve_trt.ops import schema
+from tinyserve_trt.ops.node import make_node
+
+CONFIG = ExportConfig(page_size=8, sub_page_size=4, dense_layers=1)  # a dense layer and a two-level one
+needs_native = pytest.mark.skipif(cpu_native.available() is not None,
+                                  reason=f"native CPU kernel unavailable: {cpu_native.available()}")
+
+
+def _export(export_fixture, tmp_path, name="pkg", config=CONFIG, kind="llama"):
+    src = export_fixture(kind, "legacy_eager") / MODEL_FILE
+    export_model(src, tmp_path / name, config, quiet=True)
+    return tmp_path / name, json.loads((tmp_path / name / MANIFEST_FILE).read_text())
+
+
+def _switches(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    return [n for n in graph.node if n.op_type == "If" and n.name.endswith("_decode_switch")]
+
+
+def _branches(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:
+    return {a.name: a.g for a in node.attribute}
+
+
+def test_every_layer_switches_between_the_kernel_and_the_function(export_fixture, tmp_path):
+    pkg, manifest = _export(export_fixture, tmp_path, config=ExportConfig(page_size=8, sub_page_size=4,
+                                                                          dense_layers=1, validate=False))
+    proto = onnx.load(str(pkg / MODEL_FILE), load_external_data=False)
+    plain, native = prepared_graph(proto), prepared_graph(proto, native=True)
+    assert not _switches(plain.graph) and not uses_native(plain)
+    switches = _switches(native.graph)
+    assert len(switches) == manifest["num_layers"] and uses_native(native)
+    for node in switches:
+        then, other = _branches(node)["then_branch"], _branches(node)["else_branch"]
+        assert [(n.domain, n.op_type) for n in then.node] == [(NATIVE_DOMAIN, NATIVE_OP)]
+        assert len(other.node) > 5 and not any(n.domain == schema.DOMAIN for n in other.node)  # inlined
+    # the per-step bookkeeping stays in the main graph, merged across layers as without the kernel
+    assert len(native.graph.node) < len(plain.graph.node)
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in _branches(n)["then_branch"].node[0].attribute}
+             for n in switches]
+    assert [a["policy"] for a in attrs] == [b"dense", b"query_aware"]
+    assert attrs[1]["sub_page_size"] == 4 and "cold_format" not in attrs[1]
+    # the portable model (what TensorRT parses) is untouched
+    assert not uses_native(proto) and not _switches(proto.graph)
+
+
+def _node(policy="query_aware", cold=False):
+    names = list(schema.node_input_names(cold_pages=cold))
+    return make_node(names, ["out"], schema.OpAttributes(policy=policy), cold_pages=cold)
+
+
+def test_nodes_the_kernel_does_not_implement_keep_the_function():
+    f32 = {"key_cache": onnx.TensorProto.FLOAT}
+    assert ineligible(_node(), f32) is None and ineligible(_node("dense"), f32) is None
+    assert "policy 'window'" in ineligible(_node("window"), f32)
+    assert ineligible(_node(cold=True), f32) == "cold pages"
+    assert "element type" in ineligible(_node(), {"key_cache": onnx.TensorProto.FLOAT16})
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [_node("window")], "g", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                                 for n in schema.node_input_names()], []))
+    assert native_calls(model) == [] and not uses_native(model)
+
+
+@needs_native
+def test_export_records_the_kernel_and_its_graph_equals_the_function_graph(export_fixture, tmp_path):
+    from tinyserve_trt.export.native_decode import session_options
+    from tinyserve_trt.export.validate import paged_logits, sparse_lengths
+
+    pkg, manifest = _export(export_fixture, tmp_path)
+    assert manifest["ort_optimized"]["native"] == NATIVE_DOMAIN
+    assert manifest["validation"]["ort_native"] is True
+    assert manifest["validation"]["ort_native_check"].startswith("dense max |logit diff| ")
+    assert _switches(onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph)
+    import onnxruntime as ort
+
+    proto = onnx.load(str(pkg / MODEL_FILE))
+    ps = manifest["page_size"]
+    got = {}
+    for native in (False, True):
+        graph = prepared_graph(proto, opset=manifest["ort_optimized"]["opset"], native=native)
+        sess = ort.InferenceSession(graph.SerializeToString(), session_options(graph),
+                                    providers=["CPUExecutionProvider"])
+        got[native] = {b: paged_logits(sess, manifest, b, sparse_lengths(ps)) for b in (0, 3 * ps)}
+    for budget in (0, 3 * ps):
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(got[False][budget], got[True][budget]))
+        assert worst <= CONFIG.tolerance(), budget
+    # the budget selected: the sparse comparison ran the kernel's selection, not a dense step
+    assert max(float(np.abs(a - b).max()) for a, b in zip(got[True][0][2:], got[True][3 * ps][2:])) > 1e-3
+
+
+@needs_native
+def test_opting_out_and_a_missing_kernel_keep_the_function(export_fixture, tmp_path, monkeypatch):
+    pkg, manifest = _export(export_fixture, tmp_path, "off", ExportConfig(page_size=8, sub_page_size=4,
+                                                                          dense_layers=1, native_decode=False))
+    assert manifest["ort_optimized"]["native"] is None and "ort_native" not in manifest["validation"]
+    monkeypatch.setenv("TINYSERVE_NATIVE", "0")
+    pkg, manifest = _export(export_fixture, tmp_path, "missing")
+    assert manifest["ort_optimized"]["native"] is None and manifest["validation"]["ort_native"] is False
+    assert manifest["validation"]["ort_native_check"].startswith("skipped: ")
+
+
+@needs_native
+def test_runtime_without_the_kernel_loads_the_portable_model_and_decodes_the_same(export_fixture, tmp_path,
+                                                                                  monkeypatch, caplog):
+    from tinyserve_trt import LLM, SamplingParams
+
+    pkg, _ = _export(export_fixture, tmp_path)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[(i * 37 + 11) % 256 for i in range(45)], list(range(5, 9))]
+    with_kernel = [o.outputs[0].token_ids for o in LLM(pkg, token_budget=16).generate(
+        prompt_token_ids=prompts, params=greedy)]
+    monkeypatch.setenv("TINYSERVE_NATIVE", "0")
+    with caplog.at_level("WARNING", logger="tinyserve.runtime"):
+        llm = LLM(pkg, token_budget=16)
+    assert "native CPU decode kernel is unavailable" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, params=greedy)] == with_kernel
