@@ -13,8 +13,9 @@ inside functions, against this table and for cycles)::
     ops          the op: schema, numpy reference, ONNX function     imports nothing of ours
     contracts    this package                                       ops
     cuda         ctypes kernels, TensorRT + plugin loading           ops
-    export       ONNX rewrite, package writing, engine build         ops, contracts, cuda, calibration
-    runtime      pages, scheduler, backends, LLM, server             ops, contracts, cuda
+    cpu          native CPU op for ORT (C++ built on first use)      ops
+    export       ONNX rewrite, package writing, engine build         ops, contracts, cuda, cpu, calibration
+    runtime      pages, scheduler, backends, LLM, server             ops, contracts, cuda, cpu
     calibration  observe -> artifact (sizes pages like the runtime)  ops, contracts, runtime
 
 So the runtime never imports export or calibration, export never imports the
@@ -28,7 +29,8 @@ LAYERS = {
     "ops": (),
     "contracts": ("ops",),
     "cuda": ("ops",),
-    "export": ("ops", "contracts", "cuda", "calibration"),
-    "runtime": ("ops", "contracts", "cuda"),
+    "cpu": ("ops",),
+    "export": ("ops", "contracts", "cuda", "cpu", "calibration"),
+    "runtime": ("ops", "contracts", "cuda", "cpu"),
     "calibration": ("ops", "contracts", "runtime"),
 }
