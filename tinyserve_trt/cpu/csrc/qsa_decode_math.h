@@ -7,7 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
 
 #include "qsa_thread_pool.h"
 
@@ -30,7 +34,27 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
   bool* selected = nullptr;  // may be null (output not requested)
 };
 
-inline float fmadd(float a, float b, float c) {
+// 8 floats: one AVX register (GCC/Clang vector extension; __m256 is the same type).
+typedef float vf __attribute__((vector_size(32)));
+constexpr int kW = 8;
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// a * b + c. Explicit FMA where the CPU has it: the file builds with -ffp-contract=off (for the
+// sub-page bound decode), so the compiler fuses nothing by itself.
+inline vf vfma(vf a, vf b, vf c) {
+#ifdef __FMA__
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float sfma(float a, float b, float c) {
 #ifdef __FMA__
   return __builtin_fmaf(a, b, c);
 #else
@@ -38,24 +62,46 @@ inline float fmadd(float a, float b, float c) {
 #endif
 }
 
-constexpr int kLanes = 16;
+// Sum of the lanes as a fixed tree.
+inline float hsum(vf v) {
+  float t[kW];
+  vstore(t, v);
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
 
-// sum_d a[d] * b[d]: kLanes independent partial sums (vectorizes without reassociation),
-// then a fixed-order horizontal sum.
+// sum_d a[d] * b[d], two independent vector chains.
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {};
+  vf acc0 = {}, acc1 = {};
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] = fmadd(a[d + j], b[d + j], acc[j]);
-  float s = 0.0f;
-  for (; d < n; ++d) s = fmadd(a[d], b[d], s);
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
+  for (; d + 2 * kW <= n; d += 2 * kW) {
+    acc0 = vfma(vload(a + d), vload(b + d), acc0);
+    acc1 = vfma(vload(a + d + kW), vload(b + d + kW), acc1);
+  }
+  if (d + kW <= n) acc0 = vfma(vload(a + d), vload(b + d), acc0), d += kW;
+  float tail = 0.0f;
+  for (; d < n; ++d) tail = sfma(a[d], b[d], tail);
+  return hsum(acc0 + acc1) + tail;
 }
 
 // The query-aware bound sum_d max(q*lo, q*hi) = relu(q).hi + min(q,0).lo (lo <= hi).
 inline float bound(const float* qpos, const float* qneg, const float* lo, const float* hi, int64_t n) {
-  return dot(qpos, hi, n) + dot(qneg, lo, n);
+  vf acc0 = {}, acc1 = {};
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) {
+    acc0 = vfma(vload(qpos + d), vload(hi + d), acc0);
+    acc1 = vfma(vload(qneg + d), vload(lo + d), acc1);
+  }
+  float tail = 0.0f;
+  for (; d < n; ++d) tail = sfma(qneg[d], lo[d], sfma(qpos[d], hi[d], tail));
+  return hsum(acc0 + acc1) + tail;
+}
+
+// o[d] += w * x[d]
+inline void axpy(float w, const float* x, float* o, int64_t n) {
+  const vf wv = vf{} + w;
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) vstore(o + d, vfma(wv, vload(x + d), vload(o + d)));
+  for (; d < n; ++d) o[d] = sfma(w, x[d], o[d]);
 }
 
 struct Scratch {  // per thread, reused across calls
@@ -220,9 +266,7 @@ class HeadStep {
     for (int64_t t = 0; t < T; ++t) {
       const float* vrow = t + 1 < T ? p_.vc + s_.rows[t] : p_.v + new_row;
       for (int64_t g = 0; g < G; ++g) {
-        const float w = s_.logits[g * T + t];
-        float* o = out + g * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = fmadd(w, vrow[d], o[d]);
+        axpy(s_.logits[g * T + t], vrow, out + g * D, D);
       }
     }
     for (int64_t g = 0; g < G; ++g)
