@@ -96,6 +96,10 @@ inline float bound(const float* qpos, const float* qneg, const float* lo, const 
   return hsum(acc0 + acc1) + tail;
 }
 
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+}
+
 // o[d] += w * x[d]
 inline void axpy(float w, const float* x, float* o, int64_t n) {
   const vf wv = vf{} + w;
@@ -176,6 +180,7 @@ class HeadStep {
     s_.cand.clear();
     s_.coarse.resize(n_);
     for (int64_t i = 0; i < n_; ++i) {
+      if (i + 4 < n_) prefetch_row(meta(p_.kmin, i + 4), p_.D), prefetch_row(meta(p_.kmax, i + 4), p_.D);
       keep[i] = forced(i);
       if (!keep[i]) s_.cand.push_back(i), s_.coarse[i] = coarse_score(i);
     }
@@ -214,8 +219,15 @@ class HeadStep {
     const float inv_levels = static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
     s_.fine.resize(n_ * r), s_.lo.resize(D), s_.hi.resize(D), s_.step.resize(D);
     s_.cand.clear();
+    int64_t ahead = 0;  // the candidate page whose codes are being prefetched
     for (int64_t i = 0; i < n_; ++i) {
       if (!s_.page_keep[i] || forced(i) || i * r >= written) continue;
+      for (ahead = std::max(ahead, i + 1); ahead < n_ && !s_.page_keep[ahead]; ++ahead) {
+      }
+      if (ahead < n_) {
+        const char* next = reinterpret_cast<const char*>(p_.sub + (pages_[ahead] * p_.Hkv + h_) * r * D);
+        for (int64_t off = 0; off < r * D; off += 64) __builtin_prefetch(next + off);
+      }
       const float *kmin = meta(p_.kmin, i), *kmax = meta(p_.kmax, i);
       // fine_bounds.decode: each product and sum rounds once (this file builds with -ffp-contract=off)
       for (int64_t d = 0; d < D; ++d) s_.step[d] = (kmax[d] - kmin[d]) * inv_levels;
@@ -250,8 +262,10 @@ class HeadStep {
     const int64_t T = static_cast<int64_t>(s_.rows.size()) + 1, new_row = (b_ * p_.Hkv + h_) * D;
     const float scale = a_.scale > 0.0f ? a_.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
     s_.logits.resize(G * T);
+    constexpr int64_t kAhead = 8;  // rows: kept sub-pages are scattered, so prefetch what the selection keeps
     for (int64_t t = 0; t < T; ++t) {
       const float* krow = t + 1 < T ? p_.kc + s_.rows[t] : p_.k + new_row;
+      if (t + kAhead + 1 < T) prefetch_row(p_.kc + s_.rows[t + kAhead], D);
       for (int64_t g = 0; g < G; ++g) s_.logits[g * T + t] = dot(q_ + g * D, krow, D) * scale;
     }
     float* out = p_.out + (b_ * p_.H + h_ * G) * D;
@@ -265,6 +279,7 @@ class HeadStep {
     }
     for (int64_t t = 0; t < T; ++t) {
       const float* vrow = t + 1 < T ? p_.vc + s_.rows[t] : p_.v + new_row;
+      if (t + kAhead + 1 < T) prefetch_row(p_.vc + s_.rows[t + kAhead], D);
       for (int64_t g = 0; g < G; ++g) {
         axpy(s_.logits[g * T + t], vrow, out + g * D, D);
       }
