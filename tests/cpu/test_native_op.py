@@ -142,3 +142,13 @@ def test_node_builder_refuses_what_the_kernel_cannot_run():
         make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(policy="window"))
     with pytest.raises(ValueError, match="takes 11 inputs"):
         make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(sub_page_size=4))
+
+
+def test_shape_errors_are_one_line(rng):
+    case = make_case(CaseSpec((20, 30), 4, 2, 16, 16, budget=16, sub_page_size=4), rng)
+    bad = dict(case, key_sub_bounds=np.ascontiguousarray(case["key_sub_bounds"][:, :, :2]))
+    _error(bad, schema.OpAttributes(sub_page_size=4), r"key_sub_bounds has shape \[\d+,2,2,16\], expected \[Ps,2,4,16\]")
+    odd = dict(case, query=np.ascontiguousarray(case["query"][:, :3]))
+    _error(odd, schema.OpAttributes(), r"query heads 3 not a multiple of KV heads 2")
+    short = dict(case, key_max=np.ascontiguousarray(case["key_max"][:, :, :8]))
+    _error(short, schema.OpAttributes(), r"key_max has shape \[\d+,2,8\], expected \[\d+,2,16\]")

@@ -1,11 +1,15 @@
 // A small persistent thread pool for the decode op's (sequence, KV head) tasks.
 //
-// Size: env TINYSERVE_NATIVE_THREADS (read once; default 1 = run on ORT's calling thread,
-// no pool). The caller works too, so N threads start N - 1 workers. One call uses the pool
-// at a time; a concurrent caller (another session) runs its tasks serially instead of
-// waiting. No OpenMP: the library must not bring its own runtime into ORT's process.
+// Size: env TINYSERVE_NATIVE_THREADS (read once; default min(2, cores); 1 = no pool, run on
+// ORT's calling thread). The caller works too, so N threads start N - 1 workers. A call with
+// fewer than 2 tasks per thread runs serially (measured: batch 1 x 3 KV heads on 2 threads
+// was 3% slower than serial, batch 8 2x faster; benchmarks/results/native_op_cpu.md). One
+// call uses the pool at a time; a concurrent caller (another session) runs its tasks
+// serially instead of waiting. No OpenMP: the library must not bring its own runtime into
+// ORT's process.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -34,7 +38,7 @@ class ThreadPool {
   // Runs fn(0 .. n-1); returns when all are done.
   void run(int64_t n, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (workers_.empty() || n < 2 || !busy.owns_lock()) {
+    if (workers_.empty() || n < 2 * static_cast<int64_t>(workers_.size() + 1) || !busy.owns_lock()) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
@@ -83,7 +87,7 @@ class ThreadPool {
 
 inline int pool_threads() {
   const char* env = std::getenv("TINYSERVE_NATIVE_THREADS");
-  int n = env ? std::atoi(env) : 1;
+  int n = env ? std::atoi(env) : static_cast<int>(std::min(2u, std::max(1u, std::thread::hardware_concurrency())));
   return n < 1 ? 1 : n > 64 ? 64 : n;
 }
 
