@@ -152,3 +152,19 @@ def test_shape_errors_are_one_line(rng):
     _error(odd, schema.OpAttributes(), r"query heads 3 not a multiple of KV heads 2")
     short = dict(case, key_max=np.ascontiguousarray(case["key_max"][:, :, :8]))
     _error(short, schema.OpAttributes(), r"key_max has shape \[\d+,2,8\], expected \[\d+,2,16\]")
+
+
+def test_forked_child_runs_serially(rng):
+    """The pool's threads do not survive fork(): a child must still compute (serially), not hang."""
+    import multiprocessing as mp
+
+    case = make_case(CaseSpec((64,) * 4, 4, 2, 16, 16, budget=16), rng)
+    expect = run_native(case, schema.OpAttributes())[0]  # the parent's pool is up now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_run_output, (case,)).get(timeout=60)
+    np.testing.assert_array_equal(got, expect)
+
+
+def _run_output(case):
+    return run_native(case, schema.OpAttributes())[0]

@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 namespace qsa {
 
 class ThreadPool {
@@ -38,7 +40,9 @@ class ThreadPool {
   // Runs fn(0 .. n-1); returns when all are done.
   void run(int64_t n, const std::function<void(int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (workers_.empty() || n < 2 * static_cast<int64_t>(workers_.size() + 1) || !busy.owns_lock()) {
+    // A forked child has the pool object but not its threads: it runs serially.
+    if (workers_.empty() || n < 2 * static_cast<int64_t>(workers_.size() + 1) || !busy.owns_lock() ||
+        getpid() != owner_) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
@@ -74,6 +78,7 @@ class ThreadPool {
     }
   }
 
+  const pid_t owner_ = getpid();
   std::vector<std::thread> workers_;
   std::mutex m_, busy_;
   std::condition_variable start_, done_;
