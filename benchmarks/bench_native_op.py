@@ -6,7 +6,8 @@ ps 16, token budget --budget. ``function`` = a single-node model with the op's f
 (ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
 (tinyserve_trt/cpu). Both checked against each other before timing. Median of --repeats runs,
 interleaved; ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS (read once per process; set
-it with --native-threads). Writes benchmarks/results/native_op_cpu.md (append).
+it with --native-threads). Appends to benchmarks/results/native_op_cpu.md; the LAST line printed is
+``RESULT worst_native_over_function=<the largest native / function time ratio>``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
              f"{platform.machine()}, {os.cpu_count()} cores, onnxruntime {ort.__version__}; ms per call, "
              f"median of {args.repeats}, interleaved, no spinning.\n",
              "| config | batch | function ms | native ms | native / function |", "|---|---|---|---|---|"]
+    ratios = []
     for label, ps, sp in CONFIGS:
         attrs = schema.OpAttributes(sub_page_size=sp)
         fn = session(make_op_model("float32", attrs, head_dim=64, with_selected=False), args.threads, False)
@@ -104,10 +106,12 @@ def main(argv=None) -> int:
                    f"{ms['native'] / ms['function']:.3f} |")
             print(row, flush=True)
             lines.append(row)
+            ratios.append(ms["native"] / ms["function"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"RESULT worst_native_over_function={max(ratios):.3f}")
     return 0
 
 

@@ -168,3 +168,15 @@ def test_forked_child_runs_serially(rng):
 
 def _run_output(case):
     return run_native(case, schema.OpAttributes())[0]
+
+
+def test_float16_is_refused_at_session_creation():
+    from onnx import TensorProto
+
+    model = make_decode_model()
+    for vi in [*model.graph.input[:7], model.graph.output[0]]:
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    so = ort.SessionOptions()
+    native.register(so)
+    with pytest.raises(Exception, match=r"tensor\(float16\).* \(query\) of operator \(QueryAwareSparseAttentionDecode\)"):
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
