@@ -72,6 +72,7 @@ def test_dense_policy_and_larger_head_dim(rng):
     case = make_case(CaseSpec(ragged_lens(rng, 32), 9, 3, 64, 32, budget=32), rng)
     check_case(case, schema.OpAttributes(policy="dense"))
     check_case(case, schema.OpAttributes())
+    check_case(case, schema.OpAttributes(scale=0.3))  # an explicit softmax scale
     sel = run_native(case, schema.OpAttributes(policy="dense"))[1]
     pages = [-(-int(n) // 32) for n in case["past_lens"]]
     assert [int(s) for s in sel[:, 0].sum(-1)] == pages

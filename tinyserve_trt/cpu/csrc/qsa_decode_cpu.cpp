@@ -103,8 +103,13 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelI
 struct Tensor {
   const void* data = nullptr;
   std::vector<int64_t> shape;
+  int type = ORT_ELEM_UNDEFINED;
+  size_t count = 0;  // elements
 };
 
+int input_type(const OrtCustomOp*, size_t i);
+
+// Shape, element type and count, and data of input i; leaves `t` empty for an omitted optional input.
 OrtStatus* read_input(const OrtApi* api, const OrtKernelContext* ctx, size_t i, Tensor* t) {
   size_t count = 0;
   QSA_TRY(api->KernelContext_GetInputCount(ctx, &count));
@@ -120,8 +125,15 @@ OrtStatus* read_input(const OrtApi* api, const OrtKernelContext* ctx, size_t i, 
     t->shape.resize(rank);
     st = api->GetDimensions(info, t->shape.data(), rank);
   }
+  if (!st) st = api->GetTensorElementType(info, &t->type);
+  if (!st) st = api->GetTensorShapeElementCount(info, &t->count);
   api->ReleaseTensorTypeAndShapeInfo(info);
   if (st) return st;
+  size_t product = 1;
+  for (int64_t d : t->shape) product *= static_cast<size_t>(d < 0 ? 0 : d);
+  if (t->type != input_type(nullptr, i) || t->count != product)  // ORT checks both; a wrong ABI slot would not
+    return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: unexpected tensor metadata from "
+                                       "onnxruntime (C ABI mismatch?)");
   void* data = nullptr;
   QSA_TRY(api->GetTensorMutableData(const_cast<OrtValue*>(v), &data));
   t->data = data;
