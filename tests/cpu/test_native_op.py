@@ -78,6 +78,13 @@ def test_dense_policy_and_larger_head_dim(rng):
     assert [int(s) for s in sel[:, 0].sum(-1)] == pages
 
 
+def test_two_level_at_smollm2_shapes(rng):
+    """The default deployment: H 9, Hkv 3, D 64, ps 32, sp 4, a few thousand tokens."""
+    case = make_case(CaseSpec((3000, 1337), 9, 3, 64, 32, budget=512, sub_page_size=4), rng)
+    for share in (0.5, 0.25):
+        check_case(case, schema.OpAttributes(sub_page_size=4, candidate_share=share))
+
+
 def test_output_only_node(rng):
     case = make_case(CaseSpec((40, 7), 4, 2, 16, 8, budget=8), rng)
     (out,) = run_native(case, schema.OpAttributes(), with_selected=False)
