@@ -74,7 +74,7 @@ bool read_string(const OrtApi* api, const OrtKernelInfo* info, const char* name,
   return true;
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   qsa::Attrs a;
   read_attr(api, api->KernelInfoGetAttribute_float, info, "scale", &a.scale);
   read_attr(api, api->KernelInfoGetAttribute_int64, info, "sink_pages", &a.sink_pages);
@@ -216,7 +216,7 @@ std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p) {
   return "";
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
+OrtStatus* compute_impl(void* kernel_ptr, OrtKernelContext* ctx) {
   const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
   const OrtApi* api = kernel.api;
   Tensor in[kNumInputs];
@@ -245,11 +245,28 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
       p.selected = static_cast<bool*>(data);
     }
   }
-  qsa::run(p, kernel.attrs);
+  if (!qsa::run(p, kernel.attrs)) return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory");
   return nullptr;
 }
 
-// ---- the op's callbacks ----
+// ---- the op's callbacks: nothing throws across the C boundary ----
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  try {
+    return create_kernel_impl(api, info, kernel);
+  } catch (...) {
+    return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory creating the kernel");
+  }
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  try {
+    return compute_impl(kernel_ptr, ctx);
+  } catch (...) {
+    const OrtApi* api = static_cast<const Kernel*>(kernel_ptr)->api;
+    return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory");
+  }
+}
 
 const char* op_name(const OrtCustomOp*) { return kOpName; }
 const char* op_provider(const OrtCustomOp*) { return nullptr; }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -305,11 +306,19 @@ class HeadStep {
 };
 
 // Every (sequence, KV head) of the call, spread over the pool's threads.
-inline void run(const Problem& p, const Attrs& a) {
+// Returns false when a task could not allocate its scratch (nothing may throw into ORT or
+// out of a pool thread).
+inline bool run(const Problem& p, const Attrs& a) {
+  std::atomic<bool> ok{true};
   parallel_for(p.B * p.Hkv, [&](int64_t task) {
-    thread_local Scratch scratch;
-    HeadStep(p, a, scratch, task / p.Hkv, task % p.Hkv).run();
+    try {
+      thread_local Scratch scratch;
+      HeadStep(p, a, scratch, task / p.Hkv, task % p.Hkv).run();
+    } catch (...) {
+      ok = false;
+    }
   });
+  return ok;
 }
 
 }  // namespace qsa
