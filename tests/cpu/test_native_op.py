@@ -85,6 +85,13 @@ def test_two_level_at_smollm2_shapes(rng):
         check_case(case, schema.OpAttributes(sub_page_size=4, candidate_share=share))
 
 
+@pytest.mark.parametrize("head_dim", [4, 20])
+def test_head_dim_not_a_multiple_of_the_vector_width(rng, head_dim):
+    for sp in (0, 4):
+        case = make_case(CaseSpec(ragged_lens(rng, 16), 6, 2, head_dim, 16, budget=40, sub_page_size=sp), rng)
+        check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
 def test_output_only_node(rng):
     case = make_case(CaseSpec((40, 7), 4, 2, 16, 8, budget=8), rng)
     (out,) = run_native(case, schema.OpAttributes(), with_selected=False)
