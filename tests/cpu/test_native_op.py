@@ -92,6 +92,14 @@ def test_head_dim_not_a_multiple_of_the_vector_width(rng, head_dim):
         check_case(case, schema.OpAttributes(sub_page_size=sp))
 
 
+@pytest.mark.parametrize("sp", [0, 4])
+def test_batch_one(rng, sp):
+    for heads, kv_heads in ((6, 2), (9, 3), (4, 1)):
+        for past in (1, 16, 300, 977):
+            case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
+            check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
 def test_output_only_node(rng):
     case = make_case(CaseSpec((40, 7), 4, 2, 16, 8, budget=8), rng)
     (out,) = run_native(case, schema.OpAttributes(), with_selected=False)
