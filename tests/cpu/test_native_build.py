@@ -55,3 +55,12 @@ def test_build_lands_under_the_cache_key(monkeypatch, tmp_path):
     assert lib.is_file() and lib.parent.parent == tmp_path / "native"
     assert native.build() == lib  # cached: same key, no rebuild
     assert [p.name for p in lib.parent.iterdir()] == [native.LIBRARY_NAME]
+
+
+@pytest.mark.skipif(shutil.which(native.compiler()) is None, reason="no C++ compiler")
+def test_unwritable_cache_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache directory should go
+    with pytest.raises(native.NativeUnavailable, match="cannot write the build cache") as info:
+        native.build(native.SOURCE_DIR, blocker)
+    assert "\n" not in str(info.value)

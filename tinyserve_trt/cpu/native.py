@@ -93,8 +93,11 @@ def build(source_dir: Path = SOURCE_DIR, root: Path | None = None) -> Path:
     lib = out_dir / LIBRARY_NAME
     if lib.exists():
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot write the build cache {out_dir}: {e.strerror} (set {ENV_CACHE})") from None
     os.close(fd)
     try:
         cmd = [cxx, *CXXFLAGS, "-o", tmp, *(str(source_dir / s) for s in SOURCES)]

@@ -168,7 +168,7 @@ std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p) {
   p->P = in[3].shape[0], p->ps = in[3].shape[2], p->Pm = in[5].shape[0], p->NP = in[7].shape[1];
   if (p->Hkv < 1 || p->H % p->Hkv) return "query heads " + std::to_string(p->H) + " not a multiple of KV heads " +
                                          std::to_string(p->Hkv);
-  if (p->ps < 1) return "page size must be >= 1";
+  if (p->ps < 1 || p->D < 1) return "page size and head dim must be >= 1";
   p->G = p->H / p->Hkv;
   std::string e;
   for (int i : {1, 2})
