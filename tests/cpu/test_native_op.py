@@ -203,3 +203,34 @@ def test_float16_is_refused_at_session_creation():
     native.register(so)
     with pytest.raises(Exception, match=r"tensor\(float16\).* \(query\) of operator \(QueryAwareSparseAttentionDecode\)"):
         ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_too_old_onnxruntime_is_refused_loudly():
+    """RegisterCustomOps against a runtime without C API 16: an error status (made through API 1)
+    naming the version, not a silent no-op. The runtime here is a ctypes fake."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(native.library_path()))
+    create_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)
+
+    class Api(ctypes.Structure):
+        _fields_ = [("CreateStatus", create_t)]
+
+    class ApiBase(ctypes.Structure):
+        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
+
+    seen = []
+    version = ctypes.create_string_buffer(b"1.15.1")
+    create = create_t(lambda code, msg: seen.append((code, msg.decode())) or 1234)
+    api1 = Api(create)
+    asked = []
+    get_api = get_api_t(lambda v: asked.append(v) or (ctypes.addressof(api1) if v == 1 else None))
+    base = ApiBase(get_api, version_t(lambda: ctypes.addressof(version)))
+    lib.RegisterCustomOps.restype = ctypes.c_void_p
+    lib.RegisterCustomOps.argtypes = [ctypes.c_void_p, ctypes.POINTER(ApiBase)]
+    assert lib.RegisterCustomOps(None, ctypes.byref(base)) == 1234
+    assert asked == [16, 1]
+    (code, msg), = seen
+    assert code == 1 and "C API 16" in msg and "onnxruntime 1.15.1" in msg and "\n" not in msg
