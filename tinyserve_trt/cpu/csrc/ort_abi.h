@@ -4,7 +4,8 @@
 // OrtCustomOp a versioned struct of callbacks), not copied from onnxruntime's header:
 // only the slots we call are named, the others are placeholders that keep the offsets.
 // The static_asserts pin each named slot's index; tests/cpu/test_native_op.py proves
-// them by running the op in onnxruntime's Python package.
+// the ones the library calls by running the op in onnxruntime's Python package
+// (GetErrorCode and GetErrorMessage, slots 1-2, are declared but not called).
 #pragma once
 
 #include <cstddef>
