@@ -213,3 +213,16 @@ def test_bench_page_size_smoke(llama, tmp_path, capsys):
     assert re.fullmatch(r"RESULT sparse_step_ratio=\d+\.\d+", capsys.readouterr().out.strip().splitlines()[-1])
     table = out.read_text()
     assert "page 8->4 sparse ms" in table and "page 4 sparse ms" in table and "| 40 | 2 |" in table  # 8: two-level default
+
+
+def test_bench_native_op_smoke(tmp_path, capsys):
+    from tinyserve_trt.cpu.native import available
+
+    if available():
+        pytest.skip(f"native CPU op unavailable: {available()}")
+    out = tmp_path / "native.md"
+    assert load("bench_native_op").main(["--context", "100", "--batches", "1", "2", "--budget", "32", "--repeats",
+                                         "2", "--warmup", "1", "--threads", "1", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT worst_native_over_function=\d+\.\d+", last)
+    assert out.read_text().count("| two-level ps32/sp4 |") == 2

@@ -1,0 +1,119 @@
+"""One layer's decode step: the native CPU node vs the op's ONNX function, in ONNX Runtime CPU.
+
+Same inputs, side by side in one process: SmolLM2 shapes (H 9, Hkv 3, D 64), --context cached
+tokens per sequence, batch sizes --batches, the two-level default (ps 32, sp 4) and single-level
+ps 16, token budget --budget. ``function`` = a single-node model with the op's function body
+(ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
+(tinyserve_trt/cpu). Both checked against each other before timing. Median of --repeats runs,
+interleaved; ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS (read once per process; set
+it with --native-threads). Appends to benchmarks/results/native_op_cpu.md; the LAST line printed is
+``RESULT worst_native_over_function=<the largest native / function time ratio>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tinyserve_dev.cases import CaseSpec, make_case  # noqa: E402
+from tinyserve_trt.ops import schema  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = (("two-level ps32/sp4", 32, 4), ("single-level ps16", 16, 0))
+
+
+def session(model, threads: int, native_lib: bool):
+    import onnxruntime as ort
+
+    from tinyserve_trt.cpu import native
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    # Two sessions alternate: an idle one's spinning threads would steal the other's cores
+    # (measured: the native node 8.9 -> 4.8 ms, the function 16 -> 8.5 ms at batch 8 on 2 cores).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if native_lib:
+        native.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads")
+    ap.add_argument("--native-threads", type=int, default=None, help="sets TINYSERVE_NATIVE_THREADS")
+    ap.add_argument("--out", type=Path, default=RESULTS / "native_op_cpu.md")
+    args = ap.parse_args(argv)
+    if args.native_threads is not None:
+        os.environ["TINYSERVE_NATIVE_THREADS"] = str(args.native_threads)
+    import onnxruntime as ort
+
+    from tinyserve_trt.cpu.native import available
+    from tinyserve_trt.cpu.node import input_names, make_decode_model
+    from tinyserve_trt.ops.node import make_op_model
+
+    reason = available()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(0)
+    lines = [f"\n## context {args.context}, budget {args.budget}, ORT {args.threads} threads, native pool "
+             f"{os.environ.get('TINYSERVE_NATIVE_THREADS', '1')} thread(s)\n",
+             f"{platform.machine()}, {os.cpu_count()} cores, onnxruntime {ort.__version__}; ms per call, "
+             f"median of {args.repeats}, interleaved, no spinning.\n",
+             "| config | batch | function ms | native ms | native / function |", "|---|---|---|---|---|"]
+    ratios = []
+    for label, ps, sp in CONFIGS:
+        attrs = schema.OpAttributes(sub_page_size=sp)
+        fn = session(make_op_model("float32", attrs, head_dim=64, with_selected=False), args.threads, False)
+        nat = session(make_decode_model(attrs, with_selected=False), args.threads, True)
+        for batch in args.batches:
+            case = make_case(CaseSpec((args.context,) * batch, 9, 3, 64, ps, budget=args.budget, sub_page_size=sp),
+                             rng)
+            f_feeds = {n: case[n] for n in schema.node_input_names(two_level=attrs.two_level) if n}
+            n_feeds = {n: case[n] for n in input_names(attrs.two_level)}
+            f_out, n_out = fn.run(None, f_feeds)[0], nat.run(None, n_feeds)[0]
+            np.testing.assert_allclose(n_out, f_out, atol=1e-4, rtol=1e-4)
+            ms = interleaved_medians({"function": lambda: fn.run(None, f_feeds),
+                                      "native": lambda: nat.run(None, n_feeds)}, args.warmup, args.repeats)
+            row = (f"| {label} | {batch} | {ms['function']:.3f} | {ms['native']:.3f} | "
+                   f"{ms['native'] / ms['function']:.3f} |")
+            print(row, flush=True)
+            lines.append(row)
+            ratios.append(ms["native"] / ms["function"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"RESULT worst_native_over_function={max(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The native decode op (tinyserve.cpu::QueryAwareSparseAttentionDecode) in ONNX Runtime equals the
+numpy reference: outputs within schema.TOLERANCES, selected_pages exactly; bad input fails with
+our one-line message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tinyserve_dev.cases import CaseSpec, make_case
+from tinyserve_trt.cpu import native
+from tinyserve_trt.cpu.node import input_names, make_decode_model
+from tinyserve_trt.ops import schema, sparse_attention_ref
+
+ort = pytest.importorskip("onnxruntime")
+_REASON = native.available()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"native CPU op unavailable: {_REASON}")
+
+_SESSIONS: dict = {}
+
+
+def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = True):
+    key = (attrs, with_selected)
+    if key not in _SESSIONS:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        native.register(so)
+        model = make_decode_model(attrs, with_selected)
+        _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _SESSIONS[key].run(None, {n: case[n] for n in input_names(attrs.two_level)})
+
+
+def check_case(case: dict, attrs: schema.OpAttributes):
+    out, sel = run_native(case, attrs)
+    ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
+    np.testing.assert_allclose(out, ref_out, **schema.TOLERANCES["float32"])
+    assert sel.dtype == bool and sel.shape == ref_sel.shape
+    np.testing.assert_array_equal(sel, ref_sel)
+
+
+def ragged_lens(rng, ps: int, batch: int = 5, max_pages: int = 12) -> tuple[int, ...]:
+    """A partial last page, a page-aligned one, an empty cache and random others."""
+    fixed = [3 * ps + int(rng.integers(1, ps)), 4 * ps, 0]
+    return tuple(fixed + [int(x) for x in rng.integers(1, ps * max_pages, batch - len(fixed))])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("group_reduce", schema.GROUP_REDUCTIONS)
+@pytest.mark.parametrize("sink,recent", [(0, 1), (1, 1), (2, 2)])
+def test_single_level_matches_reference(rng, heads, kv_heads, group_reduce, sink, recent):
+    ps = 16
+    lens = ragged_lens(rng, ps)
+    for budget_pages in (1, 2, 5, 12, 0):  # one page .. every page; 0 = dense
+        case = make_case(CaseSpec(lens, heads, kv_heads, 32, ps, budget=budget_pages * ps), rng)
+        check_case(case, schema.OpAttributes(group_reduce=group_reduce, sink_pages=sink, recent_pages=recent))
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25])
+@pytest.mark.parametrize("group_reduce", schema.GROUP_REDUCTIONS)
+@pytest.mark.parametrize("sink,recent", [(0, 1), (1, 2), (2, 1)])
+def test_two_level_matches_reference(rng, share, group_reduce, sink, recent):
+    ps, sp = 16, 4
+    lens = ragged_lens(rng, ps)
+    attrs = schema.OpAttributes(sub_page_size=sp, candidate_share=share, group_reduce=group_reduce,
+                                sink_pages=sink, recent_pages=recent)
+    for budget in (sp, ps, 3 * ps + sp, 10 * ps, 0):
+        check_case(make_case(CaseSpec(lens, 6, 2, 32, ps, budget=budget, sub_page_size=sp), rng), attrs)
+
+
+def test_dense_policy_and_larger_head_dim(rng):
+    """Policy dense attends every cached token whatever the budget; D = 64 at ps 32 (SmolLM2 shapes)."""
+    case = make_case(CaseSpec(ragged_lens(rng, 32), 9, 3, 64, 32, budget=32), rng)
+    check_case(case, schema.OpAttributes(policy="dense"))
+    check_case(case, schema.OpAttributes())
+    check_case(case, schema.OpAttributes(scale=0.3))  # an explicit softmax scale
+    sel = run_native(case, schema.OpAttributes(policy="dense"))[1]
+    pages = [-(-int(n) // 32) for n in case["past_lens"]]
+    assert [int(s) for s in sel[:, 0].sum(-1)] == pages
+
+
+def test_two_level_at_smollm2_shapes(rng):
+    """The default deployment: H 9, Hkv 3, D 64, ps 32, sp 4, a few thousand tokens."""
+    case = make_case(CaseSpec((3000, 1337), 9, 3, 64, 32, budget=512, sub_page_size=4), rng)
+    for share in (0.5, 0.25):
+        check_case(case, schema.OpAttributes(sub_page_size=4, candidate_share=share))
+
+
+@pytest.mark.parametrize("head_dim", [4, 20])
+def test_head_dim_not_a_multiple_of_the_vector_width(rng, head_dim):
+    for sp in (0, 4):
+        case = make_case(CaseSpec(ragged_lens(rng, 16), 6, 2, head_dim, 16, budget=40, sub_page_size=sp), rng)
+        check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
+@pytest.mark.parametrize("sp", [0, 4])
+def test_batch_one(rng, sp):
+    for heads, kv_heads in ((6, 2), (9, 3), (4, 1)):
+        for past in (1, 16, 300, 977):
+            case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
+            check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
+def test_output_only_node(rng):
+    case = make_case(CaseSpec((40, 7), 4, 2, 16, 8, budget=8), rng)
+    (out,) = run_native(case, schema.OpAttributes(), with_selected=False)
+    np.testing.assert_allclose(out, sparse_attention_ref(**case)[0], **schema.TOLERANCES["float32"])
+
+
+def test_exact_ties_go_to_the_lower_page(rng):
+    """Pages with identical metadata tie exactly: the reference's stable sort keeps the lower index."""
+    case = make_case(CaseSpec((16 * 10,), 2, 1, 16, 16, budget=3 * 16), rng)
+    pt = case["page_table"][0]
+    case["key_max"][pt[2]] += 50.0  # six equal scores, above the others' ...
+    for i in range(3, 8):
+        case["key_min"][pt[i]], case["key_max"][pt[i]] = case["key_min"][pt[2]], case["key_max"][pt[2]]
+    case["key_max"][pt[8]] += 100.0  # ... below one clear winner; two free slots (page 9 is recent)
+    check_case(case, schema.OpAttributes(sink_pages=0))
+    sel = run_native(case, schema.OpAttributes(sink_pages=0))[1]
+    assert np.flatnonzero(sel[0, 0]).tolist() == [2, 8, 9]
+
+
+def _error(case, attrs, match):
+    with pytest.raises(Exception, match=match) as info:
+        run_native(case, attrs)
+    assert "\n" not in str(info.value).strip().split(native.OP_TYPE, 1)[1]
+
+
+def test_prefill_is_refused_with_one_line(rng):
+    case = make_case(CaseSpec((20, 3), 4, 2, 16, 8, new_tokens=2, budget=8), rng)
+    _error(case, schema.OpAttributes(), r"QueryAwareSparseAttentionDecode: decode only \(S=2\)")
+
+
+def test_page_id_out_of_range(rng):
+    case = make_case(CaseSpec((20, 30), 4, 2, 16, 8, budget=8), rng)
+    case["page_table"][1, 2] = case["key_cache"].shape[0]
+    _error(case, schema.OpAttributes(), r"page_table\[1,2\] = \d+ is outside the page pool")
+    case["page_table"][1, 2] = -1
+    _error(case, schema.OpAttributes(), r"page_table\[1,2\] = -1 is outside")
+
+
+def test_too_short_page_table(rng):
+    case = make_case(CaseSpec((20, 30), 4, 2, 16, 8, budget=8, extra_table_cols=0), rng)
+    case["past_lens"][0] = 8 * case["page_table"].shape[1] + 1
+    _error(case, schema.OpAttributes(), r"sequence 0: \d+ cached tokens need \d+ pages, page table has \d+")
+
+
+@pytest.mark.parametrize("policy", ["window", "oracle"])
+def test_unsupported_policy_fails_at_session_creation(policy):
+    from onnx import helper
+
+    model = make_decode_model(schema.OpAttributes())
+    node = model.graph.node[0]
+    (attr,) = [a for a in node.attribute if a.name == "policy"]
+    attr.CopyFrom(helper.make_attribute("policy", policy))
+    so = ort.SessionOptions()
+    native.register(so)
+    with pytest.raises(Exception, match=rf"QueryAwareSparseAttentionDecode: policy '{policy}' is not supported"):
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_node_builder_refuses_what_the_kernel_cannot_run():
+    from tinyserve_trt.cpu.node import make_decode_node
+
+    with pytest.raises(ValueError, match="policy"):
+        make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(policy="window"))
+    with pytest.raises(ValueError, match="takes 11 inputs"):
+        make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(sub_page_size=4))
+
+
+def test_shape_errors_are_one_line(rng):
+    case = make_case(CaseSpec((20, 30), 4, 2, 16, 16, budget=16, sub_page_size=4), rng)
+    bad = dict(case, key_sub_bounds=np.ascontiguousarray(case["key_sub_bounds"][:, :, :2]))
+    _error(bad, schema.OpAttributes(sub_page_size=4), r"key_sub_bounds has shape \[\d+,2,2,16\], expected \[Ps,2,4,16\]")
+    odd = dict(case, query=np.ascontiguousarray(case["query"][:, :3]))
+    _error(odd, schema.OpAttributes(), r"query heads 3 not a multiple of KV heads 2")
+    short = dict(case, key_max=np.ascontiguousarray(case["key_max"][:, :, :8]))
+    _error(short, schema.OpAttributes(), r"key_max has shape \[\d+,2,8\], expected \[\d+,2,16\]")
+
+
+def test_forked_child_runs_serially(rng):
+    """The pool's threads do not survive fork(): a child must still compute (serially), not hang."""
+    import multiprocessing as mp
+
+    case = make_case(CaseSpec((64,) * 4, 4, 2, 16, 16, budget=16), rng)
+    expect = run_native(case, schema.OpAttributes())[0]  # the parent's pool is up now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_run_output, (case,)).get(timeout=60)
+    np.testing.assert_array_equal(got, expect)
+
+
+def _run_output(case):
+    return run_native(case, schema.OpAttributes())[0]
+
+
+def test_float16_is_refused_at_session_creation():
+    from onnx import TensorProto
+
+    model = make_decode_model()
+    for vi in [*model.graph.input[:7], model.graph.output[0]]:
+        vi.type.tensor_type.elem_type = TensorProto.FLOAT16
+    so = ort.SessionOptions()
+    native.register(so)
+    with pytest.raises(Exception, match=r"tensor\(float16\).* \(query\) of operator \(QueryAwareSparseAttentionDecode\)"):
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_too_old_onnxruntime_is_refused_loudly():
+    """RegisterCustomOps against a runtime without C API 16: an error status (made through API 1)
+    naming the version, not a silent no-op. The runtime here is a ctypes fake."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(native.library_path()))
+    create_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)
+
+    class Api(ctypes.Structure):
+        _fields_ = [("CreateStatus", create_t)]
+
+    class ApiBase(ctypes.Structure):
+        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
+
+    seen = []
+    version = ctypes.create_string_buffer(b"1.15.1")
+    create = create_t(lambda code, msg: seen.append((code, msg.decode())) or 1234)
+    api1 = Api(create)
+    asked = []
+    get_api = get_api_t(lambda v: asked.append(v) or (ctypes.addressof(api1) if v == 1 else None))
+    base = ApiBase(get_api, version_t(lambda: ctypes.addressof(version)))
+    lib.RegisterCustomOps.restype = ctypes.c_void_p
+    lib.RegisterCustomOps.argtypes = [ctypes.c_void_p, ctypes.POINTER(ApiBase)]
+    assert lib.RegisterCustomOps(None, ctypes.byref(base)) == 1234
+    assert asked == [16, 1]
+    (code, msg), = seen
+    assert code == 1 and "C API 16" in msg and "onnxruntime 1.15.1" in msg and "\n" not in msg

@@ -1,0 +1,104 @@
+// A small persistent thread pool for the decode op's (sequence, KV head) tasks.
+//
+// Size: env TINYSERVE_NATIVE_THREADS (read once; default min(2, cores); 1 = no pool, run on
+// ORT's calling thread). The caller works too, so N threads start N - 1 workers. A call with
+// fewer than 2 tasks per thread runs serially (measured: batch 1 x 3 KV heads on 2 threads
+// was 3% slower than serial, batch 8 2x faster; benchmarks/results/native_op_cpu.md). One
+// call uses the pool at a time; a concurrent caller (another session) runs its tasks
+// serially instead of waiting. No OpenMP: the library must not bring its own runtime into
+// ORT's process.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace qsa {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    start_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  // Runs fn(0 .. n-1); returns when all are done.
+  void run(int64_t n, const std::function<void(int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    // A forked child has the pool object but not its threads: it runs serially.
+    if (workers_.empty() || n < 2 * static_cast<int64_t>(workers_.size() + 1) || !busy.owns_lock() ||
+        getpid() != owner_) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      fn_ = &fn, total_ = n, next_ = 0, running_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    start_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [this] { return running_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void drain() {
+    for (int64_t i; (i = next_.fetch_add(1)) < total_;) (*fn_)(i);
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      drain();
+      std::lock_guard<std::mutex> lock(m_);
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  const pid_t owner_ = getpid();
+  std::vector<std::thread> workers_;
+  std::mutex m_, busy_;
+  std::condition_variable start_, done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t total_ = 0;
+  std::atomic<int64_t> next_{0};
+  int running_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+inline int pool_threads() {
+  const char* env = std::getenv("TINYSERVE_NATIVE_THREADS");
+  int n = env ? std::atoi(env) : static_cast<int>(std::min(2u, std::max(1u, std::thread::hardware_concurrency())));
+  return n < 1 ? 1 : n > 64 ? 64 : n;
+}
+
+inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  static ThreadPool pool(pool_threads());
+  pool.run(n, fn);
+}
+
+}  // namespace qsa

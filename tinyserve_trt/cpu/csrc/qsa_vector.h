@@ -1,0 +1,87 @@
+// 8-wide float vector helpers of the CPU decode op (GCC/Clang vector extension).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#ifdef __FMA__
+#include <immintrin.h>
+#endif
+
+namespace qsa {
+
+// 8 floats: one AVX register (GCC/Clang vector extension; __m256 is the same type).
+typedef float vf __attribute__((vector_size(32)));
+constexpr int kW = 8;
+constexpr int64_t kPagesAhead = 8;  // prefetch distance of the page bounds while scoring
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// a * b + c. Explicit FMA where the CPU has it: the file builds with -ffp-contract=off (for the
+// sub-page bound decode), so the compiler fuses nothing by itself.
+inline vf vfma(vf a, vf b, vf c) {
+#ifdef __FMA__
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+inline float sfma(float a, float b, float c) {
+#ifdef __FMA__
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Sum of the lanes as a fixed tree.
+inline float hsum(vf v) {
+  float t[kW];
+  vstore(t, v);
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+// sum_d a[d] * b[d], two independent vector chains.
+inline float dot(const float* a, const float* b, int64_t n) {
+  vf acc0 = {}, acc1 = {};
+  int64_t d = 0;
+  for (; d + 2 * kW <= n; d += 2 * kW) {
+    acc0 = vfma(vload(a + d), vload(b + d), acc0);
+    acc1 = vfma(vload(a + d + kW), vload(b + d + kW), acc1);
+  }
+  if (d + kW <= n) acc0 = vfma(vload(a + d), vload(b + d), acc0), d += kW;
+  float tail = 0.0f;
+  for (; d < n; ++d) tail = sfma(a[d], b[d], tail);
+  return hsum(acc0 + acc1) + tail;
+}
+
+// The query-aware bound sum_d max(q*lo, q*hi) = relu(q).hi + min(q,0).lo (lo <= hi).
+inline float bound(const float* qpos, const float* qneg, const float* lo, const float* hi, int64_t n) {
+  vf acc0 = {}, acc1 = {};
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) {
+    acc0 = vfma(vload(qpos + d), vload(hi + d), acc0);
+    acc1 = vfma(vload(qneg + d), vload(lo + d), acc1);
+  }
+  float tail = 0.0f;
+  for (; d < n; ++d) tail = sfma(qneg[d], lo[d], sfma(qpos[d], hi[d], tail));
+  return hsum(acc0 + acc1) + tail;
+}
+
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+}
+
+// o[d] += w * x[d]
+inline void axpy(float w, const float* x, float* o, int64_t n) {
+  const vf wv = vf{} + w;
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) vstore(o + d, vfma(wv, vload(x + d), vload(o + d)));
+  for (; d < n; ++d) o[d] = sfma(w, x[d], o[d]);
+}
+
+}  // namespace qsa

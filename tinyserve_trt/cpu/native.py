@@ -1,0 +1,137 @@
+"""Build and load ``libtinyserve_cpu.so``: the op's decode step as an ONNX Runtime custom op.
+
+The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
+(``DOMAIN``, ``OP_TYPE``). It is compiled on first use with the host C++ compiler
+(``$CXX``, else ``c++``) and ``-march=native``, into
+``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
+sources, the compiler's version, the machine and the CPU's flags, so a cache shared
+between machines never hands one CPU another's build. The build writes a temporary file
+and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
+disables it. Python-light: no numpy or onnxruntime import here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+DOMAIN = "tinyserve.cpu"
+OP_TYPE = "QueryAwareSparseAttentionDecode"
+LIBRARY_NAME = "libtinyserve_cpu.so"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("qsa_decode_cpu.cpp",)  # compiled; the headers next to it are hashed too
+# -ffp-contract=off: the sub-page bound decode must round like ops/fine_bounds.py (the dot
+# products use explicit FMA instead).
+CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
+ENV_DISABLE = "TINYSERVE_NATIVE"
+ENV_CACHE = "TINYSERVE_CACHE"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library cannot be built or is disabled; the message is one line saying why."""
+
+
+def compiler() -> str:
+    """The C++ compiler command: ``$CXX`` or ``c++``."""
+    return os.environ.get("CXX") or "c++"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "tinyserve")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(cxx: str, cxx_version: str, sources: dict[str, bytes], machine: str, cpu_flags: str) -> str:
+    """The cache key of one build: every input that can change the binary."""
+    h = hashlib.sha256()
+    for name in sorted(sources):
+        h.update(name.encode() + b"\0" + sources[name] + b"\0")
+    for part in (cxx, cxx_version, machine, hashlib.sha256(cpu_flags.encode()).hexdigest(), " ".join(CXXFLAGS)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def _source_files(source_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(source_dir.iterdir()) if p.suffix in (".cpp", ".h")}
+
+
+def _compiler_version(cxx: str) -> str:
+    if shutil.which(cxx) is None:
+        raise NativeUnavailable(f"no C++ compiler: {cxx!r} is not on PATH (set CXX)")
+    res = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    if res.returncode:
+        raise NativeUnavailable(f"{cxx} --version failed: {_first_line(res.stderr)}")
+    return res.stdout
+
+
+def _first_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln]
+    return (errors or lines or ["(no output)"])[0].strip()
+
+
+def build(source_dir: Path = SOURCE_DIR, root: Path | None = None) -> Path:
+    """Compile the library if this key has no build yet; return its path."""
+    cxx = compiler()
+    sources = _source_files(source_dir)
+    key = build_key(cxx, _compiler_version(cxx), sources, platform.machine(), _cpu_flags())
+    out_dir = (root or cache_root()) / "native" / key
+    lib = out_dir / LIBRARY_NAME
+    if lib.exists():
+        return lib
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+    except OSError as e:
+        raise NativeUnavailable(f"cannot write the build cache {out_dir}: {e.strerror} (set {ENV_CACHE})") from None
+    os.close(fd)
+    try:
+        cmd = [cxx, *CXXFLAGS, "-o", tmp, *(str(source_dir / s) for s in SOURCES)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise NativeUnavailable(f"compiling {LIBRARY_NAME} failed: {_first_line(res.stderr)}")
+        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes identical bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_BUILT: list[Path] = []  # this process's build, once it succeeded
+
+
+def library_path() -> Path:
+    """Path of the built library (built on the first call). Raises NativeUnavailable."""
+    if os.environ.get(ENV_DISABLE, "1").strip() == "0":
+        raise NativeUnavailable(f"the native CPU op is disabled ({ENV_DISABLE}=0)")
+    if not _BUILT:
+        _BUILT.append(build())
+    return _BUILT[0]
+
+
+def available() -> str | None:
+    """None when the native op can be used, else the one-line reason it cannot."""
+    try:
+        library_path()
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+def register(session_options) -> None:
+    """Register the library's custom ops on an ``onnxruntime.SessionOptions``."""
+    session_options.register_custom_ops_library(str(library_path()))
