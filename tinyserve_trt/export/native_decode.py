@@ -27,17 +27,12 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from ..cpu.native import DOMAIN as NATIVE_DOMAIN
+from ..cpu.native import OP_TYPE as NATIVE_OP
 from ..ops import schema
 
-NATIVE_DOMAIN = "tinyserve.cpu"
-NATIVE_OP = "QueryAwareSparseAttentionDecode"
-NATIVE_VERSION = 1
-NATIVE_POLICIES = ("query_aware", "dense")
+NATIVE_POLICIES = ("query_aware", "dense")  # what cpu.node.make_decode_node accepts
 NATIVE_FLOAT_TYPES = (TensorProto.FLOAT,)
-# The schema attributes the kernel reads (cold_format only names cold pools it never gets).
-NATIVE_ATTRIBUTES = tuple(a.name for a in schema.ATTRIBUTES if a.name != "cold_format")
-
-
 SWITCH_SUFFIX = "_decode_switch"
 
 
@@ -122,6 +117,9 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
     into the ``else`` branch of an ``If(S == 1)`` whose ``then`` branch is the native node (see the
     module doc). Returns how many layers switch. Raises ValueError when a body cannot be cut out
     (a value of it read outside), which would be a bug of the passes before."""
+    from ..cpu.node import VERSION, make_decode_node
+    from ..ops.node import node_attributes
+
     graph = model.graph
     kinds = {vi.name: vi.type.tensor_type.elem_type for vi in graph.input}
     outside = {o.name for o in graph.output}
@@ -151,10 +149,8 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
         pool_type = kinds[call.input[schema.INPUT_NAMES.index("key_cache")]]
         types = [pool_type, TensorProto.BOOL][:len(outs)]
         fine = call.input[schema.NUM_TIERED_INPUTS:] if len(call.input) > schema.NUM_TIERED_INPUTS else []
-        attrs = {a.name: helper.get_attribute_value(a) for a in call.attribute if a.name in NATIVE_ATTRIBUTES}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        native = helper.make_node(NATIVE_OP, [*call.input[:schema.NUM_REQUIRED_INPUTS], *fine],
-                                  [f"{o}_native" for o in outs], name=f"{tag}_native", domain=NATIVE_DOMAIN, **attrs)
+        native = make_decode_node([*call.input[:schema.NUM_REQUIRED_INPUTS], *fine], [f"{o}_native" for o in outs],
+                                  node_attributes(call), name=f"{tag}_native")
         renamed = {o: f"{o}_function" for o in outs}
         body_nodes = [nodes[i] for i in body]
         for n in body_nodes:
@@ -183,7 +179,7 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
         del graph.node[:]
         graph.node.extend(kept)
     if calls and not any(o.domain == NATIVE_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, NATIVE_VERSION))
+        model.opset_import.append(helper.make_opsetid(NATIVE_DOMAIN, VERSION))
     return len(calls)
 
 
