@@ -100,6 +100,16 @@ def test_batch_one(rng, sp):
             check_case(case, schema.OpAttributes(sub_page_size=sp))
 
 
+@pytest.mark.parametrize("sp", [0, 4])
+def test_batch_one_splits_the_attention(rng, sp):
+    """Batch 1 has fewer (sequence, KV head) tasks than 2 per pool thread: each one's kept rows are
+    split into chunks attended apart and merged (with 2+ cores; serial otherwise, same result)."""
+    for heads, kv_heads in ((6, 2), (9, 3), (4, 1)):
+        for past in (1, 16, 300, 977):
+            case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
+            check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
 def test_output_only_node(rng):
     case = make_case(CaseSpec((40, 7), 4, 2, 16, 8, budget=8), rng)
     (out,) = run_native(case, schema.OpAttributes(), with_selected=False)

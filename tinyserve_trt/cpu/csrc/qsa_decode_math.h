@@ -33,7 +33,7 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
 };
 
 struct Scratch {  // per thread, reused across calls
-  std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits;
+  std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits, part;
   std::vector<int64_t> cand, rows;
   std::vector<char> keep, page_keep;
 };
@@ -58,7 +58,9 @@ class HeadStep {
       : p_(p), a_(a), s_(s), b_(b), h_(h), past_(p.past[b]), n_((past_ + p.ps - 1) / p.ps),
         pages_(p.table + b * p.NP), q_(p.q + (b * p.H + h * p.G) * p.D) {}
 
-  void run() {
+  // Selects, marks selected_pages, and fills `rows` with the offsets of the kept K/V rows in
+  // the pools (logical order).
+  void select_rows(std::vector<int64_t>& rows) {
     select();
     if (p_.selected) {
       bool* sel = p_.selected + (b_ * p_.Hkv + h_) * p_.NP;
@@ -66,7 +68,13 @@ class HeadStep {
       for (int64_t u = 0; u < n_ * p_.r; ++u)
         if (s_.keep[u]) sel[u / p_.r] = true;
     }
-    attend();
+    rows.clear();
+    for (int64_t u = 0; u < n_ * p_.r; ++u) {
+      if (!s_.keep[u]) continue;
+      int64_t page = u / p_.r, first = u * p_.sp, last = std::min(first + p_.sp, past_);
+      int64_t base = (pages_[page] * p_.Hkv + h_) * p_.ps - page * p_.ps;
+      for (int64_t t = first; t < last; ++t) rows.push_back((base + t) * p_.D);
+    }
   }
 
  private:
@@ -176,49 +184,6 @@ class HeadStep {
     }
   }
 
-  // Softmax attention of the G queries over the kept cached tokens and the new token.
-  void attend() {
-    const int64_t D = p_.D, G = p_.G, sp = p_.sp, units = n_ * p_.r;
-    s_.rows.clear();  // offsets of the kept K/V rows in the pools, in logical order
-    for (int64_t u = 0; u < units; ++u) {
-      if (!s_.keep[u]) continue;
-      int64_t page = u / p_.r, first = u * sp, last = std::min(first + sp, past_);
-      int64_t base = (pages_[page] * p_.Hkv + h_) * p_.ps - page * p_.ps;
-      for (int64_t t = first; t < last; ++t) s_.rows.push_back((base + t) * D);
-    }
-    const int64_t T = static_cast<int64_t>(s_.rows.size()) + 1, new_row = (b_ * p_.Hkv + h_) * D;
-    const float scale = a_.scale > 0.0f ? a_.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    s_.logits.resize(G * T);
-    // Kept sub-pages are scattered over the pools: prefetch the K and V rows kAhead ahead (V
-    // for the second pass); 8-64 measured alike at batch 8, 8K, cold caches.
-    constexpr int64_t kAhead = 16;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* krow = t + 1 < T ? p_.kc + s_.rows[t] : p_.k + new_row;
-      if (t + kAhead + 1 < T) {
-        prefetch_row(p_.kc + s_.rows[t + kAhead], D);
-        prefetch_row(p_.vc + s_.rows[t + kAhead], D);
-      }
-      for (int64_t g = 0; g < G; ++g) s_.logits[g * T + t] = dot(q_ + g * D, krow, D) * scale;
-    }
-    float* out = p_.out + (b_ * p_.H + h_ * G) * D;
-    std::fill(out, out + G * D, 0.0f);
-    std::vector<float> inv_sum(G);
-    for (int64_t g = 0; g < G; ++g) {
-      float* l = &s_.logits[g * T];
-      float m = *std::max_element(l, l + T), sum = 0.0f;
-      for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
-      inv_sum[g] = 1.0f / sum;
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const float* vrow = t + 1 < T ? p_.vc + s_.rows[t] : p_.v + new_row;
-      for (int64_t g = 0; g < G; ++g) {
-        axpy(s_.logits[g * T + t], vrow, out + g * D, D);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv_sum[g];
-  }
-
   const Problem& p_;
   const Attrs& a_;
   Scratch& s_;
@@ -227,19 +192,114 @@ class HeadStep {
   const float* q_;
 };
 
-// Every (sequence, KV head) of the call, spread over the pool's threads.
-// Returns false when a task could not allocate its scratch (nothing may throw into ORT or
-// out of a pool thread).
+// Softmax attention of (sequence b, KV head h)'s G queries over `count` kept rows (offsets
+// into the pools) and, if with_new, the new token: per query, part[0] = the max logit m,
+// part[1] = sum exp(logit - m), part[2..2+D) = sum exp(logit - m) * v. Part layout [G][2 + D].
+inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
+                        bool with_new, std::vector<float>& logits, float* part) {
+  const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
+  const float* q = p.q + (b * p.H + h * G) * D;
+  const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  logits.resize(G * T);
+  // Kept sub-pages are scattered over the pools: prefetch the K and V rows kAhead ahead (V
+  // for the second pass); 8-64 measured alike at batch 8, 8K, cold caches.
+  constexpr int64_t kAhead = 16;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* krow = t < count ? p.kc + rows[t] : p.k + new_row;
+    if (t + kAhead < count) {
+      prefetch_row(p.kc + rows[t + kAhead], D);
+      prefetch_row(p.vc + rows[t + kAhead], D);
+    }
+    for (int64_t g = 0; g < G; ++g) logits[g * T + t] = dot(q + g * D, krow, D) * scale;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* l = &logits[g * T];
+    float* out = part + g * (2 + D);
+    float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
+    out[0] = m, out[1] = sum;
+    std::fill(out + 2, out + 2 + D, 0.0f);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const float* vrow = t < count ? p.vc + rows[t] : p.v + new_row;
+    for (int64_t g = 0; g < G; ++g) axpy(logits[g * T + t], vrow, part + g * (2 + D) + 2, D);
+  }
+}
+
+// output[b, h*G + g] from the chunks' parts [chunks][G][2 + D] (flash-decoding's merge).
+inline void merge_parts(const Problem& p, int64_t b, int64_t h, const float* parts, int64_t chunks) {
+  const int64_t D = p.D, G = p.G, stride = G * (2 + D);
+  float* out = p.out + (b * p.H + h * G) * D;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[c * stride + g * (2 + D)]);
+    float* o = out + g * D;
+    std::fill(o, o + D, 0.0f);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* part = parts + c * stride + g * (2 + D);
+      if (part[1] == 0.0f) continue;  // an empty chunk
+      const float w = chunks == 1 ? 1.0f : std::exp(part[0] - m);
+      sum += w * part[1];
+      axpy(w, part + 2, o, D);
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+// Every (sequence, KV head) of the call over the pool's threads. With fewer than 2 of them per
+// thread (batch 1), the selection runs one task per (sequence, KV head) and the attention
+// splits each one's kept rows into chunks, merged after. Returns false when a task could not
+// allocate its scratch (nothing may throw into ORT or out of a pool thread).
 inline bool run(const Problem& p, const Attrs& a) {
   std::atomic<bool> ok{true};
-  parallel_for(p.B * p.Hkv, [&](int64_t task) {
-    try {
-      thread_local Scratch scratch;
-      HeadStep(p, a, scratch, task / p.Hkv, task % p.Hkv).run();
-    } catch (...) {
-      ok = false;
-    }
-  });
+  const int64_t tasks = p.B * p.Hkv, threads = pool_size(), part_size = p.G * (2 + p.D);
+  auto guarded = [&ok](auto&& fn) {
+    return [&ok, fn](int64_t i) {
+      try {
+        fn(i);
+      } catch (...) {
+        ok = false;
+      }
+    };
+  };
+  if (threads == 1 || tasks >= 2 * threads) {
+    parallel_for(tasks, guarded([&](int64_t task) {
+      thread_local Scratch s;
+      const int64_t b = task / p.Hkv, h = task % p.Hkv;
+      HeadStep(p, a, s, b, h).select_rows(s.rows);
+      s.part.resize(part_size);
+      attend_part(p, a, b, h, s.rows.data(), static_cast<int64_t>(s.rows.size()), true, s.logits, s.part.data());
+      merge_parts(p, b, h, s.part.data(), 1);
+    }));
+    return ok;
+  }
+  const int64_t chunks = (2 * threads + tasks - 1) / tasks;
+  // The calling thread's buffers, named by reference: inside the lambdas a thread_local name
+  // would be each worker's own.
+  thread_local std::vector<std::vector<int64_t>> call_rows;
+  thread_local std::vector<float> call_parts;
+  auto& rows = call_rows;
+  auto& parts = call_parts;
+  try {
+    rows.resize(tasks), parts.resize(tasks * chunks * part_size);
+  } catch (...) {
+    return false;
+  }
+  parallel_for(tasks, guarded([&](int64_t task) {
+    thread_local Scratch s;
+    HeadStep(p, a, s, task / p.Hkv, task % p.Hkv).select_rows(rows[task]);
+  }), 1);
+  parallel_for(tasks * chunks, guarded([&](int64_t i) {
+    thread_local Scratch s;
+    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].size());
+    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+    attend_part(p, a, task / p.Hkv, task % p.Hkv, rows[task].data() + begin, end - begin, c == chunks - 1,
+                s.logits, parts.data() + i * part_size);
+  }), 1);
+  if (ok)
+    for (int64_t task = 0; task < tasks; ++task)
+      merge_parts(p, task / p.Hkv, task % p.Hkv, parts.data() + task * chunks * part_size, chunks);
   return ok;
 }
 

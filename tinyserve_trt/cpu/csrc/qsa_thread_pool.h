@@ -1,9 +1,7 @@
 // A small persistent thread pool for the decode op's (sequence, KV head) tasks.
 //
 // Size: env TINYSERVE_NATIVE_THREADS (read once; default min(2, cores); 1 = no pool, run on
-// ORT's calling thread). The caller works too, so N threads start N - 1 workers. A call with
-// fewer than 2 tasks per thread runs serially (measured: batch 1 x 3 KV heads on 2 threads
-// was 3% slower than serial, batch 8 2x faster; benchmarks/results/native_op_cpu.md). One
+// ORT's calling thread). The caller works too, so N threads start N - 1 workers. One
 // call uses the pool at a time; a concurrent caller (another session) runs its tasks
 // serially instead of waiting. No OpenMP: the library must not bring its own runtime into
 // ORT's process.
@@ -37,12 +35,15 @@ class ThreadPool {
     for (auto& w : workers_) w.join();
   }
 
-  // Runs fn(0 .. n-1); returns when all are done.
-  void run(int64_t n, const std::function<void(int64_t)>& fn) {
+  int64_t size() const { return static_cast<int64_t>(workers_.size()) + 1; }
+  bool usable() const { return getpid() == owner_; }
+
+  // Runs fn(0 .. n-1); returns when all are done. Fewer than min_per_thread tasks per thread
+  // run serially on the caller.
+  void run(int64_t n, const std::function<void(int64_t)>& fn, int64_t min_per_thread) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     // A forked child has the pool object but not its threads: it runs serially.
-    if (workers_.empty() || n < 2 * static_cast<int64_t>(workers_.size() + 1) || !busy.owns_lock() ||
-        getpid() != owner_) {
+    if (workers_.empty() || n < 2 || n < min_per_thread * size() || !busy.owns_lock() || getpid() != owner_) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
@@ -96,9 +97,16 @@ inline int pool_threads() {
   return n < 1 ? 1 : n > 64 ? 64 : n;
 }
 
-inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
-  static ThreadPool pool(pool_threads());
-  pool.run(n, fn);
+inline ThreadPool& pool() {
+  static ThreadPool instance(pool_threads());
+  return instance;
+}
+
+// 1 in a forked child (no pool threads there).
+inline int64_t pool_size() { return pool().usable() ? pool().size() : 1; }
+
+inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int64_t min_per_thread = 2) {
+  pool().run(n, fn, min_per_thread);
 }
 
 }  // namespace qsa
