@@ -115,8 +115,7 @@ class OrtBackend(Backend):
         decode kernel's library registered in ``so`` when the graph calls it; the portable model
         (the op's ONNX function throughout) when that library cannot be built here (logged)."""
         path = self.package.ort_model_path(ort.__version__)
-        opt = self.package.spec.ort_optimized
-        if path == self.package.model_path or opt is None or not opt.native:
+        if path == self.package.model_path or not self.package.spec.ort_optimized.native:
             return path
         from tinyserve_trt.cpu import native
 
