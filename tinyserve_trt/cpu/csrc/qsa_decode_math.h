@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <vector>
 
 #include "qsa_thread_pool.h"
@@ -41,14 +43,26 @@ struct Scratch {  // per thread, reused across calls
 // Marks the k best of `cand` by score in `keep`; ties go to the lower index (the
 // reference's stable argsort of -score). NaN scores rank last.
 inline void keep_best(std::vector<int64_t>& cand, const float* score, size_t k, char* keep) {
-  auto key = [score](int64_t i) { return std::isnan(score[i]) ? -INFINITY : score[i]; };
-  auto better = [&](int64_t a, int64_t b) {
-    float sa = key(a), sb = key(b);
-    return sa > sb || (sa == sb && a < b);
-  };
+  // One sortable 64-bit key per candidate: the score's order-preserving bits (NaN as -inf, -0 as
+  // +0), then the complement of its index, so the largest keys are the best with the lower
+  // index first on a tie; nth_element then compares integers, not floats through a lambda.
+  thread_local std::vector<uint64_t> keys;
   k = std::min(k, cand.size());
-  if (k < cand.size()) std::nth_element(cand.begin(), cand.begin() + k, cand.end(), better);
-  for (size_t i = 0; i < k; ++i) keep[cand[i]] = 1;
+  if (k == cand.size()) {
+    for (size_t i = 0; i < k; ++i) keep[cand[i]] = 1;
+    return;
+  }
+  keys.resize(cand.size());
+  for (size_t i = 0; i < cand.size(); ++i) {
+    float x = score[cand[i]];
+    x = std::isnan(x) ? -INFINITY : (x == 0.0f ? 0.0f : x);
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    keys[i] = (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(cand[i]));
+  }
+  std::nth_element(keys.begin(), keys.begin() + k, keys.end(), std::greater<uint64_t>());
+  for (size_t i = 0; i < k; ++i) keep[0xFFFFFFFFu - static_cast<uint32_t>(keys[i])] = 1;
 }
 
 // One (sequence, KV head): selection, then attention over the kept tokens.
@@ -169,15 +183,34 @@ class HeadStep {
       const uint8_t* codes = p_.sub + (pages_[i] * p_.Hkv + h_) * r * D;
       for (int64_t j = 0; j < r && i * r + j < written; ++j) {
         const uint8_t* c = codes + j * D;
-        for (int64_t d = 0; d < D; ++d) {
-          float lo_step = static_cast<float>(c[d] & 15) * s_.step[d];
-          float hi_step = static_cast<float>(c[d] >> 4) * s_.step[d];
-          s_.lo[d] = kmin[d] + lo_step;
-          s_.hi[d] = kmax[d] - hi_step;
-        }
         float s = 0.0f;
-        for (int64_t g = 0; g < p_.G; ++g)
-          s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
+        if (p_.G <= kMaxFusedGroup && D % kW == 0) {
+          // Decode 8 channels at a time and feed every query head of the group from registers
+          // (no lo/hi round trip through memory, one pass over the codes).
+          vf acc[kMaxFusedGroup];
+          for (int64_t g = 0; g < p_.G; ++g) acc[g] = vf{};
+          for (int64_t d = 0; d < D; d += kW) {
+            vu8 cb;
+            std::memcpy(&cb, c + d, sizeof cb);
+            const vi ci = __builtin_convertvector(cb, vi);
+            const vf st = vload(&s_.step[d]);
+            const vf lo_step = __builtin_convertvector(ci & 15, vf) * st;
+            const vf hi_step = __builtin_convertvector(ci >> 4, vf) * st;
+            const vf lo = vload(kmin + d) + lo_step, hi = vload(kmax + d) - hi_step;
+            for (int64_t g = 0; g < p_.G; ++g)
+              acc[g] = vfma(vload(&s_.qneg[g * D + d]), lo, vfma(vload(&s_.qpos[g * D + d]), hi, acc[g]));
+          }
+          for (int64_t g = 0; g < p_.G; ++g) s = reduce(s, hsum(acc[g]), g);
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            float lo_step = static_cast<float>(c[d] & 15) * s_.step[d];
+            float hi_step = static_cast<float>(c[d] >> 4) * s_.step[d];
+            s_.lo[d] = kmin[d] + lo_step;
+            s_.hi[d] = kmax[d] - hi_step;
+          }
+          for (int64_t g = 0; g < p_.G; ++g)
+            s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
+        }
         s_.fine[i * r + j] = s;
         s_.cand.push_back(i * r + j);
       }

@@ -11,7 +11,10 @@ namespace qsa {
 
 // 8 floats: one AVX register (GCC/Clang vector extension; __m256 is the same type).
 typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));  // 8 lanes, for code conversion
+typedef uint8_t vu8 __attribute__((vector_size(8)));  // 8 sub-page codes
 constexpr int kW = 8;
+constexpr int64_t kMaxFusedGroup = 8;  // GQA groups up to this size score sub-pages from registers
 constexpr int64_t kPagesAhead = 8;  // prefetch distance of the page bounds while scoring
 
 inline vf vload(const float* p) {
