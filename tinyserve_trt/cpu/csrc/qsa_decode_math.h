@@ -181,41 +181,73 @@ class HeadStep {
       // fine_bounds.decode: each product and sum rounds once (this file builds with -ffp-contract=off)
       for (int64_t d = 0; d < D; ++d) s_.step[d] = (kmax[d] - kmin[d]) * inv_levels;
       const uint8_t* codes = p_.sub + (pages_[i] * p_.Hkv + h_) * r * D;
-      for (int64_t j = 0; j < r && i * r + j < written; ++j) {
+      const int64_t nsub = std::min(r, written - i * r);
+#ifdef __AVX2__
+      if (D % kW == 0 && D / kW <= kMaxChunks && r <= kW && p_.G <= kMaxFusedGroup) {
+        page_fine_scores(kmin, kmax, codes, nsub, &s_.fine[i * r]);
+        for (int64_t j = 0; j < nsub; ++j) s_.cand.push_back(i * r + j);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < nsub; ++j) {
         const uint8_t* c = codes + j * D;
         float s = 0.0f;
-        if (p_.G <= kMaxFusedGroup && D % kW == 0) {
-          // Decode 8 channels at a time and feed every query head of the group from registers
-          // (no lo/hi round trip through memory, one pass over the codes).
-          vf acc[kMaxFusedGroup];
-          for (int64_t g = 0; g < p_.G; ++g) acc[g] = vf{};
-          for (int64_t d = 0; d < D; d += kW) {
-            vu8 cb;
-            std::memcpy(&cb, c + d, sizeof cb);
-            const vi ci = __builtin_convertvector(cb, vi);
-            const vf st = vload(&s_.step[d]);
-            const vf lo_step = __builtin_convertvector(ci & 15, vf) * st;
-            const vf hi_step = __builtin_convertvector(ci >> 4, vf) * st;
-            const vf lo = vload(kmin + d) + lo_step, hi = vload(kmax + d) - hi_step;
-            for (int64_t g = 0; g < p_.G; ++g)
-              acc[g] = vfma(vload(&s_.qneg[g * D + d]), lo, vfma(vload(&s_.qpos[g * D + d]), hi, acc[g]));
-          }
-          for (int64_t g = 0; g < p_.G; ++g) s = reduce(s, hsum(acc[g]), g);
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            float lo_step = static_cast<float>(c[d] & 15) * s_.step[d];
-            float hi_step = static_cast<float>(c[d] >> 4) * s_.step[d];
-            s_.lo[d] = kmin[d] + lo_step;
-            s_.hi[d] = kmax[d] - hi_step;
-          }
-          for (int64_t g = 0; g < p_.G; ++g)
-            s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
+        for (int64_t d = 0; d < D; ++d) {
+          float lo_step = static_cast<float>(c[d] & 15) * s_.step[d];
+          float hi_step = static_cast<float>(c[d] >> 4) * s_.step[d];
+          s_.lo[d] = kmin[d] + lo_step;
+          s_.hi[d] = kmax[d] - hi_step;
         }
+        for (int64_t g = 0; g < p_.G; ++g)
+          s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
         s_.fine[i * r + j] = s;
         s_.cand.push_back(i * r + j);
       }
     }
   }
+
+#ifdef __AVX2__
+  // The fine scores of one page's first `nsub` sub-pages (r <= 8) into out[0 .. nsub): with
+  // lo = kmin + lo_c*step and hi = kmax - hi_c*step the bound is the head's coarse bound of the
+  // page plus sum_d (min(q,0)*step*lo_c - relu(q)*step*hi_c) - the ONNX function's form
+  // (policies.QueryAware.sub_page_score_onnx): no decoded lo/hi, the codes' levels feed two FMAs
+  // per head, and one reduction gives a head's 8 sub-page sums. Equal to the decoded form up to
+  // float32 rounding of the sums.
+  void page_fine_scores(const float* kmin, const float* kmax, const uint8_t* codes, int64_t nsub, float* out) {
+    const int64_t D = p_.D, C = D / kW;
+    const vf inv_levels = vf{} + static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
+    vf step[kMaxChunks], lo_c[kW][kMaxChunks], hi_c[kW][kMaxChunks];
+    for (int64_t c = 0; c < C; ++c) step[c] = (vload(kmax + c * kW) - vload(kmin + c * kW)) * inv_levels;
+    for (int64_t j = 0; j < nsub; ++j)
+      for (int64_t c = 0; c < C; ++c) {
+        // one vpmovzxbd (a generic vector conversion of 8 bytes compiled to 8 scalar inserts)
+        const vi ci = vi(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * D + c * kW))));
+        lo_c[j][c] = __builtin_convertvector(ci & 15, vf);
+        hi_c[j][c] = __builtin_convertvector(ci >> 4, vf);
+      }
+    vf best = {};
+    for (int64_t g = 0; g < p_.G; ++g) {
+      const float *qp = &s_.qpos[g * D], *qn = &s_.qneg[g * D];
+      vf wlo[kMaxChunks], whi[kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) {
+        wlo[c] = vload(qn + c * kW) * step[c];
+        whi[c] = -(vload(qp + c * kW) * step[c]);
+      }
+      // channel-major: the 8 sub-pages' sums are 8 independent FMA chains (sub-page-major, each
+      // chain waits on its own previous FMA: latency-bound, 3x slower)
+      vf acc[kW] = {}, acc2[kW] = {};
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t j = 0; j < kW; ++j)
+          if (j < nsub) acc[j] = vfma(wlo[c], lo_c[j][c], acc[j]), acc2[j] = vfma(whi[c], hi_c[j][c], acc2[j]);
+      for (int64_t j = 0; j < kW; ++j) acc[j] += acc2[j];
+      const vf sums = hsum8(acc) + bound(qp, qn, kmin, kmax, D);
+      best = g == 0 ? sums : a_.reduce_sum ? best + sums : vf(_mm256_max_ps(best, sums));
+    }
+    float lanes[kW];
+    vstore(lanes, best);
+    for (int64_t j = 0; j < nsub; ++j) out[j] = lanes[j];
+  }
+#endif
 
   const Problem& p_;
   const Attrs& a_;
@@ -259,15 +291,6 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int
   }
 }
 
-#ifdef __AVX2__
-// Sums of 8 vectors, one per lane: lane i of the result is the sum of the lanes of a[i].
-inline vf hsum8(const vf* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  return _mm256_permute2f128_ps(s0123, s4567, 0x20) + _mm256_permute2f128_ps(s0123, s4567, 0x31);
-}
-#endif
 
 // attend_part_generic, blocked: the logits of 8 rows per query head at a time (one reduction
 // for 8 dot products instead of 8), and each head's output accumulated in registers over all
@@ -276,7 +299,6 @@ inline vf hsum8(const vf* a) {
 inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
                         bool with_new, std::vector<float>& logits, float* part) {
 #ifdef __AVX2__
-  constexpr int64_t kMaxChunks = 16;  // D <= 128
   const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
   if (D % kW != 0 || D / kW > kMaxChunks) return attend_part_generic(p, a, b, h, rows, count, with_new, logits, part);
   const int64_t C = D / kW;

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
-#ifdef __FMA__
+#if defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -12,9 +12,9 @@ namespace qsa {
 // 8 floats: one AVX register (GCC/Clang vector extension; __m256 is the same type).
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));  // 8 lanes, for code conversion
-typedef uint8_t vu8 __attribute__((vector_size(8)));  // 8 sub-page codes
 constexpr int kW = 8;
-constexpr int64_t kMaxFusedGroup = 8;  // GQA groups up to this size score sub-pages from registers
+constexpr int64_t kMaxFusedGroup = 8;
+constexpr int64_t kMaxChunks = 16;  // head dims up to 128 take the register-blocked paths  // GQA groups up to this size score sub-pages from registers
 constexpr int64_t kPagesAhead = 8;  // prefetch distance of the page bounds while scoring
 
 inline vf vload(const float* p) {
@@ -86,5 +86,15 @@ inline void axpy(float w, const float* x, float* o, int64_t n) {
   for (; d + kW <= n; d += kW) vstore(o + d, vfma(wv, vload(x + d), vload(o + d)));
   for (; d < n; ++d) o[d] = sfma(w, x[d], o[d]);
 }
+
+#ifdef __AVX2__
+// Sums of 8 vectors, one per lane: lane i of the result is the sum of the lanes of a[i].
+inline vf hsum8(const vf* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_permute2f128_ps(s0123, s4567, 0x20) + _mm256_permute2f128_ps(s0123, s4567, 0x31);
+}
+#endif
 
 }  // namespace qsa
