@@ -10,6 +10,7 @@ use; imports numpy, so ``tinyserve_trt.cpu`` does not import this module itself.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
@@ -23,12 +24,18 @@ _ERRORS = {
     4: "sub-page bounds fall outside the page's key_min/key_max",  # fine_bounds.encode's message
 }
 _FUNCTION: list = []  # the loaded function, once
+_BUILD: dict = {}  # "reason": native.available()'s answer, once (a failed build is not retried every step)
 
 
 def available() -> str | None:
     """None when the native function can be used, else the one-line reason it cannot
-    (``TINYSERVE_NATIVE=0``, no compiler, ...); read on every call, so the switch is live."""
-    return native.available()
+    (``TINYSERVE_NATIVE=0``, no compiler, ...). The switch is read on every call (cheap); the build
+    is tried once per process."""
+    if os.environ.get(native.ENV_DISABLE, "1").strip() == "0":
+        return native.available()
+    if "reason" not in _BUILD:
+        _BUILD["reason"] = native.available()
+    return _BUILD["reason"]
 
 
 def _function():
