@@ -39,7 +39,7 @@ def append_bounds(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, su
 
 
 def append_bounds_numpy(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, sub: np.ndarray | None,
-                  page: np.ndarray, off: np.ndarray, k: np.ndarray) -> None:
+                        page: np.ndarray, off: np.ndarray, k: np.ndarray) -> None:
     """Update bounds in place after appending one token per page in every layer.
 
     keys:             ``[L, N, Hkv, ps, D]`` the pool, tokens already written.
