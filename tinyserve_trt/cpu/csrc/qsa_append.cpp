@@ -24,27 +24,43 @@ const float kInvLevels = static_cast<float>(1.0 / kLevels);  // fine_bounds.INV_
 
 enum Status : int { kOk = 0, kBadPage = 1, kBadOffset = 2, kSharedPage = 3, kOutsidePage = 4 };
 
-// fine_bounds.encode of one (sub-page, channel): the float64 floor of the distance in steps,
-// clipped to [0, 15], then widened while the float32 decode lands inside [smin, smax].
-// The caller has checked kmin <= smin and smax <= kmax, so code 0 (the page bound) ends the loop.
-inline uint8_t encode(float smin, float smax, float kmin, float kmax) {
-  const float step = (kmax - kmin) * kInvLevels;
-  double lo_c = 0.0, hi_c = 0.0;
-  if (step > 0) {
-    const double s = static_cast<double>(step);
-    lo_c = std::floor((static_cast<double>(smin) - static_cast<double>(kmin)) / s);
-    hi_c = std::floor((static_cast<double>(kmax) - static_cast<double>(smax)) / s);
+// fine_bounds.encode's first guess for each channel: the float64 floor of the distance in
+// steps, clipped to [0, 15] (step <= 0: code 0). Branch-free, so the float64 divisions vectorize
+// (GCC if-converts the selects only without trapping math: FP exception flags, never results).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-trapping-math")))
+#endif
+void first_codes(const float* smin, const float* smax, const float* kmin, const float* kmax, int64_t D,
+                        int32_t* lo, int32_t* hi) {
+  for (int64_t d = 0; d < D; ++d) {
+    const float step = (kmax[d] - kmin[d]) * kInvLevels;
+    const bool pos = step > 0;
+    const double s = pos ? static_cast<double>(step) : 1.0;
+    double lo_c = std::floor((static_cast<double>(smin[d]) - static_cast<double>(kmin[d])) / s);
+    double hi_c = std::floor((static_cast<double>(kmax[d]) - static_cast<double>(smax[d])) / s);
+    // max/min in this operand order are maxpd/minpd (a NaN - keys outside the contract - gives 0)
+    lo_c = lo_c > 0.0 ? lo_c : 0.0;
+    hi_c = hi_c > 0.0 ? hi_c : 0.0;
+    lo_c = lo_c < kLevels ? lo_c : double(kLevels);
+    hi_c = hi_c < kLevels ? hi_c : double(kLevels);
+    lo[d] = static_cast<int32_t>(pos ? lo_c : 0.0);
+    hi[d] = static_cast<int32_t>(pos ? hi_c : 0.0);
   }
-  int lo = static_cast<int>(lo_c < 0 ? 0 : (lo_c > kLevels ? kLevels : lo_c));
-  int hi = static_cast<int>(hi_c < 0 ? 0 : (hi_c > kLevels ? kLevels : hi_c));
+}
+
+// The rest of fine_bounds.encode for one (sub-page, channel): widen a code by one step while the
+// float32 decode (each product and sum rounded once) lands inside [smin, smax]. The caller has
+// checked kmin <= smin and smax <= kmax, so code 0 (the page bound) always ends it.
+inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float kmax) {
+  const float step = (kmax - kmin) * kInvLevels;
   for (;;) {
     const float lo_prod = static_cast<float>(lo) * step;
     const float hi_prod = static_cast<float>(hi) * step;
-    const bool bad_lo = kmin + lo_prod > smin;
-    const bool bad_hi = kmax - hi_prod < smax;
-    if (!(bad_lo || bad_hi) || (lo == 0 && hi == 0)) break;
-    lo -= bad_lo && lo > 0;
-    hi -= bad_hi && hi > 0;
+    const bool bad_lo = kmin + lo_prod > smin && lo > 0;
+    const bool bad_hi = kmax - hi_prod < smax && hi > 0;
+    if (!(bad_lo || bad_hi)) break;
+    lo -= bad_lo;
+    hi -= bad_hi;
   }
   return static_cast<uint8_t>(lo + (hi << 4));
 }
@@ -72,6 +88,7 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
   const int64_t sp = sub ? ps / r : ps;
   std::vector<uint8_t> moved(D);
   std::vector<float> smin(D), smax(D);
+  std::vector<int32_t> lo(D), hi(D);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t p = page[t], valid = off[t] + 1, j = off[t] / sp;
@@ -103,10 +120,11 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
               smax[d] = np_max(smax[d], row[d]);
             }
           }
+          first_codes(smin.data(), smax.data(), mn, mx, D, lo.data(), hi.data());
           for (int64_t d = 0; d < D; ++d) {
             if (s != j && !moved[d]) continue;
             if (smin[d] < mn[d] || smax[d] > mx[d]) return kOutsidePage;
-            codes[s * D + d] = encode(smin[d], smax[d], mn[d], mx[d]);
+            codes[s * D + d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
           }
         }
         for (int64_t s = j + 1; s < r; ++s)  // no written token: the coarse bound, code 0
