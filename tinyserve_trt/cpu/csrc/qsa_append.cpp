@@ -97,20 +97,39 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
         const float* kt = k + ((l * T + t) * H + h) * D;
         float* mn = key_min + ((l * Nm + p) * H + h) * D;
         float* mx = key_max + ((l * Nm + p) * H + h) * D;
-        bool any_moved = fresh;
+        int64_t n_moved = 0;
         for (int64_t d = 0; d < D; ++d) {
           const float new_min = fresh ? kt[d] : np_min(mn[d], kt[d]);
           const float new_max = fresh ? kt[d] : np_max(mx[d], kt[d]);
           moved[d] = fresh || new_min != mn[d] || new_max != mx[d];
-          any_moved = any_moved || moved[d];
+          n_moved += moved[d];
           mn[d] = new_min;
           mx[d] = new_max;
         }
         if (!sub) continue;
         const float* kp = keys + ((l * N + p) * H + h) * ps * D;
         uint8_t* codes = sub + ((l * Nm + p) * H + h) * r * D;
-        // sub-pages 0..j hold tokens; without a moved channel only the token's own (j) changes
-        for (int64_t s = any_moved ? 0 : j; s <= j; ++s) {
+        // sub-pages 0..j hold tokens; j (the token's own) changes in every channel, 0..j-1 in the
+        // moved ones: all channels at once when many moved (a young page), else channel by channel
+        // (an old page moves a few of its D channels)
+        const bool few = n_moved * 4 < D;
+        if (few) {
+          for (int64_t d = 0; d < D; ++d) {
+            if (!moved[d]) continue;
+            for (int64_t s = 0; s < j; ++s) {
+              float lo_v = kp[s * sp * D + d], hi_v = lo_v;
+              for (int64_t i = s * sp + 1; i < (s + 1) * sp; ++i) {  // s < j: a full sub-page
+                lo_v = np_min(lo_v, kp[i * D + d]);
+                hi_v = np_max(hi_v, kp[i * D + d]);
+              }
+              if (lo_v < mn[d] || hi_v > mx[d]) return kOutsidePage;
+              int32_t lo1, hi1;
+              first_codes(&lo_v, &hi_v, mn + d, mx + d, 1, &lo1, &hi1);
+              codes[s * D + d] = widen(lo1, hi1, lo_v, hi_v, mn[d], mx[d]);
+            }
+          }
+        }
+        for (int64_t s = (n_moved && !few) ? 0 : j; s <= j; ++s) {
           const int64_t t0 = s * sp, t1 = (s + 1) * sp < valid ? (s + 1) * sp : valid;
           for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
           for (int64_t i = t0 + 1; i < t1; ++i) {
