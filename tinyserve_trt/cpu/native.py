@@ -1,7 +1,8 @@
 """Build and load ``libtinyserve_cpu.so``: the op's decode step as an ONNX Runtime custom op.
 
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
-(``DOMAIN``, ``OP_TYPE``). It is compiled on first use with the host C++ compiler
+(``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` (``csrc/qsa_append.cpp``, loaded
+with ctypes by ``append.py``). It is compiled on first use with the host C++ compiler
 (``$CXX``, else ``c++``) and ``-march=native``, into
 ``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
 sources, the compiler's version, the machine and the CPU's flags, so a cache shared
@@ -24,7 +25,7 @@ DOMAIN = "tinyserve.cpu"
 OP_TYPE = "QueryAwareSparseAttentionDecode"
 LIBRARY_NAME = "libtinyserve_cpu.so"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qsa_decode_cpu.cpp",)  # compiled; the headers next to it are hashed too
+SOURCES = ("qsa_decode_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next to it are hashed too
 # -ffp-contract=off: the sub-page bound decode must round like ops/fine_bounds.py (the dot
 # products use explicit FMA instead). -fno-math-errno: expf without glibc's error bookkeeping
 # (fetestexcept was ~5% of the kernel's time).

@@ -13,20 +13,33 @@ new token alone, bit for bit:
   those are re-encoded (``fine_bounds.encode``) from the stored keys, over the
   page's valid tokens, as ``fine_bounds.pages_sub_bounds`` would.
 
-Pure numpy over a host storage's arrays (``host_storage.HostKVStorage``); the
-caller has written the tokens and checked that each is a page's only token
-this step, at offset = the page's valid count before it in every layer.
+Over a host storage's arrays (``host_storage.HostKVStorage``); the caller has
+written the tokens and checked that each is a page's only token this step, at
+offset = the page's valid count before it in every layer. :func:`append_bounds`
+runs the native function (``cpu/append.py``, equal bit for bit) when the library
+is available and the arrays are float32; else :func:`append_bounds_numpy`, the
+reference (~8 ms a step at batch 8 on a 30-layer model: ~500 small reductions).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tinyserve_trt.cpu import append as native_append
 from tinyserve_trt.ops.fine_bounds import encode
 
 
 def append_bounds(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, sub: np.ndarray | None,
                   page: np.ndarray, off: np.ndarray, k: np.ndarray) -> None:
+    """:func:`append_bounds_numpy`, natively when it can (float32 arrays, library available)."""
+    if native_append.qualifies(keys, key_min, key_max, sub, k) and native_append.available() is None:
+        native_append.append_bounds(keys, key_min, key_max, sub, page, off, k)
+    else:
+        append_bounds_numpy(keys, key_min, key_max, sub, page, off, k)
+
+
+def append_bounds_numpy(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, sub: np.ndarray | None,
+                        page: np.ndarray, off: np.ndarray, k: np.ndarray) -> None:
     """Update bounds in place after appending one token per page in every layer.
 
     keys:             ``[L, N, Hkv, ps, D]`` the pool, tokens already written.

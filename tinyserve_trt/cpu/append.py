@@ -1,0 +1,94 @@
+"""The native ``append_bounds``: a decode step's page key bounds and sub-page codes, in C++.
+
+``csrc/qsa_append.cpp`` (in ``libtinyserve_cpu.so``, built by ``native.py``) does what
+``runtime/append_bounds.py::append_bounds_numpy`` does, bit for bit, in one pass over the
+touched pages instead of ~500 small numpy reductions per step. float32 pools only:
+:func:`qualifies` says whether a call's arrays can take this path. Loaded with ctypes on first
+use; imports numpy, so ``tinyserve_trt.cpu`` does not import this module itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from . import native
+
+SYMBOL = "tinyserve_append_bounds"
+_ERRORS = {
+    1: "a page id is outside the hot pool",
+    2: "an offset is outside [0, page_size)",
+    3: "two appended tokens share a page (one append per page per call)",
+    4: "sub-page bounds fall outside the page's key_min/key_max",  # fine_bounds.encode's message
+}
+_FUNCTION: list = []  # the loaded function, once
+_BUILD: dict = {}  # "reason": native.available()'s answer, once (a failed build is not retried every step)
+
+
+def available() -> str | None:
+    """None when the native function can be used, else the one-line reason it cannot
+    (``TINYSERVE_NATIVE=0``, no compiler, ...). The switch is read on every call (cheap); the build
+    is tried once per process."""
+    if os.environ.get(native.ENV_DISABLE, "1").strip() == "0":
+        return native.available()
+    if "reason" not in _BUILD:
+        _BUILD["reason"] = native.available()
+    return _BUILD["reason"]
+
+
+def _function():
+    if not _FUNCTION:
+        fn = getattr(ctypes.CDLL(str(native.library_path())), SYMBOL)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8
+        _FUNCTION.append(fn)
+    return _FUNCTION[0]
+
+
+def qualifies(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, sub: np.ndarray | None,
+              k: np.ndarray) -> bool:
+    """Whether the arrays fit the native function: float32 pool, bounds and keys, uint8 codes,
+    the pool, bounds and codes C-contiguous (they are written in place)."""
+    f32 = np.dtype(np.float32)
+    if not all(a.dtype == f32 for a in (keys, key_min, key_max, k)):
+        return False
+    if sub is not None and sub.dtype != np.uint8:
+        return False
+    return all(a.flags.c_contiguous for a in (keys, key_min, key_max) + ((sub,) if sub is not None else ()))
+
+
+def append_bounds(keys: np.ndarray, key_min: np.ndarray, key_max: np.ndarray, sub: np.ndarray | None,
+                  page: np.ndarray, off: np.ndarray, k: np.ndarray) -> None:
+    """``runtime.append_bounds.append_bounds_numpy`` natively; same arguments and shapes:
+    ``keys [L, N, Hkv, ps, D]``, ``key_min/key_max [L, Nm, Hkv, D]``, ``sub [L, Nm, Hkv, r, D]`` or
+    None, ``page/off [T]``, ``k [L, T, Hkv, D]``. Raises ValueError (one line) on arrays that do not
+    qualify or do not fit together, NativeUnavailable when the library cannot be loaded."""
+    if not qualifies(keys, key_min, key_max, sub, k):
+        raise ValueError("native append_bounds needs float32 C-contiguous keys/key_min/key_max/k and uint8 codes")
+    if keys.ndim != 5:
+        raise ValueError(f"keys must be [L, N, Hkv, ps, D], got shape {keys.shape}")
+    L, N, H, ps, D = keys.shape
+    page = np.ascontiguousarray(page, np.int64)
+    off = np.ascontiguousarray(off, np.int64)
+    if page.ndim != 1 or off.shape != page.shape:
+        raise ValueError(f"page and off must be [T] each, got {page.shape} and {off.shape}")
+    T = page.shape[0]
+    if key_min.ndim != 4 or key_min.shape != key_max.shape or key_min.shape[0] != L \
+            or key_min.shape[2:] != (H, D) or key_min.shape[1] < N:
+        raise ValueError(f"key_min/key_max must be [{L}, >={N}, {H}, {D}], got {key_min.shape} and {key_max.shape}")
+    Nm = key_min.shape[1]
+    r = 0
+    if sub is not None:
+        r = sub.shape[3] if sub.ndim == 5 else 0
+        if sub.shape != (L, Nm, H, r, D) or r < 1 or ps % r:
+            raise ValueError(f"sub must be [{L}, {Nm}, {H}, r, {D}] with r dividing {ps}, got {sub.shape}")
+    if k.shape != (L, T, H, D):
+        raise ValueError(f"k must be [{L}, {T}, {H}, {D}], got {k.shape}")
+    k = np.ascontiguousarray(k)
+    status = _function()(keys.ctypes.data, key_min.ctypes.data, key_max.ctypes.data,
+                         None if sub is None else sub.ctypes.data, page.ctypes.data, off.ctypes.data,
+                         k.ctypes.data, L, N, Nm, H, ps, D, T, r)
+    if status:
+        raise ValueError(_ERRORS.get(status, f"native append_bounds failed with status {status}"))

@@ -1,0 +1,156 @@
+// tinyserve_append_bounds: a decode step's page key bounds and sub-page codes, updated in place.
+//
+// The C form of tinyserve_trt/runtime/append_bounds.py::append_bounds_numpy (the reference),
+// equal to it bit for bit (tests/cpu/test_native_append.py): each token is its page's only
+// append this step, already written to the pool at offset `off` (the page's valid count before).
+// Per (layer, token, KV head):
+//   * key_min/key_max: min/max of the old bound and the token (a fresh page, off == 0: the token);
+//   * sub-page codes (ops/fine_bounds.py encode): every written sub-page of the channels whose
+//     page min or max moved (every channel of a fresh page), sub-pages without a written token
+//     code 0; and the token's own sub-page in every channel.
+// The numpy path spends ~500 small reductions per step on this (8 tokens, 30 layers); here it
+// is one pass over the touched pages. float32 pools only (float16 stays on the numpy path).
+//
+// Build with -ffp-contract=off (native.py does): the encoder's decode check rounds each
+// product and sum separately, as numpy does.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kLevels = 15;                                  // fine_bounds.LEVELS
+const float kInvLevels = static_cast<float>(1.0 / kLevels);  // fine_bounds.INV_LEVELS
+
+enum Status : int { kOk = 0, kBadPage = 1, kBadOffset = 2, kSharedPage = 3, kOutsidePage = 4 };
+
+// fine_bounds.encode's first guess for each channel: the float64 floor of the distance in
+// steps, clipped to [0, 15] (step <= 0: code 0). Branch-free, so the float64 divisions vectorize
+// (GCC if-converts the selects only without trapping math: FP exception flags, never results).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-trapping-math")))
+#endif
+void first_codes(const float* smin, const float* smax, const float* kmin, const float* kmax, int64_t D,
+                        int32_t* lo, int32_t* hi) {
+  for (int64_t d = 0; d < D; ++d) {
+    const float step = (kmax[d] - kmin[d]) * kInvLevels;
+    const bool pos = step > 0;
+    const double s = pos ? static_cast<double>(step) : 1.0;
+    double lo_c = std::floor((static_cast<double>(smin[d]) - static_cast<double>(kmin[d])) / s);
+    double hi_c = std::floor((static_cast<double>(kmax[d]) - static_cast<double>(smax[d])) / s);
+    // max/min in this operand order are maxpd/minpd (a NaN - keys outside the contract - gives 0)
+    lo_c = lo_c > 0.0 ? lo_c : 0.0;
+    hi_c = hi_c > 0.0 ? hi_c : 0.0;
+    lo_c = lo_c < kLevels ? lo_c : double(kLevels);
+    hi_c = hi_c < kLevels ? hi_c : double(kLevels);
+    lo[d] = static_cast<int32_t>(pos ? lo_c : 0.0);
+    hi[d] = static_cast<int32_t>(pos ? hi_c : 0.0);
+  }
+}
+
+// The rest of fine_bounds.encode for one (sub-page, channel): widen a code by one step while the
+// float32 decode (each product and sum rounded once) lands inside [smin, smax]. The caller has
+// checked kmin <= smin and smax <= kmax, so code 0 (the page bound) always ends it.
+inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float kmax) {
+  const float step = (kmax - kmin) * kInvLevels;
+  for (;;) {
+    const float lo_prod = static_cast<float>(lo) * step;
+    const float hi_prod = static_cast<float>(hi) * step;
+    const bool bad_lo = kmin + lo_prod > smin && lo > 0;
+    const bool bad_hi = kmax - hi_prod < smax && hi > 0;
+    if (!(bad_lo || bad_hi)) break;
+    lo -= bad_lo;
+    hi -= bad_hi;
+  }
+  return static_cast<uint8_t>(lo + (hi << 4));
+}
+
+// numpy's minimum/maximum: a NaN on either side propagates
+inline float np_min(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b < a ? b : a)); }
+inline float np_max(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b > a ? b : a)); }
+
+}  // namespace
+
+// keys [L, N, H, ps, D] float32 (the hot pool, tokens written); key_min/key_max [L, Nm, H, D]
+// float32; sub [L, Nm, H, r, D] uint8 or null (single-level: r unused); page/off [T] int64;
+// k [L, T, H, D] float32 (the appended keys). All C-contiguous. Returns 0, or a Status:
+// checks 1-3 run before anything is written; 4 (the encoder's precondition, a stale page bound)
+// stops midway, like the numpy path's ValueError.
+extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
+    const float* keys, float* key_min, float* key_max, uint8_t* sub, const int64_t* page, const int64_t* off,
+    const float* k, int64_t L, int64_t N, int64_t Nm, int64_t H, int64_t ps, int64_t D, int64_t T, int64_t r) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (page[t] < 0 || page[t] >= N || page[t] >= Nm) return kBadPage;
+    if (off[t] < 0 || off[t] >= ps) return kBadOffset;
+    for (int64_t u = 0; u < t; ++u)
+      if (page[u] == page[t]) return kSharedPage;
+  }
+  const int64_t sp = sub ? ps / r : ps;
+  std::vector<uint8_t> moved(D);
+  std::vector<float> smin(D), smax(D);
+  std::vector<int32_t> lo(D), hi(D);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = page[t], valid = off[t] + 1, j = off[t] / sp;
+      const bool fresh = off[t] == 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kt = k + ((l * T + t) * H + h) * D;
+        float* mn = key_min + ((l * Nm + p) * H + h) * D;
+        float* mx = key_max + ((l * Nm + p) * H + h) * D;
+        int64_t n_moved = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const float new_min = fresh ? kt[d] : np_min(mn[d], kt[d]);
+          const float new_max = fresh ? kt[d] : np_max(mx[d], kt[d]);
+          moved[d] = fresh || new_min != mn[d] || new_max != mx[d];
+          n_moved += moved[d];
+          mn[d] = new_min;
+          mx[d] = new_max;
+        }
+        if (!sub) continue;
+        const float* kp = keys + ((l * N + p) * H + h) * ps * D;
+        uint8_t* codes = sub + ((l * Nm + p) * H + h) * r * D;
+        // sub-pages 0..j hold tokens; j (the token's own) changes in every channel, 0..j-1 in the
+        // moved ones: all channels at once when many moved (a young page), else channel by channel
+        // (an old page moves a few of its D channels)
+        const bool few = n_moved * 4 < D;
+        if (few) {
+          for (int64_t d = 0; d < D; ++d) {
+            if (!moved[d]) continue;
+            for (int64_t s = 0; s < j; ++s) {
+              float lo_v = kp[s * sp * D + d], hi_v = lo_v;
+              for (int64_t i = s * sp + 1; i < (s + 1) * sp; ++i) {  // s < j: a full sub-page
+                lo_v = np_min(lo_v, kp[i * D + d]);
+                hi_v = np_max(hi_v, kp[i * D + d]);
+              }
+              if (lo_v < mn[d] || hi_v > mx[d]) return kOutsidePage;
+              int32_t lo1, hi1;
+              first_codes(&lo_v, &hi_v, mn + d, mx + d, 1, &lo1, &hi1);
+              codes[s * D + d] = widen(lo1, hi1, lo_v, hi_v, mn[d], mx[d]);
+            }
+          }
+        }
+        for (int64_t s = (n_moved && !few) ? 0 : j; s <= j; ++s) {
+          const int64_t t0 = s * sp, t1 = (s + 1) * sp < valid ? (s + 1) * sp : valid;
+          for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
+          for (int64_t i = t0 + 1; i < t1; ++i) {
+            const float* row = kp + i * D;
+            for (int64_t d = 0; d < D; ++d) {
+              smin[d] = np_min(smin[d], row[d]);
+              smax[d] = np_max(smax[d], row[d]);
+            }
+          }
+          first_codes(smin.data(), smax.data(), mn, mx, D, lo.data(), hi.data());
+          for (int64_t d = 0; d < D; ++d) {
+            if (s != j && !moved[d]) continue;
+            if (smin[d] < mn[d] || smax[d] > mx[d]) return kOutsidePage;
+            codes[s * D + d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
+          }
+        }
+        for (int64_t s = j + 1; s < r; ++s)  // no written token: the coarse bound, code 0
+          for (int64_t d = 0; d < D; ++d)
+            if (moved[d]) codes[s * D + d] = 0;
+      }
+    }
+  }
+  return kOk;
+}
