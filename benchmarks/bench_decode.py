@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True, help="tinyserve package (tinyserve-export output)")
     ap.add_argument("--source", type=Path, help="the original export (default: found by the manifest's sha256)")
+    ap.add_argument("--no-original", action="store_true",
+                    help="skip the original export's columns (its 8K batch-8 steps take minutes)")
     ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same model")
     ap.add_argument("--contexts", default="512,1024,4096,8000")
     ap.add_argument("--batches", default="1,8")
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.md")
     args = ap.parse_args(argv)
     package = ModelPackage.load(args.model)
-    source = find_source(package, args.source)
+    source = None if args.no_original else find_source(package, args.source)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     rows_out = []

@@ -94,14 +94,12 @@ def session(path: Path, threads: int, profile_prefix: str | None = None):
 
     import onnx
 
-    from tinyserve_trt.export.native_decode import session_options, uses_native
+    from tinyserve_trt.export.native_decode import session_options
 
     # a graph that decodes on the native CPU kernel needs its library (export/native_decode.py)
     graph = onnx.load(str(path), load_external_data=False)
     so = session_options(graph)
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    if uses_native(graph):  # as the runtime does (backends/ort.py): ORT must not spin on the kernel's cores
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix

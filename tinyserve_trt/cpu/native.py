@@ -8,7 +8,8 @@ with ctypes by ``append.py``). It is compiled on first use with the host C++ com
 sources, the compiler's version, the machine and the CPU's flags, so a cache shared
 between machines never hands one CPU another's build. The build writes a temporary file
 and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
-disables it. Python-light: no numpy or onnxruntime import here.
+disables it; ``TINYSERVE_NATIVE_POOL=own`` runs its parallel work on its own threads instead of the
+session's intra-op pool. Python-light: no numpy or onnxruntime import here.
 """
 
 from __future__ import annotations

@@ -70,6 +70,11 @@ struct OrtApi {
   void (*ReleaseStatus)(OrtStatus* status);                                                     // 93
   void* _unused_94_98[5];                                                                       // 94..98
   void (*ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo* info);                       // 99
+  void* _unused_100_273[174];                                                                   // 100..273
+  // C API >= 18: fn(usr_data, i) for i in [0, total) on the session's intra-op thread pool
+  // (num_batch 0: one task per index)
+  OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t total,
+                                          size_t num_batch, void* usr_data);                    // 274
 };
 
 #define QSA_ORT_SLOT(field, index) \
@@ -86,6 +91,7 @@ QSA_ORT_SLOT(KernelInfoGetAttribute_float, 85);
 QSA_ORT_SLOT(KernelContext_GetOutput, 91);
 QSA_ORT_SLOT(ReleaseStatus, 93);
 QSA_ORT_SLOT(ReleaseTensorTypeAndShapeInfo, 99);
+QSA_ORT_SLOT(KernelContext_ParallelFor, 274);
 #undef QSA_ORT_SLOT
 
 // A custom op's callbacks. With version >= 16 ORT calls CreateKernelV2 / KernelComputeV2

@@ -31,6 +31,14 @@ namespace {
 constexpr const char* kOpName = "QueryAwareSparseAttentionDecode";
 constexpr const char* kDomain = "tinyserve.cpu";
 constexpr uint32_t kApiVersion = 16;
+constexpr uint32_t kParallelForApiVersion = 18;  // KernelContext_ParallelFor
+// Set at registration: the runtime's C API has KernelContext_ParallelFor.
+bool ort_parallel_for_ok = false;
+
+bool own_pool_forced() {
+  const char* env = std::getenv("TINYSERVE_NATIVE_POOL");
+  return env && std::string(env) == "own";
+}
 constexpr size_t kNumInputs = 11, kNumRequired = 10, kNumOutputs = 2;
 
 struct Kernel {
@@ -245,7 +253,33 @@ OrtStatus* compute_impl(void* kernel_ptr, OrtKernelContext* ctx) {
       p.selected = static_cast<bool*>(data);
     }
   }
-  if (!qsa::run(p, kernel.attrs)) return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory");
+  // Parallel work on ORT's intra-op pool (its threads spin between nodes: ours would compete
+  // with them) when the runtime has it; TINYSERVE_NATIVE_POOL=own keeps our pool.
+  struct Dispatch {
+    const OrtApi* api;
+    OrtKernelContext* ctx;
+    OrtStatus* status = nullptr;
+  } dispatch{api, ctx};
+  const bool use_ort = ort_parallel_for_ok && !own_pool_forced();
+  if (use_ort) {
+    qsa::external_pool.self = &dispatch;
+    qsa::external_pool.run = [](void* self, int64_t n, const std::function<void(int64_t)>& fn) {
+      auto* d = static_cast<Dispatch*>(self);
+      auto trampoline = [](void* f, size_t i) {
+        (*static_cast<const std::function<void(int64_t)>*>(f))(static_cast<int64_t>(i));
+      };
+      OrtStatus* st = d->api->KernelContext_ParallelFor(d->ctx, trampoline, static_cast<size_t>(n), 0,
+                                                        const_cast<std::function<void(int64_t)>*>(&fn));
+      if (st) {  // ORT could not run it: run it here, keep the first status to release
+        if (!d->status) d->status = st; else d->api->ReleaseStatus(st);
+        for (int64_t i = 0; i < n; ++i) fn(i);
+      }
+    };
+  }
+  const bool ok = qsa::run(p, kernel.attrs);
+  qsa::external_pool = qsa::ExternalPool{};
+  if (dispatch.status) api->ReleaseStatus(dispatch.status);
+  if (!ok) return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory");
   return nullptr;
 }
 
@@ -319,6 +353,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
                       " (onnxruntime >= 1.16), this is onnxruntime " + base->GetVersionString();
     return base->GetApi(1)->CreateStatus(ORT_FAIL, msg.c_str());
   }
+  ort_parallel_for_ok = base->GetApi(kParallelForApiVersion) != nullptr;
   OrtCustomOpDomain* domain = nullptr;
   QSA_TRY(api->CreateCustomOpDomain(kDomain, &domain));
   QSA_TRY(api->CustomOpDomain_Add(domain, &kOp));

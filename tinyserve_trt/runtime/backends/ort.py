@@ -121,10 +121,7 @@ class OrtBackend(Backend):
 
         reason = native.available()
         if reason is None:
-            native.register(so)
-            # ORT's idle intra-op threads would spin on the cores the kernel's own pool works on
-            # (SmolLM2 8K decode, 2 cores: batch 1 40.5 -> 34.7 ms, batch 8 178 -> 112 ms without spinning)
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            native.register(so)  # the kernel runs its parallel work on this session's intra-op pool
             return path
         log.warning("%s: the native CPU decode kernel is unavailable (%s); loading the portable model",
                     self.package.path, reason)
