@@ -100,10 +100,13 @@ def test_batch_one(rng, sp):
             check_case(case, schema.OpAttributes(sub_page_size=sp))
 
 
+@pytest.mark.parametrize("pool", ["ort", "own"])
 @pytest.mark.parametrize("sp", [0, 4])
-def test_batch_one_splits_the_attention(rng, sp):
+def test_batch_one_splits_the_attention(rng, sp, pool, monkeypatch):
     """Batch 1 has fewer (sequence, KV head) tasks than 2 per pool thread: each one's kept rows are
-    split into chunks attended apart and merged (with 2+ cores; serial otherwise, same result)."""
+    split into chunks attended apart and merged (with 2+ cores; serial otherwise, same result), on
+    the session's intra-op pool (the default) and on the library's own (TINYSERVE_NATIVE_POOL=own)."""
+    monkeypatch.setenv("TINYSERVE_NATIVE_POOL", pool)
     for heads, kv_heads in ((6, 2), (9, 3), (4, 1)):
         for past in (1, 16, 300, 977):
             case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
