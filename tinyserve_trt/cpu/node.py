@@ -12,6 +12,7 @@ from ..ops import schema
 from .native import DOMAIN, OP_TYPE
 
 VERSION = 1
+POLICIES = ("query_aware", "dense")  # the selection policies the kernel implements
 NODE_ATTRIBUTES = tuple(a.name for a in schema.ATTRIBUTES if a.name != "cold_format")
 
 
@@ -26,7 +27,7 @@ def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttr
     from onnx import helper
 
     attrs = attrs or schema.OpAttributes()
-    if attrs.policy not in ("query_aware", "dense"):
+    if attrs.policy not in POLICIES:
         raise ValueError(f"{OP_TYPE} supports policy query_aware or dense, got {attrs.policy!r}")
     want = len(input_names(attrs.two_level))
     if len(inputs) != want:

@@ -29,9 +29,9 @@ from onnx import TensorProto, helper
 
 from ..cpu.native import DOMAIN as NATIVE_DOMAIN
 from ..cpu.native import OP_TYPE as NATIVE_OP
+from ..cpu.node import POLICIES as NATIVE_POLICIES
 from ..ops import schema
 
-NATIVE_POLICIES = ("query_aware", "dense")  # what cpu.node.make_decode_node accepts
 NATIVE_FLOAT_TYPES = (TensorProto.FLOAT,)
 SWITCH_SUFFIX = "_decode_switch"
 

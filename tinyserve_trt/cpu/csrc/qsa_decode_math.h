@@ -12,27 +12,12 @@
 #include <functional>
 #include <vector>
 
+#include "qsa_attend.h"
+#include "qsa_problem.h"
 #include "qsa_thread_pool.h"
 #include "qsa_vector.h"
 
 namespace qsa {
-
-struct Attrs {  // defaults: schema.ATTRIBUTES
-  float scale = 0.0f;
-  int64_t sink_pages = 1, recent_pages = 1, sub_page_size = 0;
-  float candidate_share = 0.5f;
-  bool dense = false, reduce_sum = false;
-};
-
-struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for single-level
-  int64_t B = 0, H = 0, Hkv = 0, G = 1, D = 0, P = 0, Pm = 0, ps = 1, NP = 0, sp = 1, r = 1;
-  const float *q = nullptr, *k = nullptr, *v = nullptr, *kc = nullptr, *vc = nullptr, *kmin = nullptr,
-              *kmax = nullptr;
-  const int32_t *table = nullptr, *past = nullptr, *budget = nullptr;
-  const uint8_t* sub = nullptr;
-  float* out = nullptr;
-  bool* selected = nullptr;  // may be null (output not requested)
-};
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits, part;
@@ -256,115 +241,6 @@ class HeadStep {
   const int32_t* pages_;
   const float* q_;
 };
-
-// Softmax attention of (sequence b, KV head h)'s G queries over `count` kept rows (offsets
-// into the pools) and, if with_new, the new token: per query, part[0] = the max logit m,
-// part[1] = sum exp(logit - m), part[2..2+D) = sum exp(logit - m) * v. Part layout [G][2 + D].
-inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
-                        bool with_new, std::vector<float>& logits, float* part) {
-  const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
-  const float* q = p.q + (b * p.H + h * G) * D;
-  const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  logits.resize(G * T);
-  // Kept sub-pages are scattered over the pools: prefetch the K and V rows kAhead ahead (V
-  // for the second pass); 8-64 measured alike at batch 8, 8K, cold caches.
-  constexpr int64_t kAhead = 16;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* krow = t < count ? p.kc + rows[t] : p.k + new_row;
-    if (t + kAhead < count) {
-      prefetch_row(p.kc + rows[t + kAhead], D);
-      prefetch_row(p.vc + rows[t + kAhead], D);
-    }
-    for (int64_t g = 0; g < G; ++g) logits[g * T + t] = dot(q + g * D, krow, D) * scale;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* l = &logits[g * T];
-    float* out = part + g * (2 + D);
-    float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
-    out[0] = m, out[1] = sum;
-    std::fill(out + 2, out + 2 + D, 0.0f);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const float* vrow = t < count ? p.vc + rows[t] : p.v + new_row;
-    for (int64_t g = 0; g < G; ++g) axpy(logits[g * T + t], vrow, part + g * (2 + D) + 2, D);
-  }
-}
-
-
-// attend_part_generic, blocked: the logits of 8 rows per query head at a time (one reduction
-// for 8 dot products instead of 8), and each head's output accumulated in registers over all
-// rows (no load/store of the output per row). For D a multiple of 8, D <= 128; same sums in
-// another order (float32 rounding, within schema.TOLERANCES).
-inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
-                        bool with_new, std::vector<float>& logits, float* part) {
-#ifdef __AVX2__
-  const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
-  if (D % kW != 0 || D / kW > kMaxChunks) return attend_part_generic(p, a, b, h, rows, count, with_new, logits, part);
-  const int64_t C = D / kW;
-  const float* q = p.q + (b * p.H + h * G) * D;
-  const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  logits.resize(G * (T + kW));
-  auto krow = [&](int64_t t) { return t < count ? p.kc + rows[t] : p.k + new_row; };
-  auto vrow = [&](int64_t t) { return t < count ? p.vc + rows[t] : p.v + new_row; };
-  constexpr int64_t kAhead = 16;
-  for (int64_t t0 = 0; t0 < T; t0 += kW) {
-    const int64_t n = std::min<int64_t>(kW, T - t0);
-    for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + kW, count); ++t) {
-      prefetch_row(p.kc + rows[t], D);
-      prefetch_row(p.vc + rows[t], D);
-    }
-    const float* k[kW];
-    for (int64_t i = 0; i < kW; ++i) k[i] = krow(t0 + (i < n ? i : 0));
-    for (int64_t g = 0; g < G; ++g) {
-      vf acc[kW] = {};
-      const float* qg = q + g * D;
-      for (int64_t c = 0; c < C; ++c) {
-        const vf qc = vload(qg + c * kW);
-        for (int64_t i = 0; i < kW; ++i) acc[i] = vfma(qc, vload(k[i] + c * kW), acc[i]);
-      }
-      vstore(&logits[g * (T + kW) + t0], hsum8(acc) * scale);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* l = &logits[g * (T + kW)];
-    float* out = part + g * (2 + D);
-    float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
-    out[0] = m, out[1] = sum;
-    vf acc[kMaxChunks] = {};
-    for (int64_t t = 0; t < T; ++t) {
-      const vf w = vf{} + l[t];
-      const float* v = vrow(t);
-      for (int64_t c = 0; c < C; ++c) acc[c] = vfma(w, vload(v + c * kW), acc[c]);
-    }
-    for (int64_t c = 0; c < C; ++c) vstore(out + 2 + c * kW, acc[c]);
-  }
-#else
-  attend_part_generic(p, a, b, h, rows, count, with_new, logits, part);
-#endif
-}
-
-// output[b, h*G + g] from the chunks' parts [chunks][G][2 + D] (flash-decoding's merge).
-inline void merge_parts(const Problem& p, int64_t b, int64_t h, const float* parts, int64_t chunks) {
-  const int64_t D = p.D, G = p.G, stride = G * (2 + D);
-  float* out = p.out + (b * p.H + h * G) * D;
-  for (int64_t g = 0; g < G; ++g) {
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[c * stride + g * (2 + D)]);
-    float* o = out + g * D;
-    std::fill(o, o + D, 0.0f);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* part = parts + c * stride + g * (2 + D);
-      if (part[1] == 0.0f) continue;  // an empty chunk
-      const float w = chunks == 1 ? 1.0f : std::exp(part[0] - m);
-      sum += w * part[1];
-      axpy(w, part + 2, o, D);
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-  }
-}
 
 // Every (sequence, KV head) of the call over the pool's threads. With fewer than 2 of them per
 // thread (batch 1), the selection runs one task per (sequence, KV head) and the attention
