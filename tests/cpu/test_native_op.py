@@ -19,19 +19,23 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"native CPU op unav
 _SESSIONS: dict = {}
 
 
-def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = True):
-    key = (attrs, with_selected)
+def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = True, lib=None):
+    """Run the node over ``case``; ``lib`` another build of the library (default: this machine's)."""
+    key = (attrs, with_selected, lib)
     if key not in _SESSIONS:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 2
-        native.register(so)
+        if lib is None:
+            native.register(so)
+        else:
+            so.register_custom_ops_library(str(lib))
         model = make_decode_model(attrs, with_selected)
         _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return _SESSIONS[key].run(None, {n: case[n] for n in input_names(attrs.two_level)})
 
 
-def check_case(case: dict, attrs: schema.OpAttributes):
-    out, sel = run_native(case, attrs)
+def check_case(case: dict, attrs: schema.OpAttributes, lib=None):
+    out, sel = run_native(case, attrs, lib=lib)
     ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
     np.testing.assert_allclose(out, ref_out, **schema.TOLERANCES["float32"])
     assert sel.dtype == bool and sel.shape == ref_sel.shape

@@ -3,7 +3,8 @@
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
 (``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` (``csrc/qsa_append.cpp``, loaded
 with ctypes by ``append.py``). It is compiled on first use with the host C++ compiler
-(``$CXX``, else ``c++``) and ``-march=native``, into
+(``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``TINYSERVE_NATIVE_ARCH`` names
+another ``-march`` target, e.g. ``x86-64-v2`` or ``armv8-a`` for a cache shared by several CPUs), into
 ``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
 sources, the compiler's version, the machine and the CPU's flags, so a cache shared
 between machines never hands one CPU another's build. The build writes a temporary file
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,9 +32,9 @@ SOURCES = ("qsa_decode_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next
 # -ffp-contract=off: the sub-page bound decode must round like ops/fine_bounds.py (the dot
 # products use explicit FMA instead). -fno-math-errno: expf without glibc's error bookkeeping
 # (fetestexcept was ~5% of the kernel's time).
-CXXFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17",
-            "-fvisibility=hidden")
+CXXFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
 ENV_DISABLE = "TINYSERVE_NATIVE"
+ENV_ARCH = "TINYSERVE_NATIVE_ARCH"
 ENV_CACHE = "TINYSERVE_CACHE"
 
 
@@ -59,12 +61,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_key(cxx: str, cxx_version: str, sources: dict[str, bytes], machine: str, cpu_flags: str) -> str:
+def arch() -> str:
+    """The ``-march`` target: ``$TINYSERVE_NATIVE_ARCH`` or ``native``."""
+    value = os.environ.get(ENV_ARCH, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value):
+        raise NativeUnavailable(f"{ENV_ARCH}={value!r} is not a -march target name")
+    return value
+
+
+def build_key(cxx: str, cxx_version: str, sources: dict[str, bytes], machine: str, cpu_flags: str,
+              march: str = "native") -> str:
     """The cache key of one build: every input that can change the binary."""
     h = hashlib.sha256()
     for name in sorted(sources):
         h.update(name.encode() + b"\0" + sources[name] + b"\0")
-    for part in (cxx, cxx_version, machine, hashlib.sha256(cpu_flags.encode()).hexdigest(), " ".join(CXXFLAGS)):
+    for part in (cxx, cxx_version, machine, hashlib.sha256(cpu_flags.encode()).hexdigest(), " ".join(CXXFLAGS),
+                 march):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:24]
 
@@ -88,11 +100,13 @@ def _first_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[0].strip()
 
 
-def build(source_dir: Path = SOURCE_DIR, root: Path | None = None) -> Path:
-    """Compile the library if this key has no build yet; return its path."""
+def build(source_dir: Path = SOURCE_DIR, root: Path | None = None, march: str | None = None) -> Path:
+    """Compile the library for ``-march=march`` (default: ``arch()``) if this key has no build yet;
+    return its path."""
     cxx = compiler()
+    march = march or arch()
     sources = _source_files(source_dir)
-    key = build_key(cxx, _compiler_version(cxx), sources, platform.machine(), _cpu_flags())
+    key = build_key(cxx, _compiler_version(cxx), sources, platform.machine(), _cpu_flags(), march)
     out_dir = (root or cache_root()) / "native" / key
     lib = out_dir / LIBRARY_NAME
     if lib.exists():
@@ -104,7 +118,7 @@ def build(source_dir: Path = SOURCE_DIR, root: Path | None = None) -> Path:
         raise NativeUnavailable(f"cannot write the build cache {out_dir}: {e.strerror} (set {ENV_CACHE})") from None
     os.close(fd)
     try:
-        cmd = [cxx, *CXXFLAGS, "-o", tmp, *(str(source_dir / s) for s in SOURCES)]
+        cmd = [cxx, *CXXFLAGS, f"-march={march}", "-o", tmp, *(str(source_dir / s) for s in SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             raise NativeUnavailable(f"compiling {LIBRARY_NAME} failed: {_first_line(res.stderr)}")

@@ -1,0 +1,82 @@
+"""The native op built for a baseline CPU (no AVX2/FMA: the scalar and generic paths that ARM boards
+such as Jetson, and old x86 CPUs, run) equals the numpy reference too. The default build
+(-march=native) takes the AVX2 paths on this machine, so without this test the generic code would
+never run in CI."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from tinyserve_dev.cases import CaseSpec, make_case
+from tinyserve_trt.cpu import native
+from tinyserve_trt.ops import schema
+
+from .test_native_op import check_case, ragged_lens, run_native
+
+BASELINE = {"x86_64": "x86-64", "aarch64": "armv8-a"}.get(platform.machine())
+pytestmark = pytest.mark.skipif(BASELINE is None or native.available() is not None,
+                                reason=f"no baseline -march for {platform.machine()} or no native build")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return native.build(native.SOURCE_DIR, tmp_path_factory.mktemp("cache"), march=BASELINE)
+
+
+def test_baseline_build_has_no_avx(lib):
+    """The build really is another binary: a different cache key, no AVX (ymm) or FMA instructions in it
+    (the -march=native build on this machine has both)."""
+    assert lib != native.library_path()
+    if BASELINE == "x86-64":
+        import shutil
+        import subprocess
+
+        if shutil.which("objdump"):
+            dis = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True).stdout
+            assert "ymm" not in dis and "vfmadd" not in dis
+
+
+@pytest.mark.parametrize("sp", [0, 4])
+@pytest.mark.parametrize("group_reduce", schema.GROUP_REDUCTIONS)
+def test_baseline_matches_reference(rng, lib, sp, group_reduce):
+    ps = 16
+    lens = ragged_lens(rng, ps)
+    attrs = schema.OpAttributes(sub_page_size=sp, group_reduce=group_reduce, sink_pages=1, recent_pages=1)
+    for budget in (ps, 3 * ps + 4, 10 * ps, 0):
+        check_case(make_case(CaseSpec(lens, 6, 2, 32, ps, budget=budget, sub_page_size=sp), rng), attrs, lib)
+
+
+@pytest.mark.parametrize("sp", [0, 4])
+def test_baseline_smollm2_shapes_and_batch_one(rng, lib, sp):
+    case = make_case(CaseSpec((3000, 1337), 9, 3, 64, 32, budget=512, sub_page_size=sp), rng)
+    check_case(case, schema.OpAttributes(sub_page_size=sp), lib)
+    for past in (1, 300, 977):  # batch 1: the attention split into chunks
+        case = make_case(CaseSpec((past,), 9, 3, 64, 16, budget=64, sub_page_size=sp), rng)
+        check_case(case, schema.OpAttributes(sub_page_size=sp), lib)
+
+
+def test_baseline_odd_head_dim_and_dense(rng, lib):
+    case = make_case(CaseSpec(ragged_lens(rng, 16), 6, 2, 20, 16, budget=40, sub_page_size=4), rng)
+    check_case(case, schema.OpAttributes(sub_page_size=4), lib)
+    case = make_case(CaseSpec(ragged_lens(rng, 16), 6, 2, 20, 16, budget=40), rng)
+    check_case(case, schema.OpAttributes(), lib)
+    check_case(case, schema.OpAttributes(policy="dense"), lib)
+
+
+def test_baseline_and_native_builds_select_the_same_pages(rng, lib):
+    case = make_case(CaseSpec((2000, 777, 64), 9, 3, 64, 32, budget=256, sub_page_size=4), rng)
+    attrs = schema.OpAttributes(sub_page_size=4)
+    assert (run_native(case, attrs, lib=lib)[1] == run_native(case, attrs)[1]).all()
+
+
+def test_bad_arch_is_one_line(monkeypatch):
+    monkeypatch.setenv(native.ENV_ARCH, "native; rm -rf /")
+    with pytest.raises(native.NativeUnavailable, match=r"TINYSERVE_NATIVE_ARCH=.* is not a -march target name"):
+        native.arch()
+
+
+def test_unknown_arch_fails_the_build_with_one_line(tmp_path):
+    with pytest.raises(native.NativeUnavailable, match=r"compiling libtinyserve_cpu.so failed: .*error"):
+        native.build(native.SOURCE_DIR, tmp_path, march="no-such-cpu")
