@@ -252,18 +252,23 @@ def test_a_failed_step_fails_its_requests_frees_their_pages_and_the_engine_goes_
         assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
+async def tokens_or_error(engine, prompt):
+    """Stream one greedy request to the end: its token count, or the RuntimeError it failed with."""
+    try:
+        async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
+            pass
+        return len(r.outputs[0].token_ids)
+    except RuntimeError as e:
+        return e
+
+
 def test_async_llm_fails_only_the_failed_batch_then_gives_up_after_repeated_failures(llama, caplog):
     async def main():
         engine = AsyncLLM(llama[1], dense=True, max_batch=1, max_consecutive_failures=2)
         raised = poison_backend(engine.engine, 99)
 
-        async def run(prompt):
-            try:
-                async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
-                    pass
-                return len(r.outputs[0].token_ids)
-            except RuntimeError as e:
-                return e
+        def run(prompt):
+            return tokens_or_error(engine, prompt)
 
         try:
             results = await asyncio.gather(run([5, 6, 7]), run([99, 1, 2]), run([8, 9, 10]))
@@ -308,13 +313,8 @@ def test_async_llm_fails_one_request_whose_delivery_raises(llama, monkeypatch):
     async def main():
         engine = AsyncLLM(llama[1], dense=True)
 
-        async def run(prompt):
-            try:
-                async for r in engine.generate(prompt_token_ids=prompt, params=GREEDY):
-                    pass
-                return len(r.outputs[0].token_ids)
-            except RuntimeError as e:
-                return e
+        def run(prompt):
+            return tokens_or_error(engine, prompt)
 
         try:
             got = await asyncio.gather(run([5, 6]), run([99, 1]), run([7, 8]))
