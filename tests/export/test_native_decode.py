@@ -17,7 +17,8 @@ import pytest
 from tinyserve_trt.contracts.manifest import MANIFEST_FILE, MODEL_FILE, ORT_GRAPH_FILE
 from tinyserve_trt.cpu import native as cpu_native
 from tinyserve_trt.export.config import ExportConfig
-from tinyserve_trt.export.native_decode import NATIVE_DOMAIN, NATIVE_OP, ineligible, native_calls, uses_native
+from tinyserve_trt.export.native_decode import (NATIVE_DOMAIN, NATIVE_OP, ineligible, native_calls, unsupported,
+                                                uses_native)
 from tinyserve_trt.export.ort_graph import prepared_graph
 from tinyserve_trt.export.pipeline import export_model
 from tinyserve_trt.ops import schema
@@ -79,6 +80,19 @@ def test_nodes_the_kernel_does_not_implement_keep_the_function():
         [_node("window")], "g", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
                                  for n in schema.node_input_names()], []))
     assert native_calls(model) == [] and not uses_native(model)
+    assert "policy 'window'" in unsupported(model)  # the export's record says why, and skips the check
+
+
+def test_unsupported_names_why_no_layer_switches():
+    def model(*nodes, elem=onnx.TensorProto.FLOAT):
+        inputs = {n for node in nodes for n in node.input if n}
+        return onnx.helper.make_model(onnx.helper.make_graph(
+            list(nodes), "g", [onnx.helper.make_tensor_value_info(n, elem, None) for n in sorted(inputs)], []))
+
+    assert unsupported(model(_node(cold=True))) == "cold pages"
+    assert "element type" in unsupported(model(_node(), elem=onnx.TensorProto.FLOAT16))
+    assert unsupported(model(_node())) is None
+    assert unsupported(model()) == f"no {schema.OP_TYPE} node"
 
 
 @needs_native

@@ -60,6 +60,15 @@ def ineligible(node: onnx.NodeProto, elem_types: dict[str, int]) -> str | None:
     return None
 
 
+def unsupported(model: onnx.ModelProto) -> str | None:
+    """Why no layer of ``model`` can decode on the native kernel (None: at least one can)."""
+    elem_types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input}
+    reasons = [ineligible(n, elem_types) for n in model.graph.node if _is_op(n)]
+    if not reasons:
+        return f"no {schema.OP_TYPE} node"
+    return None if None in reasons else reasons[0]
+
+
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
 

@@ -73,7 +73,9 @@ def _with_native(out: dict, proto: onnx.ModelProto, manifest: dict, tolerance: f
     (``sparse_agreement``); otherwise the record says why and the graph keeps the function."""
     from ..cpu import native as cpu_native
 
-    reason = cpu_native.available()
+    from .native_decode import unsupported
+
+    reason = unsupported(proto) or cpu_native.available()
     if reason is not None:
         progress(f"native CPU decode kernel not used: {reason}")
         return dict(out, ort_native=False, ort_native_check=f"skipped: {reason}")

@@ -184,7 +184,9 @@ def _ort_decode(ort_graph, validation: dict, config: ExportConfig) -> str | None
         return f"native CPU kernel ({ort_graph.native}); prefill: the op's ONNX function"
     if not config.native_decode:
         return "the op's ONNX function (--no-native-decode)"
-    check = validation.get("ort_native_check")
+    check = validation.get("ort_native_check") or ""
+    if check.startswith("skipped: "):
+        return f"the op's ONNX function (native kernel not used: {check[len('skipped: '):]})"
     return "the op's ONNX function" + (f" (native kernel {check})" if check else "")
 
 
