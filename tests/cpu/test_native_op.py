@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyserve_dev.cases import CaseSpec, make_case
+from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
 from tinyserve_trt.cpu import native
 from tinyserve_trt.cpu.node import input_names, make_decode_model
 from tinyserve_trt.ops import schema, sparse_attention_ref
@@ -21,7 +21,8 @@ _SESSIONS: dict = {}
 
 def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = True, lib=None):
     """Run the node over ``case``; ``lib`` another build of the library (default: this machine's)."""
-    key = (attrs, with_selected, lib)
+    cold = case.get("key_cache_int8") is not None
+    key = (attrs, with_selected, lib, cold)
     if key not in _SESSIONS:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 2
@@ -29,9 +30,9 @@ def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = Tru
             native.register(so)
         else:
             so.register_custom_ops_library(str(lib))
-        model = make_decode_model(attrs, with_selected)
+        model = make_decode_model(attrs, with_selected, cold_pages=cold)
         _SESSIONS[key] = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return _SESSIONS[key].run(None, {n: case[n] for n in input_names(attrs.two_level)})
+    return _SESSIONS[key].run(None, {n: case[n] for n in input_names(attrs.two_level, cold) if n})
 
 
 def check_case(case: dict, attrs: schema.OpAttributes, lib=None):
@@ -115,6 +116,56 @@ def test_batch_one_splits_the_attention(rng, sp, pool, monkeypatch):
         for past in (1, 16, 300, 977):
             case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
             check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
+COLD_LAYOUTS = [("int8", "channel", "token", 0), ("int8", "token", "channel", 0), ("int8", "head", "head", 0),
+                ("int4", "channel", "token", 16), ("int4", "channel", "head", 0), ("int4", "channel", "channel", 0)]
+
+
+def cold_case(rng, lens, spec_kw, layout, cold_fraction=0.5):
+    fmt, kg, vg, group = layout
+    return make_mixed_case(CaseSpec(lens, **spec_kw), rng, cold_fraction, kg, vg, fmt, group)
+
+
+@pytest.mark.parametrize("layout", COLD_LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+@pytest.mark.parametrize("sp", [0, 4])
+def test_cold_pages_match_reference(rng, layout, sp):
+    """Hot and cold (INT8 or INT4, each scale layout) pages in one pool: the kept cold rows are
+    dequantized as ops/cold_codec.py does (INT4 keys on the sub-page bounds when two-level)."""
+    attrs = schema.OpAttributes(sub_page_size=sp, cold_format=layout[0])
+    lens = ragged_lens(rng, 16)
+    for budget in (16, 3 * 16 + 4, 10 * 16, 0):
+        kw = dict(num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, budget=budget, sub_page_size=sp)
+        check_case(cold_case(rng, lens, kw, layout), attrs)
+    for cold_fraction in (0.1, 0.9):  # mostly hot, mostly cold; batch 1 splits its attention
+        kw = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=32, budget=256, sub_page_size=sp)
+        check_case(cold_case(rng, (1500,), kw, layout, cold_fraction), attrs)
+
+
+def test_cold_input_errors_are_one_line(rng):
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, budget=8)
+    case = cold_case(rng, (40, 30), kw, ("int8", "channel", "token", 0))
+    attrs = schema.OpAttributes()
+    bad = dict(case, value_scale=np.ones(case["value_scale"].shape[:-1] + (3,), np.float32))
+    _error(bad, attrs, r"value_scale has shape \[\d+,2,8,3\], expected \[\d+,2,ps\|1,C\] with C dividing 16")
+    short = dict(case, key_cache_int8=np.ascontiguousarray(case["key_cache_int8"][:, :, :4]))
+    _error(short, attrs, r"key_cache_int8 has shape \[\d+,2,4,16\], expected \[\d+,2,8,16\]")
+
+
+def test_cold_pools_of_another_format_are_one_line(rng):
+    """INT8 pools fed to a node whose cold_format says int4 (the graph's types say int8)."""
+    from onnx import helper
+
+    kw = dict(num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, budget=8)
+    case = cold_case(rng, (40, 30), kw, ("int8", "channel", "token", 0))
+    model = make_decode_model(schema.OpAttributes(), cold_pages=True)
+    (attr,) = [a for a in model.graph.node[0].attribute if a.name == "cold_format"]
+    attr.CopyFrom(helper.make_attribute("cold_format", "int4"))
+    so = ort.SessionOptions()
+    native.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match=r"key_cache_int8 has element type 3, cold_format int4 stores 2$"):
+        sess.run(None, {n: case[n] for n in input_names(False, True) if n})
 
 
 def test_output_only_node(rng):

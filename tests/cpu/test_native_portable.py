@@ -13,7 +13,7 @@ from tinyserve_dev.cases import CaseSpec, make_case
 from tinyserve_trt.cpu import native
 from tinyserve_trt.ops import schema
 
-from .test_native_op import check_case, ragged_lens, run_native
+from .test_native_op import COLD_LAYOUTS, check_case, cold_case, ragged_lens, run_native
 
 BASELINE = {"x86_64": "x86-64", "aarch64": "armv8-a"}.get(platform.machine())
 pytestmark = pytest.mark.skipif(BASELINE is None or native.available() is not None,
@@ -63,6 +63,14 @@ def test_baseline_odd_head_dim_and_dense(rng, lib):
     case = make_case(CaseSpec(ragged_lens(rng, 16), 6, 2, 20, 16, budget=40), rng)
     check_case(case, schema.OpAttributes(), lib)
     check_case(case, schema.OpAttributes(policy="dense"), lib)
+
+
+@pytest.mark.parametrize("layout", COLD_LAYOUTS[::3], ids=lambda x: "-".join(map(str, x)))
+def test_baseline_cold_pages(rng, lib, layout):
+    for sp in (0, 4):
+        kw = dict(num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, budget=52, sub_page_size=sp)
+        check_case(cold_case(rng, ragged_lens(rng, 16), kw, layout), schema.OpAttributes(sub_page_size=sp,
+                                                                                          cold_format=layout[0]), lib)
 
 
 def test_baseline_and_native_builds_select_the_same_pages(rng, lib):

@@ -1,7 +1,8 @@
 """Build ``tinyserve.cpu::QueryAwareSparseAttentionDecode`` nodes: the op's decode step, native.
 
-The node takes the schema's required inputs in schema order, then (two-level) ``key_sub_bounds``;
-its attributes are the schema's (``schema.OpAttributes``) minus ``cold_format`` (no cold pools).
+The node takes the schema's required inputs in schema order, then ``key_sub_bounds`` (two-level;
+"" when single-level with cold pages), then - with cold pages - the four cold inputs in schema order;
+its attributes are the schema's (``schema.OpAttributes``), ``cold_format`` only with cold pages.
 It runs only in an ORT session whose options went through ``native.register``. S must be 1:
 an exporter puts it in the decode branch of an ``If``, the function body in the other.
 """
@@ -13,49 +14,57 @@ from .native import DOMAIN, OP_TYPE
 
 VERSION = 1
 POLICIES = ("query_aware", "dense")  # the selection policies the kernel implements
-NODE_ATTRIBUTES = tuple(a.name for a in schema.ATTRIBUTES if a.name != "cold_format")
+NODE_ATTRIBUTES = tuple(a.name for a in schema.ATTRIBUTES)
 
 
-def input_names(two_level: bool) -> tuple[str, ...]:
-    """The node's inputs: the schema's required ones, then ``key_sub_bounds`` when two-level."""
-    return schema.INPUT_NAMES[:schema.NUM_REQUIRED_INPUTS] + (schema.TWO_LEVEL_INPUTS if two_level else ())
+def input_names(two_level: bool, cold_pages: bool = False) -> tuple[str, ...]:
+    """The node's inputs: the schema's required ones, then ``key_sub_bounds`` when two-level, then
+    the cold inputs (``schema.COLD_INPUTS``) with cold pages."""
+    names = schema.INPUT_NAMES[:schema.NUM_REQUIRED_INPUTS]
+    if two_level or cold_pages:
+        names += schema.TWO_LEVEL_INPUTS if two_level else ("",)
+    return names + (schema.COLD_INPUTS if cold_pages else ())
 
 
 def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes | None = None,
-                     name: str | None = None):
+                     name: str | None = None, cold_pages: bool = False):
     """One native decode node; ``inputs`` as :func:`input_names`, ``outputs`` 1-2 of ``schema.OUTPUTS``."""
     from onnx import helper
 
     attrs = attrs or schema.OpAttributes()
     if attrs.policy not in POLICIES:
         raise ValueError(f"{OP_TYPE} supports policy query_aware or dense, got {attrs.policy!r}")
-    want = len(input_names(attrs.two_level))
+    want = len(input_names(attrs.two_level, cold_pages))
     if len(inputs) != want:
-        raise ValueError(f"{OP_TYPE} with sub_page_size={attrs.sub_page_size} takes {want} inputs, got {len(inputs)}")
+        raise ValueError(f"{OP_TYPE} with sub_page_size={attrs.sub_page_size}{' and cold pages' if cold_pages else ''} "
+                         f"takes {want} inputs, got {len(inputs)}")
     if not 1 <= len(outputs) <= len(schema.OUTPUTS):
         raise ValueError(f"{OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
-    values = {k: v for k, v in attrs.as_dict().items() if k in NODE_ATTRIBUTES}
+    values = {k: v for k, v in attrs.as_dict().items() if k in NODE_ATTRIBUTES and (cold_pages or k != "cold_format")}
     return helper.make_node(OP_TYPE, list(inputs), list(outputs), name=name, domain=DOMAIN, **values)
 
 
 def make_decode_model(attrs: schema.OpAttributes | None = None, with_selected: bool = True,
-                      opset: int = schema.OPSET):
-    """A float32 model holding one native decode node, every input a graph input (tests, benchmarks)."""
+                      opset: int = schema.OPSET, cold_pages: bool = False):
+    """A float32 model holding one native decode node, every input a graph input (tests, benchmarks);
+    ``cold_pages``: with the cold inputs in ``attrs.cold_format``'s types (``schema.COLD_DTYPES``)."""
     from onnx import TensorProto, helper
 
     attrs = attrs or schema.OpAttributes()
-    types = {"float32": TensorProto.FLOAT, "T": TensorProto.FLOAT, "int32": TensorProto.INT32,
-             "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL}
+    types = {"float32": TensorProto.FLOAT, "T": TensorProto.FLOAT, "int32": TensorProto.INT32, "int8": TensorProto.INT8,
+             "uint8": TensorProto.UINT8, "bool": TensorProto.BOOL, "float16": TensorProto.FLOAT16}
     by_name = {s.name: s for s in (*schema.INPUTS, *schema.OUTPUTS)}
-    names = input_names(attrs.two_level)
+    cold_types = dict(zip(schema.COLD_INPUTS, schema.COLD_DTYPES[attrs.cold_format]))
+    names = input_names(attrs.two_level, cold_pages)
     outputs = schema.OUTPUT_NAMES if with_selected else schema.OUTPUT_NAMES[:1]
 
     def vi(name):
         spec = by_name[name]
-        return helper.make_tensor_value_info(name, types[spec.dtype], list(spec.shape))
+        shape = None if name in cold_types else list(spec.shape)  # int4 pools are [.., D/2]
+        return helper.make_tensor_value_info(name, types[cold_types.get(name, spec.dtype)], shape)
 
-    node = make_decode_node(list(names), list(outputs), attrs, name="qsa_decode")
-    graph = helper.make_graph([node], "query_aware_sparse_attention_decode", [vi(n) for n in names],
+    node = make_decode_node(list(names), list(outputs), attrs, name="qsa_decode", cold_pages=cold_pages)
+    graph = helper.make_graph([node], "query_aware_sparse_attention_decode", [vi(n) for n in names if n],
                               [vi(n) for n in outputs])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, VERSION)],
                              ir_version=10)

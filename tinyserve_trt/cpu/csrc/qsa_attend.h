@@ -12,11 +12,12 @@
 
 namespace qsa {
 
-// Softmax attention of (sequence b, KV head h)'s G queries over `count` kept rows (offsets
-// into the pools) and, if with_new, the new token: per query, part[0] = the max logit m,
+// Softmax attention of (sequence b, KV head h)'s G queries over `count` kept rows (K rows
+// krows[t], V rows vrows[t]) and, if with_new, the new token: per query, part[0] = the max logit m,
 // part[1] = sum exp(logit - m), part[2..2+D) = sum exp(logit - m) * v. Part layout [G][2 + D].
-inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
-                        bool with_new, std::vector<float>& logits, float* part) {
+inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int64_t h, const float* const* krows,
+                                const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits,
+                                float* part) {
   const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
   const float* q = p.q + (b * p.H + h * G) * D;
   const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -25,10 +26,10 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int
   // for the second pass); 8-64 measured alike at batch 8, 8K, cold caches.
   constexpr int64_t kAhead = 16;
   for (int64_t t = 0; t < T; ++t) {
-    const float* krow = t < count ? p.kc + rows[t] : p.k + new_row;
+    const float* krow = t < count ? krows[t] : p.k + new_row;
     if (t + kAhead < count) {
-      prefetch_row(p.kc + rows[t + kAhead], D);
-      prefetch_row(p.vc + rows[t + kAhead], D);
+      prefetch_row(krows[t + kAhead], D);
+      prefetch_row(vrows[t + kAhead], D);
     }
     for (int64_t g = 0; g < G; ++g) logits[g * T + t] = dot(q + g * D, krow, D) * scale;
   }
@@ -41,7 +42,7 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int
     std::fill(out + 2, out + 2 + D, 0.0f);
   }
   for (int64_t t = 0; t < T; ++t) {
-    const float* vrow = t < count ? p.vc + rows[t] : p.v + new_row;
+    const float* vrow = t < count ? vrows[t] : p.v + new_row;
     for (int64_t g = 0; g < G; ++g) axpy(logits[g * T + t], vrow, part + g * (2 + D) + 2, D);
   }
 }
@@ -51,23 +52,23 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int
 // for 8 dot products instead of 8), and each head's output accumulated in registers over all
 // rows (no load/store of the output per row). For D a multiple of 8, D <= 128; same sums in
 // another order (float32 rounding, within schema.TOLERANCES).
-inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const int64_t* rows, int64_t count,
-                        bool with_new, std::vector<float>& logits, float* part) {
+inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const float* const* krows,
+                        const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits, float* part) {
 #ifdef __AVX2__
   const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
-  if (D % kW != 0 || D / kW > kMaxChunks) return attend_part_generic(p, a, b, h, rows, count, with_new, logits, part);
+  if (D % kW != 0 || D / kW > kMaxChunks) return attend_part_generic(p, a, b, h, krows, vrows, count, with_new, logits, part);
   const int64_t C = D / kW;
   const float* q = p.q + (b * p.H + h * G) * D;
   const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   logits.resize(G * (T + kW));
-  auto krow = [&](int64_t t) { return t < count ? p.kc + rows[t] : p.k + new_row; };
-  auto vrow = [&](int64_t t) { return t < count ? p.vc + rows[t] : p.v + new_row; };
+  auto krow = [&](int64_t t) { return t < count ? krows[t] : p.k + new_row; };
+  auto vrow = [&](int64_t t) { return t < count ? vrows[t] : p.v + new_row; };
   constexpr int64_t kAhead = 16;
   for (int64_t t0 = 0; t0 < T; t0 += kW) {
     const int64_t n = std::min<int64_t>(kW, T - t0);
     for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + kW, count); ++t) {
-      prefetch_row(p.kc + rows[t], D);
-      prefetch_row(p.vc + rows[t], D);
+      prefetch_row(krows[t], D);
+      prefetch_row(vrows[t], D);
     }
     const float* k[kW];
     for (int64_t i = 0; i < kW; ++i) k[i] = krow(t0 + (i < n ? i : 0));
@@ -96,7 +97,7 @@ inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, 
     for (int64_t c = 0; c < C; ++c) vstore(out + 2 + c * kW, acc[c]);
   }
 #else
-  attend_part_generic(p, a, b, h, rows, count, with_new, logits, part);
+  attend_part_generic(p, a, b, h, krows, vrows, count, with_new, logits, part);
 #endif
 }
 

@@ -11,7 +11,9 @@
 //
 // Inputs (schema order): query [B,H,1,D], key/value [B,Hkv,1,D], key_cache/value_cache
 // [P,Hkv,ps,D], key_min/key_max [Pm,Hkv,D], page_table [B,NP] int32, past_lens [B] int32,
-// token_budget [B] int32, optional key_sub_bounds [Ps,Hkv,r,D] uint8 (two-level).
+// token_budget [B] int32, optional key_sub_bounds [Ps,Hkv,r,D] uint8 (two-level), then
+// optionally the four cold-page inputs (schema order: key_cache_int8, value_cache_int8, key_scale,
+// value_scale; attribute cold_format), whose element types depend on the format.
 // Outputs: output [B,H,1,D], optional selected_pages [B,Hkv,NP] bool.
 //
 // Build with -ffp-contract=off (tinyserve_trt/cpu/native.py does): the sub-page bound
@@ -25,8 +27,11 @@
 
 #include "ort_abi.h"
 #include "qsa_decode_math.h"
+#include "qsa_inputs.h"
 
 namespace {
+
+using namespace qsa_inputs;
 
 constexpr const char* kOpName = "QueryAwareSparseAttentionDecode";
 constexpr const char* kDomain = "tinyserve.cpu";
@@ -39,7 +44,7 @@ bool own_pool_forced() {
   const char* env = std::getenv("TINYSERVE_NATIVE_POOL");
   return env && std::string(env) == "own";
 }
-constexpr size_t kNumInputs = 11, kNumRequired = 10, kNumOutputs = 2;
+constexpr size_t kNumOutputs = 2;
 
 struct Kernel {
   const OrtApi* api;
@@ -89,9 +94,12 @@ OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void
   read_attr(api, api->KernelInfoGetAttribute_int64, info, "recent_pages", &a.recent_pages);
   read_attr(api, api->KernelInfoGetAttribute_int64, info, "sub_page_size", &a.sub_page_size);
   read_attr(api, api->KernelInfoGetAttribute_float, info, "candidate_share", &a.candidate_share);
-  std::string policy = "query_aware", reduce = "max";
+  std::string policy = "query_aware", reduce = "max", cold = "int8";
   read_string(api, info, "policy", &policy);
   read_string(api, info, "group_reduce", &reduce);
+  read_string(api, info, "cold_format", &cold);
+  if (cold != "int8" && cold != "int4") return error(api, "cold_format must be int8 or int4, got '" + cold + "'");
+  a.cold_int4 = cold == "int4";
   if (policy != "query_aware" && policy != "dense")
     return error(api, "policy '" + policy + "' is not supported (query_aware, dense)");
   if (reduce != "max" && reduce != "sum") return error(api, "group_reduce must be max or sum, got '" + reduce + "'");
@@ -108,12 +116,6 @@ OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void
 
 // ---- inputs ----
 
-struct Tensor {
-  const void* data = nullptr;
-  std::vector<int64_t> shape;
-  int type = ORT_ELEM_UNDEFINED;
-  size_t count = 0;  // elements
-};
 
 int input_type(const OrtCustomOp*, size_t i);
 
@@ -139,89 +141,14 @@ OrtStatus* read_input(const OrtApi* api, const OrtKernelContext* ctx, size_t i, 
   if (st) return st;
   size_t product = 1;
   for (int64_t d : t->shape) product *= static_cast<size_t>(d < 0 ? 0 : d);
-  if (t->type != input_type(nullptr, i) || t->count != product)  // ORT checks both; a wrong ABI slot would not
+  const int want = input_type(nullptr, i);  // the cold inputs' types depend on the format: check() checks them
+  if ((want != ORT_ELEM_UNDEFINED && t->type != want) || t->count != product)  // ORT checks both; a wrong ABI slot would not
     return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: unexpected tensor metadata from "
                                        "onnxruntime (C ABI mismatch?)");
   void* data = nullptr;
   QSA_TRY(api->GetTensorMutableData(const_cast<OrtValue*>(v), &data));
   t->data = data;
   return nullptr;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
-const char* const kInputNames[kNumInputs] = {"query", "key", "value", "key_cache", "value_cache", "key_min",
-                                             "key_max", "page_table", "past_lens", "token_budget",
-                                             "key_sub_bounds"};
-
-// Checks every shape and index the math reads; returns a one-line error, or "" when valid.
-std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p) {
-  auto want = [&](int i, std::vector<int64_t> dims) -> std::string {
-    if (in[i].shape == dims) return "";
-    return std::string(kInputNames[i]) + " has shape " + shape_str(in[i].shape) + ", expected " + shape_str(dims);
-  };
-  for (int i = 0; i < 10; ++i) {
-    static const size_t rank[10] = {4, 4, 4, 4, 4, 3, 3, 2, 1, 1};
-    if (in[i].shape.size() != rank[i])
-      return std::string(kInputNames[i]) + " must have rank " + std::to_string(rank[i]) + ", got " +
-             shape_str(in[i].shape);
-  }
-  const auto& q = in[0].shape;
-  if (q[2] != 1) return "decode only (S=" + std::to_string(q[2]) + ")";
-  p->B = q[0], p->H = q[1], p->D = q[3], p->Hkv = in[1].shape[1];
-  p->P = in[3].shape[0], p->ps = in[3].shape[2], p->Pm = in[5].shape[0], p->NP = in[7].shape[1];
-  if (p->Hkv < 1 || p->H % p->Hkv) return "query heads " + std::to_string(p->H) + " not a multiple of KV heads " +
-                                         std::to_string(p->Hkv);
-  if (p->ps < 1 || p->D < 1) return "page size and head dim must be >= 1";
-  p->G = p->H / p->Hkv;
-  std::string e;
-  for (int i : {1, 2})
-    if (!(e = want(i, {p->B, p->Hkv, 1, p->D})).empty()) return e;
-  for (int i : {3, 4})
-    if (!(e = want(i, {p->P, p->Hkv, p->ps, p->D})).empty()) return e;
-  for (int i : {5, 6})
-    if (!(e = want(i, {p->Pm, p->Hkv, p->D})).empty()) return e;
-  if (!(e = want(7, {p->B, p->NP})).empty()) return e;
-  for (int i : {8, 9})
-    if (!(e = want(i, {p->B})).empty()) return e;
-  int64_t id_limit = std::min(p->P, p->Pm);
-  p->sp = (a.sub_page_size == 0 || a.sub_page_size == p->ps) ? p->ps : a.sub_page_size;
-  p->r = p->ps / p->sp;
-  if (p->sp != p->ps) {
-    if (p->ps % p->sp)
-      return "sub_page_size " + std::to_string(p->sp) + " must divide the page size " + std::to_string(p->ps);
-    if (!in[10].data) return "two-level selection (sub_page_size " + std::to_string(p->sp) + ") needs key_sub_bounds";
-    const auto& s = in[10].shape;
-    if (s.size() != 4 || s[1] != p->Hkv || s[2] != p->r || s[3] != p->D)
-      return "key_sub_bounds has shape " + shape_str(s) + ", expected [Ps," + std::to_string(p->Hkv) + "," +
-             std::to_string(p->r) + "," + std::to_string(p->D) + "]";
-    id_limit = std::min(id_limit, s[0]);
-    p->sub = static_cast<const uint8_t*>(in[10].data);
-  }
-  p->q = static_cast<const float*>(in[0].data), p->k = static_cast<const float*>(in[1].data);
-  p->v = static_cast<const float*>(in[2].data), p->kc = static_cast<const float*>(in[3].data);
-  p->vc = static_cast<const float*>(in[4].data), p->kmin = static_cast<const float*>(in[5].data);
-  p->kmax = static_cast<const float*>(in[6].data), p->table = static_cast<const int32_t*>(in[7].data);
-  p->past = static_cast<const int32_t*>(in[8].data), p->budget = static_cast<const int32_t*>(in[9].data);
-  for (int64_t b = 0; b < p->B; ++b) {
-    int64_t past = p->past[b];
-    if (past < 0) return "past_lens[" + std::to_string(b) + "] is negative";
-    int64_t n = (past + p->ps - 1) / p->ps;
-    if (n > p->NP)
-      return "sequence " + std::to_string(b) + ": " + std::to_string(past) + " cached tokens need " +
-             std::to_string(n) + " pages, page table has " + std::to_string(p->NP);
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t id = p->table[b * p->NP + i];
-      if (id < 0 || id >= id_limit)
-        return "page_table[" + std::to_string(b) + "," + std::to_string(i) + "] = " + std::to_string(id) +
-               " is outside the page pool (" + std::to_string(id_limit) + " pages)";
-    }
-  }
-  return "";
 }
 
 OrtStatus* compute_impl(void* kernel_ptr, OrtKernelContext* ctx) {
@@ -304,8 +231,8 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
 
 const char* op_name(const OrtCustomOp*) { return kOpName; }
 const char* op_provider(const OrtCustomOp*) { return nullptr; }
-int input_type(const OrtCustomOp*, size_t i) {
-  return i < 7 ? ORT_ELEM_FLOAT : i < 10 ? ORT_ELEM_INT32 : ORT_ELEM_UINT8;
+int input_type(const OrtCustomOp*, size_t i) {  // the cold inputs: any type (checked against cold_format)
+  return i < 7 ? ORT_ELEM_FLOAT : i < 10 ? ORT_ELEM_INT32 : i == 10 ? ORT_ELEM_UINT8 : ORT_ELEM_UNDEFINED;
 }
 size_t input_count(const OrtCustomOp*) { return kNumInputs; }
 int output_type(const OrtCustomOp*, size_t i) { return i == 0 ? ORT_ELEM_FLOAT : ORT_ELEM_BOOL; }

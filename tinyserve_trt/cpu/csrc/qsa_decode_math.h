@@ -13,15 +13,24 @@
 #include <vector>
 
 #include "qsa_attend.h"
+#include "qsa_cold.h"
 #include "qsa_problem.h"
 #include "qsa_thread_pool.h"
 #include "qsa_vector.h"
 
 namespace qsa {
 
+// The K and V rows one (sequence, KV head) attends: pointers into the hot pools, or into `cold`,
+// which holds the kept cold rows dequantized (K rows, then V rows).
+struct Rows {
+  std::vector<const float*> k, v;
+  std::vector<float> cold;
+};
+
 struct Scratch {  // per thread, reused across calls
   std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits, part;
-  std::vector<int64_t> cand, rows;
+  std::vector<int64_t> cand;
+  Rows rows;
   std::vector<char> keep, page_keep;
 };
 
@@ -57,9 +66,8 @@ class HeadStep {
       : p_(p), a_(a), s_(s), b_(b), h_(h), past_(p.past[b]), n_((past_ + p.ps - 1) / p.ps),
         pages_(p.table + b * p.NP), q_(p.q + (b * p.H + h * p.G) * p.D) {}
 
-  // Selects, marks selected_pages, and fills `rows` with the offsets of the kept K/V rows in
-  // the pools (logical order).
-  void select_rows(std::vector<int64_t>& rows) {
+  // Selects, marks selected_pages, and fills `rows` with the kept K/V rows (logical order).
+  void select_rows(Rows& rows) {
     select();
     if (p_.selected) {
       bool* sel = p_.selected + (b_ * p_.Hkv + h_) * p_.NP;
@@ -67,12 +75,27 @@ class HeadStep {
       for (int64_t u = 0; u < n_ * p_.r; ++u)
         if (s_.keep[u]) sel[u / p_.r] = true;
     }
-    rows.clear();
+    rows.k.clear(), rows.v.clear();
+    const int64_t D = p_.D;
+    int64_t n_cold = 0;  // kept cold tokens: their buffer is sized before any pointer into it is taken
+    if (p_.cold.Pc)
+      for (int64_t u = 0; u < n_ * p_.r; ++u)
+        if (s_.keep[u] && pages_[u / p_.r] >= p_.P) n_cold += std::min((u + 1) * p_.sp, past_) - u * p_.sp;
+    rows.cold.resize(2 * n_cold * D);
+    float *ck = rows.cold.data(), *cv = ck + n_cold * D;
     for (int64_t u = 0; u < n_ * p_.r; ++u) {
       if (!s_.keep[u]) continue;
-      int64_t page = u / p_.r, first = u * p_.sp, last = std::min(first + p_.sp, past_);
-      int64_t base = (pages_[page] * p_.Hkv + h_) * p_.ps - page * p_.ps;
-      for (int64_t t = first; t < last; ++t) rows.push_back((base + t) * p_.D);
+      const int64_t page = u / p_.r, first = u * p_.sp, last = std::min(first + p_.sp, past_), id = pages_[page];
+      if (id < p_.P) {
+        const int64_t base = (id * p_.Hkv + h_) * p_.ps - page * p_.ps;
+        for (int64_t t = first; t < last; ++t) rows.k.push_back(p_.kc + (base + t) * D), rows.v.push_back(p_.vc + (base + t) * D);
+        continue;
+      }
+      for (int64_t t = first; t < last; ++t, ck += D, cv += D) {
+        cold_key_row(p_, a_.cold_int4, id, h_, t - page * p_.ps, ck);
+        cold_value_row(p_, a_.cold_int4, id, h_, t - page * p_.ps, cv);
+        rows.k.push_back(ck), rows.v.push_back(cv);
+      }
     }
   }
 
@@ -264,7 +287,8 @@ inline bool run(const Problem& p, const Attrs& a) {
       const int64_t b = task / p.Hkv, h = task % p.Hkv;
       HeadStep(p, a, s, b, h).select_rows(s.rows);
       s.part.resize(part_size);
-      attend_part(p, a, b, h, s.rows.data(), static_cast<int64_t>(s.rows.size()), true, s.logits, s.part.data());
+      attend_part(p, a, b, h, s.rows.k.data(), s.rows.v.data(), static_cast<int64_t>(s.rows.k.size()), true, s.logits,
+                  s.part.data());
       merge_parts(p, b, h, s.part.data(), 1);
     }));
     return ok;
@@ -272,7 +296,7 @@ inline bool run(const Problem& p, const Attrs& a) {
   const int64_t chunks = (2 * threads + tasks - 1) / tasks;
   // The calling thread's buffers, named by reference: inside the lambdas a thread_local name
   // would be each worker's own.
-  thread_local std::vector<std::vector<int64_t>> call_rows;
+  thread_local std::vector<Rows> call_rows;
   thread_local std::vector<float> call_parts;
   auto& rows = call_rows;
   auto& parts = call_parts;
@@ -287,9 +311,10 @@ inline bool run(const Problem& p, const Attrs& a) {
   }), 1);
   parallel_for(tasks * chunks, guarded([&](int64_t i) {
     thread_local Scratch s;
-    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].size());
+    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].k.size());
     const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
-    attend_part(p, a, task / p.Hkv, task % p.Hkv, rows[task].data() + begin, end - begin, c == chunks - 1,
+    attend_part(p, a, task / p.Hkv, task % p.Hkv, rows[task].k.data() + begin, rows[task].v.data() + begin, end - begin,
+                c == chunks - 1,
                 s.logits, parts.data() + i * part_size);
   }), 1);
   if (ok)

@@ -10,7 +10,15 @@ struct Attrs {  // defaults: schema.ATTRIBUTES
   float scale = 0.0f;
   int64_t sink_pages = 1, recent_pages = 1, sub_page_size = 0;
   float candidate_share = 0.5f;
-  bool dense = false, reduce_sum = false;
+  bool dense = false, reduce_sum = false, cold_int4 = false;  // cold_int4: cold_format "int4"
+};
+
+// The cold page pools (page ids P .. P+Pc-1; ops/cold_codec.py), absent when Pc == 0. INT8: int8
+// values, float32 scales [Pc, Hkv, k_rows, k_cols]; INT4: packed uint8 [Pc, Hkv, ps, D/2], keys on
+// the page (or sub-page) bounds, V float16 scales and mins [Pc, Hkv, v_rows, 2 v_cols].
+struct Cold {
+  int64_t Pc = 0, k_rows = 1, k_cols = 1, v_rows = 1, v_cols = 1;
+  const void *kq = nullptr, *vq = nullptr, *ks = nullptr, *vs = nullptr;
 };
 
 struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for single-level
@@ -19,6 +27,7 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
               *kmax = nullptr;
   const int32_t *table = nullptr, *past = nullptr, *budget = nullptr;
   const uint8_t* sub = nullptr;
+  Cold cold;
   float* out = nullptr;
   bool* selected = nullptr;  // may be null (output not requested)
 };
