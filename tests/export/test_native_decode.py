@@ -74,7 +74,7 @@ def test_nodes_the_kernel_does_not_implement_keep_the_function():
     f32 = {"key_cache": onnx.TensorProto.FLOAT}
     assert ineligible(_node(), f32) is None and ineligible(_node("dense"), f32) is None
     assert "policy 'window'" in ineligible(_node("window"), f32)
-    assert ineligible(_node(cold=True), f32) == "cold pages"
+    assert ineligible(_node(cold=True), f32) is None  # INT8 / INT4 cold pages: the kernel reads them
     assert "element type" in ineligible(_node(), {"key_cache": onnx.TensorProto.FLOAT16})
     model = onnx.helper.make_model(onnx.helper.make_graph(
         [_node("window")], "g", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
@@ -89,7 +89,10 @@ def test_unsupported_names_why_no_layer_switches():
         return onnx.helper.make_model(onnx.helper.make_graph(
             list(nodes), "g", [onnx.helper.make_tensor_value_info(n, elem, None) for n in sorted(inputs)], []))
 
-    assert unsupported(model(_node(cold=True))) == "cold pages"
+    assert unsupported(model(_node(cold=True))) is None
+    partial = _node(cold=True)
+    partial.input[schema.INPUT_NAMES.index("key_scale")] = ""
+    assert unsupported(model(partial)) == "some cold-page inputs missing"
     assert "element type" in unsupported(model(_node(), elem=onnx.TensorProto.FLOAT16))
     assert unsupported(model(_node())) is None
     assert unsupported(model()) == f"no {schema.OP_TYPE} node"
@@ -148,3 +151,33 @@ def test_runtime_without_the_kernel_loads_the_portable_model_and_decodes_the_sam
         llm = LLM(pkg, token_budget=16)
     assert "native CPU decode kernel is unavailable" in caplog.text
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, params=greedy)] == with_kernel
+
+
+@needs_native
+@pytest.mark.parametrize("cold_format", ["int8", "int4"])
+def test_cold_page_packages_decode_on_the_kernel_as_on_the_function(export_fixture, tmp_path, monkeypatch,
+                                                                    cold_format):
+    """A package with a cold tier (INT8, or INT4 with keys on the sub-page bounds) switches every layer
+    too, and with pages really demoted the runtime's greedy ids on the kernel equal those on the
+    function (model.onnx, TINYSERVE_NATIVE=0)."""
+    from tinyserve_trt import LLM, SamplingParams
+
+    config = ExportConfig(page_size=8, sub_page_size=4, dense_layers=1, cold_pages=True, cold_format=cold_format,
+                          int8_layers="none" if cold_format == "int4" else None)
+    pkg, manifest = _export(export_fixture, tmp_path, f"cold-{cold_format}", config)
+    assert manifest["ort_optimized"]["native"] == NATIVE_DOMAIN and manifest["validation"]["ort_native"] is True
+    graph = onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph
+    natives = [_branches(n)["then_branch"].node[0] for n in _switches(graph)]
+    assert len(natives) == manifest["num_layers"]
+    assert all(len([i for i in n.input if i]) == 10 + 4 + (1 if i else 0) for i, n in enumerate(natives))
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[(i * 37 + 11) % 256 for i in range(70)], [(i * 13 + 5) % 256 for i in range(41)]]
+
+    def run():
+        llm = LLM(pkg, token_budget=16, hot_fraction=0.25, prefix_sharing=False)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, params=greedy)]
+        return out, llm.stats()["pages_demoted"]
+
+    (on_kernel, demoted), (on_function, _) = run(), (monkeypatch.setenv("TINYSERVE_NATIVE", "0"), run())[1]
+    assert demoted > 0 and on_kernel == on_function

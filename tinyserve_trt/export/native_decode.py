@@ -6,7 +6,7 @@ cache reads, sets the decode step (``benchmarks/results/decode_profile_two_level
 ``tinyserve_trt.cpu`` builds the same op's decode step as one C++ node
 (``tinyserve.cpu::QueryAwareSparseAttentionDecode``, an ORT custom op checked against
 the numpy reference). In ``model.ort.onnx`` (``ort_graph.prepared_graph(native=True)``)
-every op node the kernel implements (``NATIVE_POLICIES``, float32, no cold pages:
+every op node the kernel implements (``NATIVE_POLICIES``, float32 hot pools, INT8 or INT4 cold pages:
 :func:`native_calls`, taken before inlining) becomes, after inlining and the per-step
 merge (:func:`switch_decode_steps`)::
 
@@ -52,8 +52,9 @@ def ineligible(node: onnx.NodeProto, elem_types: dict[str, int]) -> str | None:
     attrs = node_attributes(node)
     if attrs.policy not in NATIVE_POLICIES:
         return f"policy {attrs.policy!r} (native: {NATIVE_POLICIES})"
-    if any(node.input[schema.NUM_REQUIRED_INPUTS:schema.NUM_TIERED_INPUTS]):
-        return "cold pages"
+    cold = node.input[schema.NUM_REQUIRED_INPUTS:schema.NUM_TIERED_INPUTS]
+    if any(cold) and not all(cold):
+        return "some cold-page inputs missing"
     elem = elem_types.get(node.input[schema.INPUT_NAMES.index("key_cache")])
     if elem not in NATIVE_FLOAT_TYPES:
         return f"cache element type {elem} (native: float32)"
@@ -157,9 +158,13 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
             graph.initializer.append(helper.make_tensor(f"{cond}_one", TensorProto.INT64, [1], [1]))
         pool_type = kinds[call.input[schema.INPUT_NAMES.index("key_cache")]]
         types = [pool_type, TensorProto.BOOL][:len(outs)]
-        fine = call.input[schema.NUM_TIERED_INPUTS:] if len(call.input) > schema.NUM_TIERED_INPUTS else []
-        native = make_decode_node([*call.input[:schema.NUM_REQUIRED_INPUTS], *fine], [f"{o}_native" for o in outs],
-                                  node_attributes(call), name=f"{tag}_native")
+        attrs = node_attributes(call)
+        cold = list(call.input[schema.NUM_REQUIRED_INPUTS:schema.NUM_TIERED_INPUTS])
+        cold = cold if any(cold) else []
+        fine = list(call.input[schema.NUM_TIERED_INPUTS:schema.NUM_TIERED_INPUTS + 1]) if attrs.two_level else []
+        fine = fine or ([""] if cold else [])  # the native node's order: required, fine bounds, cold tier
+        native = make_decode_node([*call.input[:schema.NUM_REQUIRED_INPUTS], *fine, *cold],
+                                  [f"{o}_native" for o in outs], attrs, name=f"{tag}_native", cold_pages=bool(cold))
         renamed = {o: f"{o}_function" for o in outs}
         body_nodes = [nodes[i] for i in body]
         for n in body_nodes:
