@@ -72,8 +72,10 @@ def prompts(vocab: int, context: int, batch: int, seed: int = 0) -> list[list[in
 
 
 def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[str, int], steps: int,
-                   threads: int, sparse_min_ratio: float = EngineConfig.sparse_min_ratio) -> dict[str, float]:
-    """Median seconds per decode step of the whole batch, per named budget (0 = dense).
+                   threads: int, sparse_min_ratio: float = EngineConfig.sparse_min_ratio,
+                   stats: dict | None = None) -> dict[str, float]:
+    """Median seconds per decode step of the whole batch, per named budget (0 = dense); ``stats``,
+    if given, receives the engine's ``stats()`` at the end.
 
     One engine: the shared prefix is prefilled once (a warm-up request) and stays in
     the prefix cache; each budget then runs the batch over those pages (the budget
@@ -101,6 +103,8 @@ def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[s
         while engine.has_unfinished():
             engine.step()
         result[name] = statistics.median(times)
+    if stats is not None:
+        stats.update(engine.stats())
     engine.close()
     return result
 

@@ -226,3 +226,21 @@ def test_bench_native_op_smoke(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT worst_native_over_function=\d+\.\d+", last)
     assert out.read_text().count("| two-level ps32/sp4 |") == 2
+
+
+def test_bench_cold_decode_smoke(llama, tmp_path, capsys):
+    from tests.tiny_models import build_cold_package
+    from tinyserve_trt.cpu.native import available
+
+    if available():
+        pytest.skip(f"native CPU op unavailable: {available()}")
+    cold = build_cold_package(llama[0], llama[2], tmp_path)
+    out = tmp_path / "cold.md"
+    bench = load("bench_cold_decode")
+    assert bench.main(["--model", str(cold), "--contexts", "40", "--batches", "2", "--budget", "16",
+                       "--steps", "2", "--passes", "1", "--threads", "1", "--out", str(out)]) == 0
+    assert re.fullmatch(r"RESULT kernel_over_function=\d+\.\d+", capsys.readouterr().out.strip().splitlines()[-1])
+    assert "| 40 | 2 |" in out.read_text() and "cold format int8" in out.read_text()
+    with pytest.raises(SystemExit):  # a package without a cold tier: one-line usage error
+        bench.main(["--model", str(llama[1]), "--out", str(tmp_path / "x.md")])
+    assert "has no cold tier" in capsys.readouterr().err
