@@ -1,11 +1,13 @@
 // Cold (quantized) K/V rows of the CPU decode op, dequantized as ops/cold_codec.py does: the
 // same float32 operations in the same order (this file builds with -ffp-contract=off), so a
-// cold row equals ColdCodec.dequantize / dequantize_keys bit for bit.
+// cold row equals ColdCodec.dequantize / dequantize_keys bit for bit. The loops run per channel
+// group and per nibble plane so that the compiler vectorizes them.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "qsa_problem.h"
 
@@ -32,55 +34,90 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact (s
 
 constexpr float kInvLevels = static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
 
-// The INT4 nibble of channel d in a packed row (channel j low in byte j, j + D/2 high).
-inline float nibble(const uint8_t* row, int64_t d, int64_t half) {
-  return static_cast<float>(d < half ? row[d] & 15 : row[d - half] >> 4);
+// The INT4 levels of a packed row as floats: channel j from the low nibble of byte j, j + D/2
+// from the high one.
+inline void unpack_levels(const uint8_t* row, int64_t D, float* q) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) q[j] = static_cast<float>(row[j] & 15);
+  for (int64_t j = 0; j < half; ++j) q[half + j] = static_cast<float>(row[j] >> 4);
 }
 
-// Key row t (token in the page) of cold page `id` (a page id >= P), KV head h, into out[D].
-inline void cold_key_row(const Problem& p, bool int4, int64_t id, int64_t h, int64_t t, float* out) {
-  const Cold& c = p.cold;
-  const int64_t D = p.D, page = (id - p.P) * p.Hkv + h;
-  if (!int4) {
-    const int8_t* q = static_cast<const int8_t*>(c.kq) + (page * p.ps + t) * D;
-    const float* s = static_cast<const float*>(c.ks) + (page * c.k_rows + (c.k_rows == 1 ? 0 : t)) * c.k_cols;
-    const int64_t per = D / c.k_cols;
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(q[d]) * s[d / per];
-    return;
+// out[d] = float(q[d]) * scale[d / (D / cols)]
+inline void int8_row(const int8_t* q, const float* scale, int64_t cols, int64_t D, float* out) {
+  const int64_t per = D / cols;
+  for (int64_t c = 0; c < cols; ++c) {
+    const float s = scale[c];
+    for (int64_t d = c * per; d < (c + 1) * per; ++d) out[d] = static_cast<float>(q[d]) * s;
   }
-  // keys on the bounds: the sub-page's decoded fine bounds in a two-level node, else the page's
-  const float *kmin = p.kmin + (id * p.Hkv + h) * D, *kmax = p.kmax + (id * p.Hkv + h) * D;
-  const uint8_t* q = static_cast<const uint8_t*>(c.kq) + (page * p.ps + t) * (D / 2);
-  const uint8_t* code = p.sub ? p.sub + ((id * p.Hkv + h) * p.r + t / p.sp) * D : nullptr;
-  for (int64_t d = 0; d < D; ++d) {
-    float lo = kmin[d], hi = kmax[d];
-    if (code) {
-      const float fine = (kmax[d] - kmin[d]) * kInvLevels;
-      const float lo_step = static_cast<float>(code[d] & 15) * fine, hi_step = static_cast<float>(code[d] >> 4) * fine;
-      lo = kmin[d] + lo_step, hi = kmax[d] - hi_step;
+}
+
+struct ColdScratch {  // per thread, reused
+  std::vector<float> lo, hi, step, q, vs;
+};
+
+// The cold rows of tokens [first, last) of cold page `id` (a page id >= P), KV head h: keys into
+// ck, values into cv, D floats per token. The tokens lie in one sub-page when the node is
+// two-level (its INT4 keys sit on that sub-page's bounds), else anywhere in the page.
+class ColdRows {
+ public:
+  ColdRows(const Problem& p, bool int4, ColdScratch& s)
+      : p_(p), int4_(int4), lo_(s.lo), hi_(s.hi), step_(s.step), q_(s.q), vs_(s.vs) {}
+
+  void rows(int64_t id, int64_t h, int64_t first, int64_t last, float* ck, float* cv) {
+    const Cold& c = p_.cold;
+    const int64_t D = p_.D, page = (id - p_.P) * p_.Hkv + h;
+    if (!int4_) {
+      for (int64_t t = first; t < last; ++t, ck += D, cv += D) {
+        const int64_t kr = c.k_rows == 1 ? 0 : t, vr = c.v_rows == 1 ? 0 : t;
+        int8_row(static_cast<const int8_t*>(c.kq) + (page * p_.ps + t) * D,
+                 static_cast<const float*>(c.ks) + (page * c.k_rows + kr) * c.k_cols, c.k_cols, D, ck);
+        int8_row(static_cast<const int8_t*>(c.vq) + (page * p_.ps + t) * D,
+                 static_cast<const float*>(c.vs) + (page * c.v_rows + vr) * c.v_cols, c.v_cols, D, cv);
+      }
+      return;
     }
-    const float step = (hi - lo) * kInvLevels, q_step = nibble(q, d, D / 2) * step;
-    out[d] = std::min(lo + q_step, hi);
+    key_bounds(id, h, first);
+    q_.resize(D), vs_.resize(2 * c.v_cols);
+    const int64_t per = D / c.v_cols;
+    for (int64_t t = first; t < last; ++t, ck += D, cv += D) {
+      unpack_levels(static_cast<const uint8_t*>(c.kq) + (page * p_.ps + t) * (D / 2), D, q_.data());
+      for (int64_t d = 0; d < D; ++d) {  // k' = min(lo + q * step, hi)
+        const float q_step = q_[d] * step_[d];
+        ck[d] = std::min(lo_[d] + q_step, hi_[d]);
+      }
+      unpack_levels(static_cast<const uint8_t*>(c.vq) + (page * p_.ps + t) * (D / 2), D, q_.data());
+      const uint16_t* s = static_cast<const uint16_t*>(c.vs) + (page * c.v_rows + (c.v_rows == 1 ? 0 : t)) * 2 * c.v_cols;
+      for (int64_t g = 0; g < 2 * c.v_cols; ++g) vs_[g] = half_to_float(s[g]);  // [scales | mins]
+      for (int64_t g = 0; g < c.v_cols; ++g) {  // v' = q * scale + vmin
+        const float scale = vs_[g], vmin = vs_[c.v_cols + g];
+        for (int64_t d = g * per; d < (g + 1) * per; ++d) {
+          const float scaled = q_[d] * scale;
+          cv[d] = scaled + vmin;
+        }
+      }
+    }
   }
-}
 
-// Value row t of cold page `id`, KV head h, into out[D].
-inline void cold_value_row(const Problem& p, bool int4, int64_t id, int64_t h, int64_t t, float* out) {
-  const Cold& c = p.cold;
-  const int64_t D = p.D, page = (id - p.P) * p.Hkv + h, per = D / c.v_cols;
-  const int64_t row = page * c.v_rows + (c.v_rows == 1 ? 0 : t);
-  if (!int4) {
-    const int8_t* q = static_cast<const int8_t*>(c.vq) + (page * p.ps + t) * D;
-    const float* s = static_cast<const float*>(c.vs) + row * c.v_cols;
-    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(q[d]) * s[d / per];
-    return;
+ private:
+  // lo/hi/step of the INT4 keys of token t's sub-page (two-level node) or page (cold_codec.token_bounds).
+  void key_bounds(int64_t id, int64_t h, int64_t t) {
+    const int64_t D = p_.D;
+    const float *kmin = p_.kmin + (id * p_.Hkv + h) * D, *kmax = p_.kmax + (id * p_.Hkv + h) * D;
+    lo_.assign(kmin, kmin + D), hi_.assign(kmax, kmax + D), step_.resize(D);
+    if (p_.sub) {  // fine_bounds.decode
+      const uint8_t* code = p_.sub + ((id * p_.Hkv + h) * p_.r + t / p_.sp) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float fine = (kmax[d] - kmin[d]) * kInvLevels;
+        const float lo_step = static_cast<float>(code[d] & 15) * fine, hi_step = static_cast<float>(code[d] >> 4) * fine;
+        lo_[d] = kmin[d] + lo_step, hi_[d] = kmax[d] - hi_step;
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) step_[d] = (hi_[d] - lo_[d]) * kInvLevels;  // fine_bounds.level_step
   }
-  const uint8_t* q = static_cast<const uint8_t*>(c.vq) + (page * p.ps + t) * (D / 2);
-  const uint16_t* s = static_cast<const uint16_t*>(c.vs) + row * 2 * c.v_cols;  // [scales | mins]
-  for (int64_t d = 0; d < D; ++d) {
-    const float scaled = nibble(q, d, D / 2) * half_to_float(s[d / per]);
-    out[d] = scaled + half_to_float(s[c.v_cols + d / per]);
-  }
-}
+
+  const Problem& p_;
+  const bool int4_;
+  std::vector<float> &lo_, &hi_, &step_, &q_, &vs_;
+};
 
 }  // namespace qsa

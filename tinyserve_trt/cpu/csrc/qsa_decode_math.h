@@ -31,6 +31,7 @@ struct Scratch {  // per thread, reused across calls
   std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits, part;
   std::vector<int64_t> cand;
   Rows rows;
+  ColdScratch cold;
   std::vector<char> keep, page_keep;
 };
 
@@ -91,11 +92,8 @@ class HeadStep {
         for (int64_t t = first; t < last; ++t) rows.k.push_back(p_.kc + (base + t) * D), rows.v.push_back(p_.vc + (base + t) * D);
         continue;
       }
-      for (int64_t t = first; t < last; ++t, ck += D, cv += D) {
-        cold_key_row(p_, a_.cold_int4, id, h_, t - page * p_.ps, ck);
-        cold_value_row(p_, a_.cold_int4, id, h_, t - page * p_.ps, cv);
-        rows.k.push_back(ck), rows.v.push_back(cv);
-      }
+      ColdRows(p_, a_.cold_int4, s_.cold).rows(id, h_, first - page * p_.ps, last - page * p_.ps, ck, cv);
+      for (int64_t t = first; t < last; ++t, ck += D, cv += D) rows.k.push_back(ck), rows.v.push_back(cv);
     }
   }
 
