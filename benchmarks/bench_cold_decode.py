@@ -96,7 +96,8 @@ def write(args, package: ModelPackage, rows) -> None:
              f"{ort.__version__}. Package `{args.model.name}`: page {package.page_size}, sub-page "
              f"{package.sub_page_size}, cold format {tier['cold_format']}, hot fraction {tier['hot_fraction']}. "
              f"Budget {args.budget} tokens. Command: `python benchmarks/bench_cold_decode.py --model {args.model} "
-             f"--contexts {args.contexts} --batches {args.batches} --passes {args.passes}` (median of {args.steps} "
+             f"--contexts {args.contexts} --batches {args.batches} --passes {args.passes} --steps {args.steps} "
+             f"--threads {args.threads}` (median of {args.steps} "
              "decode steps, best of the passes, modes alternating; cold pages = the pool's cold pages at the end).", "",
              "| context | batch | kernel sparse ms | kernel dense ms | function sparse ms | function dense ms | "
              "cold pages | kernel / function (sparse) |", "|---|---|---|---|---|---|---|---|"]
