@@ -14,7 +14,6 @@ from .native import DOMAIN, OP_TYPE
 
 VERSION = 1
 POLICIES = ("query_aware", "dense")  # the selection policies the kernel implements
-NODE_ATTRIBUTES = tuple(a.name for a in schema.ATTRIBUTES)
 
 
 def input_names(two_level: bool, cold_pages: bool = False) -> tuple[str, ...]:
@@ -40,7 +39,7 @@ def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttr
                          f"takes {want} inputs, got {len(inputs)}")
     if not 1 <= len(outputs) <= len(schema.OUTPUTS):
         raise ValueError(f"{OP_TYPE} has 1-{len(schema.OUTPUTS)} outputs, got {len(outputs)}")
-    values = {k: v for k, v in attrs.as_dict().items() if k in NODE_ATTRIBUTES and (cold_pages or k != "cold_format")}
+    values = {k: v for k, v in attrs.as_dict().items() if cold_pages or k != "cold_format"}
     return helper.make_node(OP_TYPE, list(inputs), list(outputs), name=name, domain=DOMAIN, **values)
 
 

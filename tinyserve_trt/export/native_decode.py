@@ -127,7 +127,7 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
     into the ``else`` branch of an ``If(S == 1)`` whose ``then`` branch is the native node (see the
     module doc). Returns how many layers switch. Raises ValueError when a body cannot be cut out
     (a value of it read outside), which would be a bug of the passes before."""
-    from ..cpu.node import VERSION, make_decode_node
+    from ..cpu.node import VERSION, input_names, make_decode_node
     from ..ops.node import node_attributes
 
     graph = model.graph
@@ -159,12 +159,10 @@ def switch_decode_steps(model: onnx.ModelProto, calls: list[onnx.NodeProto]) -> 
         pool_type = kinds[call.input[schema.INPUT_NAMES.index("key_cache")]]
         types = [pool_type, TensorProto.BOOL][:len(outs)]
         attrs = node_attributes(call)
-        cold = list(call.input[schema.NUM_REQUIRED_INPUTS:schema.NUM_TIERED_INPUTS])
-        cold = cold if any(cold) else []
-        fine = list(call.input[schema.NUM_TIERED_INPUTS:schema.NUM_TIERED_INPUTS + 1]) if attrs.two_level else []
-        fine = fine or ([""] if cold else [])  # the native node's order: required, fine bounds, cold tier
-        native = make_decode_node([*call.input[:schema.NUM_REQUIRED_INPUTS], *fine, *cold],
-                                  [f"{o}_native" for o in outs], attrs, name=f"{tag}_native", cold_pages=bool(cold))
+        value = dict(zip(schema.INPUT_NAMES, call.input))  # the op node's inputs are in schema order
+        cold = any(value.get(n) for n in schema.COLD_INPUTS)
+        native = make_decode_node([value[n] if n else "" for n in input_names(attrs.two_level, cold)],
+                                  [f"{o}_native" for o in outs], attrs, name=f"{tag}_native", cold_pages=cold)
         renamed = {o: f"{o}_function" for o in outs}
         body_nodes = [nodes[i] for i in body]
         for n in body_nodes:

@@ -72,7 +72,6 @@ def _with_native(out: dict, proto: onnx.ModelProto, manifest: dict, tolerance: f
     ``tolerance`` of the source (dense, ``check``) and of the function graph with selection on
     (``sparse_agreement``); otherwise the record says why and the graph keeps the function."""
     from ..cpu import native as cpu_native
-
     from .native_decode import unsupported
 
     reason = unsupported(proto) or cpu_native.available()

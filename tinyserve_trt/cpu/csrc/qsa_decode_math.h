@@ -84,6 +84,7 @@ class HeadStep {
         if (s_.keep[u] && pages_[u / p_.r] >= p_.P) n_cold += std::min((u + 1) * p_.sp, past_) - u * p_.sp;
     rows.cold.resize(2 * n_cold * D);
     float *ck = rows.cold.data(), *cv = ck + n_cold * D;
+    ColdRows cold(p_, a_.cold_int4, s_.cold);
     for (int64_t u = 0; u < n_ * p_.r; ++u) {
       if (!s_.keep[u]) continue;
       const int64_t page = u / p_.r, first = u * p_.sp, last = std::min(first + p_.sp, past_), id = pages_[page];
@@ -92,7 +93,7 @@ class HeadStep {
         for (int64_t t = first; t < last; ++t) rows.k.push_back(p_.kc + (base + t) * D), rows.v.push_back(p_.vc + (base + t) * D);
         continue;
       }
-      ColdRows(p_, a_.cold_int4, s_.cold).rows(id, h_, first - page * p_.ps, last - page * p_.ps, ck, cv);
+      cold.rows(id, h_, first - page * p_.ps, last - page * p_.ps, ck, cv);
       for (int64_t t = first; t < last; ++t, ck += D, cv += D) rows.k.push_back(ck), rows.v.push_back(cv);
     }
   }
