@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     def fail(msg: str):
         parser.exit(2, f"tinyserve-calibrate: error: {msg}\n")
 
+    if Path(args.output).suffix == ".npz":  # the JSON would be written over its own arrays
+        fail(f"-o {args.output}: the artifact is NAME.json + NAME.npz beside it; give the .json path")
     try:
         prompts = read_prompts(args.data) if args.data is not None else default_prompts()
         if args.samples is None:

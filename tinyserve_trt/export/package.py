@@ -1,7 +1,8 @@
 """Write a tinyserve model package: model, manifest, tokenizer files - atomically.
 
-Everything goes into a temporary sibling directory that is renamed into place
-at the end, so a failed export never leaves a partial OUTDIR. The weights go
+Everything goes into a temporary sibling directory that is swapped into place
+at the end (``outdir.py``), so a failed export never leaves a partial OUTDIR and
+``--force`` replaces only a previous package. The weights go
 to ``model.onnx.data`` (every initializer over 1 KiB, whatever the model's
 size), the one copy that ``model.onnx``, ORT's optimized graph
 (``ort_graph.py``) and the TensorRT parser all read. File names and the
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
 from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, Manifest
+from .outdir import check_output, staging_dir, swap_in
 
 EXTERNAL_OVER = 1024  # bytes; smaller initializers stay inline in the graph (as ORT does)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -64,10 +65,8 @@ def write_package(outdir: Path, model: onnx.ModelProto, manifest: Manifest, extr
     Moves ``model``'s initializers out to the data file (the proto is left without them).
     """
     outdir = Path(outdir)
-    if outdir.exists() and not overwrite:
-        raise FileExistsError(f"{outdir} exists (use --force to replace it)")
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", dir=outdir.parent))
+    check_output(outdir, overwrite)
+    tmp = staging_dir(outdir)
     try:
         onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=MODEL_DATA_FILE, size_threshold=EXTERNAL_OVER)
@@ -77,9 +76,7 @@ def write_package(outdir: Path, model: onnx.ModelProto, manifest: Manifest, extr
             manifest = finalize(tmp, manifest)
         manifest.save(tmp)
         size = package_bytes(tmp)
-        if outdir.exists():
-            shutil.rmtree(outdir)
-        tmp.rename(outdir)
+        swap_in(tmp, outdir)
         return size, manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

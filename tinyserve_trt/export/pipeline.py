@@ -25,6 +25,7 @@ from . import checks
 from .config import ExportConfig
 from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
+from .outdir import check_output
 from .package import special_tokens, tokenizer_files, weight_bytes, write_package
 from .probe import run_with_outputs, source_feeds
 from .loader import file_sha256, find_attention, load_source
@@ -65,8 +66,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     """``int8_pick``: the sensitivity pass's ``calibration.int8_pick.Int8Pick`` when
     ``config.runs_int8_pass()``; None runs it first (``auto_int8.py``)."""
     source, outdir = Path(source), Path(outdir)
-    if outdir.exists() and not overwrite:
-        raise InputError(f"{outdir} exists (use --force to replace it)")
+    check_output(outdir, overwrite, (source,))  # before minutes of work; nothing touched yet
     if config.runs_int8_pass() and int8_pick is None:
         from .auto_int8 import export_with_int8_pass
 
