@@ -4,7 +4,8 @@
   cuda      CUDAExecutionProvider (onnxruntime-gpu); pages on the GPU (DevicePages).
             The model's local functions are inlined first (ORT #27873: CUDA EP session
             creation can fail before they are inlined); the inlined copy is cached
-            beside the package (``model.inlined.onnx``).
+            beside the package (``model.inlined.onnx``, written by rename from a fresh
+            temp file: a link the package ships under that name is replaced, never followed).
   tensorrt  TensorrtExecutionProvider with our plugin library
             (``trt_extra_plugin_lib_paths``): TensorRT's ONNX parser imports the op
             node (it carries ``plugin_namespace``) as the plugin, so ORT users get the
@@ -21,6 +22,8 @@ an explicit choice never falls back silently.
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 from tinyserve_trt.contracts.engine_profiles import engine_profiles
@@ -106,27 +109,54 @@ def inlined_model(model_path: Path):
     """``model_path`` with its model-local functions inlined, for the CUDA EP (ORT #27873).
 
     Cached as ``model.inlined.onnx`` beside it (external data stays where it is: the
-    copy refers to the same files) and rebuilt when the source is newer. A read-only
-    package is inlined in memory: the serialized bytes come back instead of a path.
+    copy refers to the same files) and rebuilt when the source is newer. The cache is
+    used only when it is a regular file of this user (never a link the package ships);
+    it is written to a fresh temp file (``mkstemp``: O_EXCL, never through a link) and
+    renamed over the name, which replaces an entry there rather than writing through it.
+    A read-only package is inlined in memory: the serialized bytes come back instead of a path.
     """
     import onnx
     from onnx.inliner import inline_local_functions
 
     model_path = Path(model_path)
     cached = model_path.with_name(INLINED_FILE)
-    if cached.is_file() and cached.stat().st_mtime >= model_path.stat().st_mtime:
+    if _own_fresh_file(cached, model_path):
         return cached
     model = onnx.load(str(model_path), load_external_data=False)
     if not model.functions:
         return model_path
     inlined = inline_local_functions(model)
     if os.access(model_path.parent, os.W_OK):
-        tmp = cached.with_suffix(".tmp")
-        onnx.save(inlined, str(tmp))
-        tmp.replace(cached)
-        return cached
+        try:
+            write_replace(cached, inlined.SerializeToString())
+            return cached
+        except OSError:  # e.g. a full disk: inline in memory instead
+            pass
     full = onnx.load(str(model_path))  # read-only package: external data loaded, inlined in memory
     return inline_local_functions(full).SerializeToString()
+
+
+def _own_fresh_file(cached: Path, source: Path) -> bool:
+    """Whether ``cached`` is a regular file (not a link) owned by this user and not older than ``source``."""
+    try:
+        st = os.lstat(cached)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mtime >= source.stat().st_mtime
+
+
+def write_replace(path: Path, data: bytes) -> None:
+    """Write ``data`` to a fresh temp file beside ``path`` and rename it onto ``path`` (atomic: a
+    concurrent reader or writer sees the old file or the new one; the temp file is removed on failure)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def session_error(kind: str, model, error: Exception, inlined: bool = True) -> RuntimeError:
