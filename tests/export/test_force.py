@@ -12,7 +12,6 @@ import shutil
 import pytest
 
 from tinyserve_trt.contracts.manifest import MANIFEST_FILE
-from tinyserve_trt.export import package
 
 from .test_cli import one_line, run
 
@@ -103,9 +102,7 @@ def test_failed_replacement_keeps_the_old_package(capsys, tmp_path, export_fixtu
     def boom(tmp, manifest):
         raise OSError("disk full")
 
-    real = package.write_package
-    monkeypatch.setattr("tinyserve_trt.export.pipeline.write_package",
-                        lambda *a, **k: real(*a, **{**k, "finalize": boom}))
+    monkeypatch.setattr("tinyserve_trt.export.pipeline._ort_graph_saver", lambda config: boom)
     got, _, err = run(capsys, src, "-o", out, "-q", "--force")
     assert got != 0 and one_line(err)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -8,46 +8,80 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
+from onnx_ir.external_data import set_base_dir
 
 from .errors import InputError, UnsupportedError
+from . import weights
+from .weights import check_copy, check_external_data, external_files, inline_small
 from .graph_walk import as_cache_concat, is_past_input
 from .rules import AttentionMatch, rules
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of the model file followed by its external data files (siblings
-    named after it, e.g. model.onnx.data), so a change of weights changes it."""
+    """sha256 of the model file followed by the external data files it names (one ``.data``
+    file or one per tensor), so a change of weights changes it."""
     path = Path(path)
     h = hashlib.sha256()
-    files = [path] + sorted(p for p in path.parent.glob(path.name + "*") if p != path and p.is_file())
-    for p in files:
+    proto = onnx.load(str(path), load_external_data=False)
+    for p in [path] + [path.parent / loc for loc in external_files(proto)]:
         with open(p, "rb") as f:
             while block := f.read(chunk):
                 h.update(block)
     return h.hexdigest()
 
 
-def load_source(path: str | Path) -> ir.Model:
-    """The model as onnx_ir, with its external data resolved; InputError for a
-    missing, non-ONNX or truncated file."""
+def load_source(path: str | Path, scratch: Path | None = None) -> ir.Model:
+    """The model as onnx_ir, its large weights left in their files (lazy ``ExternalTensor``s:
+    any size, ``weights.py``); InputError for a missing, non-ONNX or truncated file. A model
+    whose large weights are inline (one file under 2 GB) has them streamed out to ``scratch``
+    (a folder this call creates; the export removes it), so no stage holds them in memory."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not path.is_file():
         raise InputError(f"{path}: not a file")
     try:
-        proto = onnx.load(str(path), load_external_data=True)
-    except FileNotFoundError as e:
-        raise InputError(f"{path}: external data file missing ({Path(e.filename or '').name})") from None
+        proto = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError, truncated reads, ...
         raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:120]})") from None
     if not proto.graph.node:
         raise InputError(f"{path}: not an ONNX model (no graph nodes)")
-    try:
-        onnx.checker.check_model(proto)
+    _refuse_fused_attention(proto)
+    check_external_data(proto, path.parent, str(path))
+    inline_small(proto, path.parent)
+    base = path.parent
+    if scratch is not None and any(weights.external_info(t) is None and weights.tensor_bytes(t) > weights.EXTERNAL_OVER
+                                   for t in proto.graph.initializer):
+        Path(scratch).mkdir(parents=True)
+        weights.write_data(proto, path.parent, Path(scratch) / "source.data")  # one folder for ORT to read
+        base = Path(scratch)
+    try:  # after the move: check_copy copies what is still inline
+        onnx.checker.check_model(check_copy(proto))
     except onnx.checker.ValidationError as e:
         raise InputError(f"{path}: invalid ONNX model ({str(e).splitlines()[0][:160]})") from None
-    return ir.from_proto(proto)
+    model = ir.from_proto(proto)
+    del proto
+    set_base_dir(model.graph, str(base))
+    return model
+
+
+# Fused attention ops of ONNX Runtime's contrib domain (what onnxruntime_genai.models.builder and
+# ORT's transformer optimizer write): they own the KV cache (and GQA its rotary), so there is no
+# cache concat + softmax core for a rule to rewrite.
+FUSED_ATTENTION = {("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "MultiHeadAttention"),
+                   ("com.microsoft", "Attention"), ("com.microsoft", "PagedAttention"),
+                   ("com.microsoft", "SparseAttention"), ("com.microsoft", "DecoderMaskedMultiHeadAttention")}
+
+
+def _refuse_fused_attention(proto: onnx.ModelProto) -> None:
+    """UnsupportedError naming the first fused contrib attention node (before the checker, which
+    would call such a model invalid)."""
+    for node in proto.graph.node:
+        if (node.domain, node.op_type) in FUSED_ATTENTION:
+            raise UnsupportedError(
+                f"unsupported attention at node {node.name or '<unnamed>'} ({node.domain}::{node.op_type}): an ONNX "
+                "Runtime fused attention that keeps its own KV cache (ORT GenAI's model builder writes these); "
+                "export the Hugging Face model with torch.onnx.export (or optimum) and pass that file")
 
 
 def _refuse_windowed_cache(g: ir.Graph) -> None:

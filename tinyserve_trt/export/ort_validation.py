@@ -29,11 +29,12 @@ SPARSE_BUDGET_PAGES = 3  # with the op's 1 sink + 1 recent page forced: one page
 
 def validate_ort_graph(proto: onnx.ModelProto, manifest: dict, tolerance: float,
                        check: Callable[[onnx.ModelProto], float], progress: Callable[[str], None],
-                       native: bool = False) -> dict:
+                       native: bool = False, weights_dir=None) -> dict:
     """The ``validation`` fields of the ORT graph made from ``proto`` (the rewritten portable model,
     weights loaded): ``ort_graph_max_abs_logit_diff``, ``ort_contrib_ops``, ``ort_opset``, and
     ``ort_opset_sparse_check`` / ``ort_opset_note`` when raised / kept at the source opset.
-    ``check(graph)``: max |logit diff| of a graph against the source (the dense validation)."""
+    ``check(graph)``: max |logit diff| of a graph against the source (the dense validation);
+    ``weights_dir``: where ``proto``'s external weights resolve (``weights.py``)."""
     def best_at(opset: int | None) -> tuple[float, bool]:  # (max |logit diff|, contrib ops kept)
         figure = check(prepared_graph(proto, True, opset))
         if figure <= tolerance:
@@ -48,11 +49,11 @@ def validate_ort_graph(proto: onnx.ModelProto, manifest: dict, tolerance: float,
     if source < ORT_OPSET:
         try:
             figure, contrib = best_at(ORT_OPSET)
-            sparse = sparse_agreement(proto, manifest, contrib) if figure <= tolerance else None
+            sparse = sparse_agreement(proto, manifest, contrib, weights_dir=weights_dir) if figure <= tolerance else None
             if figure <= tolerance and (sparse[0] is None or sparse[0] <= tolerance):
                 out = dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=ORT_OPSET,
                            ort_opset_sparse_check=sparse[1])
-                return _with_native(out, proto, manifest, tolerance, check, progress) if native else out
+                return _with_native(out, proto, manifest, tolerance, check, progress, weights_dir) if native else out
             reason = (f"its max |logit diff| {figure:.3g} > {tolerance:g}" if sparse is None else
                       f"with selection on it differs from the opset-{source} graph by {sparse[0]:.3g} > {tolerance:g}")
         except Exception as e:  # OpsetRaiseError, or ORT refusing the converted graph: keep the source's
@@ -62,11 +63,12 @@ def validate_ort_graph(proto: onnx.ModelProto, manifest: dict, tolerance: float,
     figure, contrib = best_at(None)
     out = dict(ort_graph_max_abs_logit_diff=figure, ort_contrib_ops=contrib, ort_opset=source)
     out = out if note is None else dict(out, ort_opset_note=note)
-    return _with_native(out, proto, manifest, tolerance, check, progress) if native else out
+    return _with_native(out, proto, manifest, tolerance, check, progress, weights_dir) if native else out
 
 
 def _with_native(out: dict, proto: onnx.ModelProto, manifest: dict, tolerance: float,
-                 check: Callable[[onnx.ModelProto], float], progress: Callable[[str], None]) -> dict:
+                 check: Callable[[onnx.ModelProto], float], progress: Callable[[str], None],
+                 weights_dir=None) -> dict:
     """``out`` plus ``ort_native`` (True: ``model.ort.onnx`` decodes on the native CPU kernel,
     ``native_decode.py``) and ``ort_native_check``: the native graph is kept only when it is within
     ``tolerance`` of the source (dense, ``check``) and of the function graph with selection on
@@ -82,7 +84,7 @@ def _with_native(out: dict, proto: onnx.ModelProto, manifest: dict, tolerance: f
     opset = None if opset == onnx_opset(proto) else opset
     try:
         dense = check(prepared_graph(proto, contrib, opset, native=True))
-        sparse = sparse_agreement(proto, manifest, contrib, opset=opset, native=True)
+        sparse = sparse_agreement(proto, manifest, contrib, opset=opset, native=True, weights_dir=weights_dir)
     except Exception as e:  # a kernel error on this model: keep the function
         note = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
         progress(f"native CPU decode kernel failed validation ({note}); the ORT graph keeps the function")
@@ -97,14 +99,13 @@ def _with_native(out: dict, proto: onnx.ModelProto, manifest: dict, tolerance: f
 
 
 def sparse_agreement(proto: onnx.ModelProto, manifest: dict, contrib: bool, opset: int | None = ORT_OPSET,
-                     native: bool = False) -> tuple[float | None, str]:
+                     native: bool = False, weights_dir=None) -> tuple[float | None, str]:
     """(max |logit diff|, a one-line record) of the ORT graph raised to ``opset`` against the one at
     the source's opset - or, ``native``, of the graph decoding on the native CPU kernel against the
     function graph at the same opset - decoding at a budget of ``SPARSE_BUDGET_PAGES`` pages
     (``validate.paged_logits``). The figure is None, and the record says why, when the reference
     graph itself cannot run those lengths (positions past a learned table, say)."""
-    from .native_decode import session_options
-    from .validate import paged_logits, sparse_lengths
+    from .validate import graph_session, paged_logits, sparse_lengths
 
     budget, lengths = SPARSE_BUDGET_PAGES * manifest["page_size"], sparse_lengths(manifest["page_size"])
     where = f"at budget {budget}, prompts {list(lengths)} + 4 decode steps"
@@ -113,11 +114,7 @@ def sparse_agreement(proto: onnx.ModelProto, manifest: dict, contrib: bool, opse
             else f"the opset-{onnx_opset(proto)} graph")
 
     def logits(at, on_kernel):
-        import onnxruntime as ort
-
-        graph = prepared_graph(proto, contrib, at, native=on_kernel)
-        session = ort.InferenceSession(graph.SerializeToString(), session_options(graph),
-                                       providers=["CPUExecutionProvider"])
+        session = graph_session(prepared_graph(proto, contrib, at, native=on_kernel), weights_dir)
         return paged_logits(session, manifest, budget, lengths)
     try:
         reference = logits(base, False)

@@ -22,14 +22,19 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import numpy as np
+from pathlib import Path
+
 import onnx
 from onnx import helper, numpy_helper
+
+from .weights import read_array
 
 SPLIT_INPUT_OPSET = 13  # Split takes its sizes as an input from opset 13
 
 
-def pack_shared_matmuls(model: onnx.ModelProto) -> int:
-    """Pack ``model``'s main graph in place (see the module doc); returns the MatMuls removed."""
+def pack_shared_matmuls(model: onnx.ModelProto, base_dir: str | Path = "") -> int:
+    """Pack ``model``'s main graph in place (see the module doc); returns the MatMuls removed.
+    External weights are read from ``base_dir``; the packed ones are new inline tensors."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     taken = set(inits) | {v.name for v in graph.input} | {o for n in graph.node for o in n.output}
@@ -55,7 +60,7 @@ def pack_shared_matmuls(model: onnx.ModelProto) -> int:
         key = {(w.data_type, w.dims[0]) for w in weights}
         if len(members) < 2 or len(key) != 1:
             continue
-        arrays = [numpy_helper.to_array(w) for w in weights]
+        arrays = [read_array(w, Path(base_dir)) for w in weights]
         first = graph.node[members[0]]
         name = _unique(f"{weights[0].name}.packed", taken)
         packed = numpy_helper.from_array(np.concatenate(arrays, axis=1), name)

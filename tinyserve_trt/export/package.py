@@ -20,8 +20,8 @@ import onnx
 
 from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, Manifest
 from .outdir import check_output, staging_dir, swap_in
+from .weights import EXTERNAL_OVER, tensor_bytes, write_data
 
-EXTERNAL_OVER = 1024  # bytes; smaller initializers stay inline in the graph (as ORT does)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json", "config.json", "vocab.json", "merges.txt")
 
@@ -46,8 +46,9 @@ def special_tokens(files: list[Path]) -> dict:
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the model's initializers (what ``model.onnx.data`` holds, plus the small inline ones)."""
-    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    """Bytes of the model's initializers (what ``model.onnx.data`` holds, plus the small inline
+    ones), read from the proto's records: no weight is loaded."""
+    return sum(tensor_bytes(t) for t in model.graph.initializer)
 
 
 def package_bytes(path: Path) -> int:
@@ -55,29 +56,53 @@ def package_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
 
 
-def write_package(outdir: Path, model: onnx.ModelProto, manifest: Manifest, extra_files: list[Path],
-                  overwrite: bool = False,
-                  finalize: Callable[[Path, Manifest], Manifest] | None = None) -> tuple[int, Manifest]:
-    """Write the package; returns its size in bytes and the manifest as written.
+class StagedPackage:
+    """OUTDIR being built in a temporary sibling folder (``outdir.py``), swapped in by
+    :meth:`commit`; leaving the ``with`` block by an exception removes it and touches nothing
+    else. The model is written first (:meth:`write_model`), so validation sessions read the
+    weights from the package's own data file."""
 
-    ``finalize(tmp, manifest)`` runs after the model is written (e.g. builds a TensorRT
-    engine or ORT's optimized graph next to it) and returns the manifest to save.
-    Moves ``model``'s initializers out to the data file (the proto is left without them).
-    """
-    outdir = Path(outdir)
-    check_output(outdir, overwrite)
-    tmp = staging_dir(outdir)
-    try:
-        onnx.save_model(model, str(tmp / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=MODEL_DATA_FILE, size_threshold=EXTERNAL_OVER)
+    def __init__(self, outdir: Path, overwrite: bool = False):
+        self.outdir = Path(outdir)
+        check_output(self.outdir, overwrite)
+        self.path = staging_dir(self.outdir)
+
+    def __enter__(self) -> "StagedPackage":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def write_model(self, model: onnx.ModelProto, weights_dir: Path | None) -> int:
+        """``model.onnx`` + ``model.onnx.data`` (every initializer over ``EXTERNAL_OVER`` bytes,
+        streamed from ``weights_dir``, the folder its external references resolve in); ``model``
+        is left pointing at the package's data file. Returns the weights' bytes."""
+        weights = weight_bytes(model)
+        write_data(model, Path(weights_dir or "."), self.path / MODEL_DATA_FILE, EXTERNAL_OVER)
+        onnx.save_model(model, str(self.path / MODEL_FILE))
+        return weights
+
+    def commit(self, manifest: Manifest, extra_files: list[Path],
+               finalize: Callable[[Path, Manifest], Manifest] | None = None) -> tuple[int, Manifest]:
+        """Copy ``extra_files``, run ``finalize(folder, manifest)`` (e.g. the TensorRT engine or
+        ORT's optimized graph next to the model), save the manifest, swap the folder in; returns
+        the package's bytes and the manifest as written."""
         for f in extra_files:
-            shutil.copy2(f, tmp / f.name)
+            shutil.copy2(f, self.path / f.name)
         if finalize is not None:
-            manifest = finalize(tmp, manifest)
-        manifest.save(tmp)
-        size = package_bytes(tmp)
-        swap_in(tmp, outdir)
+            manifest = finalize(self.path, manifest)
+        manifest.save(self.path)
+        size = package_bytes(self.path)
+        swap_in(self.path, self.outdir)
         return size, manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def write_package(outdir: Path, model: onnx.ModelProto, manifest: Manifest, extra_files: list[Path],
+                  overwrite: bool = False, finalize: Callable[[Path, Manifest], Manifest] | None = None,
+                  weights_dir: Path | None = None) -> tuple[int, Manifest]:
+    """The whole package in one call (:class:`StagedPackage`); returns its size in bytes and
+    the manifest as written. ``model``'s external weights resolve in ``weights_dir``."""
+    with StagedPackage(outdir, overwrite) as stage:
+        stage.write_model(model, weights_dir)
+        return stage.commit(manifest, extra_files, finalize)

@@ -6,6 +6,7 @@ the exit code the CLI uses.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
@@ -26,10 +27,14 @@ from .config import ExportConfig
 from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
 from .outdir import check_output
-from .package import special_tokens, tokenizer_files, weight_bytes, write_package
-from .probe import run_with_outputs, source_feeds
+from .package import StagedPackage, special_tokens, tokenizer_files
+from .validate import SourceReference
+from .weights import check_copy
+from .probe import run_with_outputs, source_feeds, weights_dir as weights_dir_of
 from .loader import file_sha256, find_attention, load_source
 from .graph_io import find_source_io
+
+SOURCE_WEIGHTS = ".source-weights"  # in the staging folder: an inline source's weights, streamed out at load
 
 # Contexts at which masks are checked for sliding windows (past Mistral's 4096 first).
 LONG_PROBE_PASTS = (4100, 1000, 250, 60)
@@ -79,11 +84,18 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
 
         require_tensorrt()
     artifact = _load_calibration(config)
+    with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
+        return _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times)
+
+
+def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, extra_manifest, int8_pick,
+            times: dict) -> ExportReport:
+    """load -> match -> probe -> rewrite, then :func:`_validate_and_write` into ``stage``."""
     t0 = time.perf_counter()
     _progress(f"loading {source}", quiet)
-    model = load_source(source)
+    model = load_source(source, stage.path / SOURCE_WEIGHTS)  # large weights stay on disk (weights.py)
+    weights_dir = Path(weights_dir_of(model) or source.parent)
     sha = file_sha256(source)
-    original_bytes = ir.to_proto(model).SerializeToString() if config.validate else None
     times["load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -117,23 +129,50 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     if config.pack_projections:
         from .pack_matmuls import pack_shared_matmuls
 
-        packed = pack_shared_matmuls(proto)
+        packed = pack_shared_matmuls(proto, weights_dir)
+    times["rewrite"] = time.perf_counter() - t0
+    done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier)
+    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, quiet)
+
+
+@dataclass
+class _Rewritten:
+    """What the rewrite made: the stages that write, check and validate it read this."""
+    proto: onnx.ModelProto  # large weights: external references into the source's files
+    plans: list
+    dims: dict
+    counts: Counter
+    source_io: dict
+    paged: object
+    page_size: int
+    packed: int
+    cold_tier: ColdTier | None
+
+
+def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
+                        extra_manifest, times: dict, quiet: bool) -> ExportReport:
+    """Write the rewritten model into ``stage`` (its weights streamed from the source's files), check
+    and validate it there, then finish and swap in the package."""
+    proto, plans, dims, counts, cold_tier = done.proto, done.plans, done.dims, done.counts, done.cold_tier
+    t0 = time.perf_counter()
+    weights = stage.write_model(proto, weights_dir)  # proto now points at the package's data file
+    shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
+    times["write"] = time.perf_counter() - t0
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        onnx.checker.check_model(check_copy(proto), full_check=True)
     except Exception as e:
         raise UnsupportedError(f"rewritten model fails onnx.checker: {str(e).splitlines()[0][:200]}") from None
-    times["rewrite"] = time.perf_counter() - t0
 
     files = tokenizer_files(source)
     manifest = Manifest(
         tool_version=__version__, op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
         num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-        vocab_size=dims["vocab"], page_size=page_size, token_budget=config.token_budget,
+        vocab_size=dims["vocab"], page_size=done.page_size, token_budget=config.token_budget,
         dense_layers=min(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
         recent_pages=config.recent_pages, dtype="float16" if config.fp16 else "float32",
-        max_context=config.max_context, io=PackageIO(paged.inputs, paged.outputs, paged.layers),
+        max_context=config.max_context, io=PackageIO(done.paged.inputs, done.paged.outputs, done.paged.layers),
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
-        source_io=source_io, backend=config.backend, cold_tier=cold_tier, **special_tokens(files),
+        source_io=done.source_io, backend=config.backend, cold_tier=cold_tier, **special_tokens(files),
         **_two_level_fields(plans, config), extra=dict(extra_manifest or {}),
     )
 
@@ -141,14 +180,16 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     if config.validate:
         t0 = time.perf_counter()
         _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
-        figure = _validate(original_bytes, proto, manifest.to_dict())
+        reference = SourceReference(source, stage.path)
+        figure = _validate(reference, proto, manifest.to_dict())
         validation = dict(max_abs_logit_diff=figure, tolerance=config.tolerance())
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
             from .ort_validation import validate_ort_graph
 
             ort = validate_ort_graph(proto, manifest.to_dict(), config.tolerance(),
-                                     lambda graph: _validate(original_bytes, graph, manifest.to_dict()),
-                                     lambda msg: _progress(msg, quiet), native=config.native_decode)
+                                     lambda graph: _validate(reference, graph, manifest.to_dict()),
+                                     lambda msg: _progress(msg, quiet), native=config.native_decode,
+                                     weights_dir=stage.path)
             validation.update(model_max_abs_logit_diff=figure, **ort)
             figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
@@ -160,15 +201,15 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
                                   f"{config.tolerance():g}")
     t0 = time.perf_counter()
+    outdir = stage.outdir
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
     finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
-    weights = weight_bytes(proto)
-    size, written = write_package(outdir, proto, manifest, files, overwrite=overwrite, finalize=finalize)
-    times["write"] = time.perf_counter() - t0
+    size, written = stage.commit(manifest, files, finalize)
+    times["write"] += time.perf_counter() - t0
     ort_graph = written.ort_optimized
-    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], packed,
+    return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
                         ort_decode=_ort_decode(ort_graph, manifest.validation or {}, config),
@@ -348,17 +389,16 @@ def _shape_donors(m, values) -> dict:
     return donors
 
 
-def _validate(original_bytes: bytes, proto: onnx.ModelProto, manifest: dict) -> float:
-    import onnxruntime as ort
+def _validate(reference, proto: onnx.ModelProto, manifest: dict) -> float:
+    """Max |logit diff| of the rewritten graph ``proto`` against the source (``reference``: a
+    ``validate.SourceReference``, which also says where ``proto``'s weights resolve)."""
+    from .validate import graph_session, validate
 
-    from .native_decode import session_options
-    from .validate import validate
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    orig = ort.InferenceSession(original_bytes, so, providers=["CPUExecutionProvider"])
-    new = ort.InferenceSession(proto.SerializeToString(), session_options(proto), providers=["CPUExecutionProvider"])
-    return validate(orig, new, manifest).max_abs_diff
+    session = graph_session(proto, reference.weights_dir)
+    try:
+        return validate(reference, session, manifest).max_abs_diff
+    finally:
+        del session
 
 
 __all__ = ["export_model", "ExportReport", "np"]

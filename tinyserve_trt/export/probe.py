@@ -12,6 +12,15 @@ import onnx
 import onnx_ir as ir
 
 from .graph_io import SourceIO
+from .weights import session_options
+
+
+def weights_dir(model: ir.Model) -> str | None:
+    """The folder a model's external tensors are read from (None: every tensor in memory)."""
+    for v in model.graph.initializers.values():
+        if isinstance(v.const_value, ir.ExternalTensor):
+            return v.const_value.base_dir
+    return None
 
 
 def source_feeds(graph: ir.Graph, io: SourceIO, past_inputs: list[ir.Value], batch: int, past: int, seq: int,
@@ -34,7 +43,8 @@ def source_feeds(graph: ir.Graph, io: SourceIO, past_inputs: list[ir.Value], bat
 
 
 def run_with_outputs(model: ir.Model, values: list[ir.Value], feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Values by name after one run of ``model`` (which is not modified)."""
+    """Values by name after one run of ``model`` (which is not modified; its external weights are
+    read from their folder, not copied into the proto)."""
     proto = ir.to_proto(model)
     have = {o.name for o in proto.graph.output}
     for v in values:
@@ -46,6 +56,8 @@ def run_with_outputs(model: ir.Model, values: list[ir.Value], feeds: dict[str, n
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep inner values alive
     so.log_severity_level = 4  # a failing long probe is expected for learned positions
+    so.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the MatMul weights
+    session_options(so, weights_dir(model))
     sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = [v.name for v in values]
     return dict(zip(names, sess.run(names, feeds)))

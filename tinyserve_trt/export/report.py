@@ -27,7 +27,8 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("ORT graph opset", _ort_opset(report)),
              ("ORT graph decode", report.ort_decode or "no ORT graph"),
              ("package size", _size(report)),
-             ("time", ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()))]
+             ("time", _time(report)),
+             ("peak memory", _peak_memory(report))]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
 
@@ -37,6 +38,22 @@ def _size(report: ExportReport) -> str:
     text = f"{report.size_bytes / 2**20:.1f} MiB"
     if report.weight_bytes:
         text += f" ({report.size_bytes / report.weight_bytes:.2f}x the weights, {report.weight_bytes / 2**20:.1f} MiB)"
+    return text
+
+
+def _time(report: ExportReport) -> str:
+    return f"{sum(report.seconds.values()):.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items()) + ")"
+
+
+def _peak_memory(report: ExportReport) -> str:
+    """Peak RSS of this process so far (the export's; the whole command's when it only exported),
+    against the weights' bytes: issue #30 bounds it at 2.5x."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    text = f"{peak / 2**30:.2f} GiB RSS"
+    if report.weight_bytes:
+        text += f" ({peak / report.weight_bytes:.2f}x the weights)"
     return text
 
 

@@ -100,17 +100,16 @@ class PagedState:
         self.lens[b] += count
 
 
-def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0,
-             budget: int = 0) -> ValidationResult:
-    """``original``/``rewritten``: ORT sessions. Teacher-forced random tokens, so
-    both see the same inputs at every step whatever they predict."""
-    rng = np.random.default_rng(seed)
-    io, vocab, src = manifest["io"], manifest["vocab_size"], manifest["source_io"]
-    total = [n + decode_steps for n in lengths]
-    state = _state(manifest, rewritten, total, rng)
-    tokens = [rng.integers(0, vocab, t) for t in total]
-    # original: each sequence alone, with its own cache
+def source_logits(original, manifest: dict, lengths=(7, 12), decode_steps: int = 8,
+                  seed: int = 0) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """(tokens per sequence, the original's last-token logits [V] per sequence and step): each
+    sequence alone with its own cache, a prefill of ``lengths`` then ``decode_steps`` steps on
+    teacher-forced random tokens. ``original``: an ORT session of the source."""
+    rng = np.random.default_rng([seed, 1])
+    vocab, src = manifest["vocab_size"], manifest["source_io"]
+    tokens = [rng.integers(0, vocab, n + decode_steps) for n in lengths]
     ref_logits = [[] for _ in lengths]
+    out_names = [o.name for o in original.get_outputs()]
     for b, n in enumerate(lengths):
         past = {name: np.zeros((1, manifest["num_kv_heads"], 0, manifest["head_dim"]), np.float32)
                 for name in src["past_inputs"]}
@@ -122,12 +121,53 @@ def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps:
                 feeds[src["attention_mask"]] = np.ones((1, pos + step_len), np.int64)
             if src.get("position_ids"):
                 feeds[src["position_ids"]] = np.arange(pos, pos + step_len, dtype=np.int64)[None]
-            outs = dict(zip([o.name for o in original.get_outputs()], original.run(None, feeds)))
-            ref_logits[b].append(outs[src["logits"]][0, -1])
+            outs = dict(zip(out_names, original.run(None, feeds)))
+            ref_logits[b].append(outs[src["logits"]][0, -1].copy())  # not a view of [1, S, V]
             past = {p: outs[o] for p, o in zip(src["past_inputs"], src["present_outputs"])}
+            del outs
             pos += step_len
+    return tokens, ref_logits
+
+
+class SourceReference:
+    """The source's logits for validation, computed once per setting from a session of the
+    source file that is closed before any rewritten graph loads (one copy of the weights in
+    memory at a time), and ``weights_dir``: the folder the rewritten graphs' external weights
+    resolve in (the package being written)."""
+
+    def __init__(self, source, weights_dir=None):
+        self.source, self.weights_dir = source, weights_dir
+        self._cache: dict = {}
+
+    def logits(self, manifest: dict, lengths, decode_steps: int, seed: int):
+        key = (tuple(lengths), decode_steps, seed)
+        if key not in self._cache:
+            import onnxruntime as ort
+
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.add_session_config_entry("session.disable_prepacking", "1")
+            session = ort.InferenceSession(str(self.source), so, providers=["CPUExecutionProvider"])
+            try:
+                self._cache[key] = source_logits(session, manifest, lengths, decode_steps, seed)
+            finally:
+                del session
+        return self._cache[key]
+
+
+def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0,
+             budget: int = 0) -> ValidationResult:
+    """``original``: an ORT session of the source or a :class:`SourceReference`; ``rewritten``: an
+    ORT session of the paged graph. Teacher-forced random tokens, so both see the same inputs at
+    every step whatever they predict."""
+    if isinstance(original, SourceReference):
+        tokens, ref_logits = original.logits(manifest, lengths, decode_steps, seed)
+    else:
+        tokens, ref_logits = source_logits(original, manifest, lengths, decode_steps, seed)
+    total = [n + decode_steps for n in lengths]
+    state = _state(manifest, rewritten, total, np.random.default_rng(seed))
     worst = 0.0
-    for b, step, got in _paged_logits(rewritten, state, io, tokens, lengths, decode_steps, budget):
+    for b, step, got in _paged_logits(rewritten, state, manifest["io"], tokens, lengths, decode_steps, budget):
         worst = max(worst, float(np.abs(got.astype(np.float64) - ref_logits[b][step]).max()))
     return ValidationResult(worst, decode_steps + 1, len(lengths))
 
@@ -197,3 +237,17 @@ def _sub_page_size(session, layers, page_size: int) -> int:
     if len(rs) > 1 or any(not isinstance(r, int) for r in rs):
         raise ValueError(f"two-level layers disagree on sub-pages per page: {sorted(map(str, rs))}")
     return page_size // rs.pop() if rs else 0
+
+
+def graph_session(graph, weights_dir=None):
+    """An ORT CPU session of a rewritten graph (an ``onnx.ModelProto`` whose large weights are
+    external references into ``weights_dir``), with the native kernel's library when it uses it;
+    no MatMul prepacking, so the session holds one copy of the weights."""
+    import onnxruntime as ort
+
+    from .native_decode import session_options
+    from .weights import session_options as reading_weights
+
+    so = reading_weights(session_options(graph), weights_dir)
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(graph.SerializeToString(), so, providers=["CPUExecutionProvider"])
