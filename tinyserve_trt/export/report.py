@@ -22,7 +22,9 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
              ("dense layers", str(min(config.dense_layers, report.layers))),
              ("validation max |logit diff|",
-              f"{report.validation:.2e} (<= {config.tolerance():g})" if report.validation is not None
+              f"{report.validation:.2e} (<= {report.tolerance or config.tolerance():.3g}"
+              + (f"; the source's own noise {report.source_noise:.1e}" if report.source_noise is not None else "") + ")"
+              if report.validation is not None
               else "skipped"),
              ("ORT graph opset", _ort_opset(report)),
              ("ORT graph decode", report.ort_decode or "no ORT graph"),

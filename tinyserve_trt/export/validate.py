@@ -139,20 +139,30 @@ class SourceReference:
         self.source, self.weights_dir = source, weights_dir
         self._cache: dict = {}
 
-    def logits(self, manifest: dict, lengths, decode_steps: int, seed: int):
-        key = (tuple(lengths), decode_steps, seed)
+    def logits(self, manifest: dict, lengths, decode_steps: int, seed: int, optimized: bool = True):
+        key = (tuple(lengths), decode_steps, seed, optimized)
         if key not in self._cache:
             import onnxruntime as ort
 
             so = ort.SessionOptions()
             so.log_severity_level = 3
             so.add_session_config_entry("session.disable_prepacking", "1")
+            if not optimized:
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             session = ort.InferenceSession(str(self.source), so, providers=["CPUExecutionProvider"])
             try:
                 self._cache[key] = source_logits(session, manifest, lengths, decode_steps, seed)
             finally:
                 del session
         return self._cache[key]
+
+    def noise(self, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0) -> float:
+        """Max |logit diff| of the source against itself, ORT's graph optimizations on vs off: the
+        float32 rounding noise of this model, which no rewrite can be held below (SmolLM2's is
+        ~1e-5; deeper, wider models' more)."""
+        _, on = self.logits(manifest, lengths, decode_steps, seed)
+        _, off = self.logits(manifest, lengths, decode_steps, seed, optimized=False)
+        return max(float(np.abs(a.astype(np.float64) - b).max()) for r, q in zip(on, off) for a, b in zip(r, q))
 
 
 def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0,

@@ -131,7 +131,7 @@ def _require_torch_stack() -> None:
             raise SourceModelError(f"{module} is not installed: run `pip install {pip_name}`")
 
 
-def _save_tokenizer(tokenizer, directory: Path) -> None:
+def save_tokenizer(tokenizer, directory: Path) -> None:
     """tokenizer.json + tokenizer_config.json, the chat template inside the
     latter (transformers 5 otherwise puts it only in chat_template.jinja)."""
     tokenizer.save_pretrained(str(directory))
@@ -172,7 +172,7 @@ def ensure_hf(cache: SmolLM2Cache | None = None, force: bool = False) -> Path:
     model.config.architectures = [type(model).__name__]
     with _staging(cache.hf_dir, key) as tmp:
         model.save_pretrained(str(tmp))
-        _save_tokenizer(tokenizer, tmp)
+        save_tokenizer(tokenizer, tmp)
     return cache.hf_dir
 
 
@@ -209,7 +209,7 @@ def ensure_onnx(cache: SmolLM2Cache | None = None, force: bool = False) -> Path:
                   all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
         del proto
         shutil.rmtree(tmp / "raw")
-        _save_tokenizer(tokenizer, tmp)
+        save_tokenizer(tokenizer, tmp)
         model.config.to_json_file(str(tmp / "config.json"))
         if model.generation_config is not None:
             model.generation_config.to_json_file(str(tmp / "generation_config.json"))
