@@ -81,7 +81,7 @@ def _refuse_fused_attention(proto: onnx.ModelProto) -> None:
             raise UnsupportedError(
                 f"unsupported attention at node {node.name or '<unnamed>'} ({node.domain}::{node.op_type}): an ONNX "
                 "Runtime fused attention that keeps its own KV cache (ORT GenAI's model builder writes these); "
-                "export the Hugging Face model with torch.onnx.export (or optimum) and pass that file")
+                "give tinyserve-export the Hugging Face folder or GGUF file instead (or a torch.onnx.export of it)")
 
 
 def _refuse_windowed_cache(g: ir.Graph) -> None:
