@@ -62,7 +62,8 @@ def original_greedy(source: Path, source_io: dict, prompt: list[int], max_tokens
 
     sess = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
     shapes = {i.name: i.shape for i in sess.get_inputs()}
-    past = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), np.float32) for n in source_io["past_inputs"]}
+    types = {i.name: np.float16 if i.type == "tensor(float16)" else np.float32 for i in sess.get_inputs()}
+    past = {n: np.zeros((1, shapes[n][1], 0, shapes[n][3]), types[n]) for n in source_io["past_inputs"]}
     names = [o.name for o in sess.get_outputs()]
     out, cur, pos = [], list(prompt), 0
     for _ in range(max_tokens):

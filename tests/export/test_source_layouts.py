@@ -189,3 +189,58 @@ def test_genai_model_refused_naming_the_node(capsys, tmp_path):
     got, _, err = run(capsys, tmp_path / "model.onnx", "-o", tmp_path / "out", "-q")
     assert got == 3 and "/model/layers.0/attn/GroupQueryAttention" in one_line(err)
     assert "GroupQueryAttention" in err and not (tmp_path / "out").exists()
+
+
+HALF_SCRIPT = r"""
+import json, sys, warnings
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[3])
+from tinyserve_dev.models.tiny_models import TinyModelConfig, build_tiny_model
+from tinyserve_trt.export.hf.torch_export import export_causal_lm
+from tests.tiny_models import write_byte_tokenizer
+out = Path(sys.argv[1]); out.mkdir(parents=True)
+dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[2]]
+m = build_tiny_model(TinyModelConfig(kind="llama", vocab_size=256, max_positions=512, seed=0),
+                     attn_implementation="eager").to(dtype)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    export_causal_lm(m, out / "model.onnx", "legacy_eager")
+(out / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+write_byte_tokenizer(out)
+"""
+
+
+def _half_source(tmp_path, kind):
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", HALF_SCRIPT, str(tmp_path / kind), kind, str(repo)], check=True, cwd=repo,
+                   capture_output=True)
+    return tmp_path / kind / "model.onnx"
+
+
+def test_fp16_source_keeps_fp16_pages_and_validates(capsys, tmp_path):
+    """A torch export of a half model (cache in fp16): rewritten with fp16 pages, validated against the
+    fp16 source at its own noise, and served. Before: torch's tracing inputs were fp32 (no export at
+    all) and validation fed the source fp32 caches."""
+    import json
+
+    src = _half_source(tmp_path, "fp16")
+    got, out, err = run(capsys, src, "-o", tmp_path / "pkg", "-q")
+    assert got == 0, err
+    assert json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["dtype"] == "float16"
+    from tinyserve_trt import LLM, SamplingParams
+
+    from ..tiny_models import original_greedy
+
+    manifest = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())
+    want = original_greedy(src, manifest["source_io"], [5, 9, 17, 33], 6)
+    llm = LLM(str(tmp_path / "pkg"), dense=True)
+    res = llm.generate(params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), prompt_token_ids=[[5, 9, 17, 33]])
+    assert list(res[0].outputs[0].token_ids) == want
+
+
+def test_bf16_source_refused_in_one_line(capsys, tmp_path):
+    src = _half_source(tmp_path, "bf16")
+    got, _, err = run(capsys, src, "-o", tmp_path / "pkg", "-q")
+    assert got == 3 and "bfloat16" in one_line(err)
+    assert not (tmp_path / "pkg").exists()

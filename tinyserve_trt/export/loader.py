@@ -47,6 +47,7 @@ def load_source(path: str | Path, scratch: Path | None = None) -> ir.Model:
     if not proto.graph.node:
         raise InputError(f"{path}: not an ONNX model (no graph nodes)")
     _refuse_fused_attention(proto)
+    _refuse_bfloat16(proto)
     check_external_data(proto, path.parent, str(path))
     inline_small(proto, path.parent)
     base = path.parent
@@ -82,6 +83,19 @@ def _refuse_fused_attention(proto: onnx.ModelProto) -> None:
                 f"unsupported attention at node {node.name or '<unnamed>'} ({node.domain}::{node.op_type}): an ONNX "
                 "Runtime fused attention that keeps its own KV cache (ORT GenAI's model builder writes these); "
                 "give tinyserve-export the Hugging Face folder or GGUF file instead (or a torch.onnx.export of it)")
+
+
+def _refuse_bfloat16(proto: onnx.ModelProto) -> None:
+    """bf16 models do not run on ONNX Runtime's CPU EP (no bf16 Where, Softmax, ...), so neither the
+    probe nor the validation could; the op's pages are fp32 or fp16."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    typed = [v for v in proto.graph.input if v.type.tensor_type.elem_type == bf16]
+    weights = [t for t in proto.graph.initializer if t.data_type == bf16]
+    if typed or weights:
+        name = (typed or weights)[0].name
+        raise UnsupportedError(f"bfloat16 model ({name}): ONNX Runtime's CPU EP has no bf16 kernels to probe and "
+                               "validate it with; export it in fp16 or fp32, or give tinyserve-export the Hugging Face "
+                               "folder (converted in fp32)")
 
 
 def _refuse_windowed_cache(g: ir.Graph) -> None:

@@ -119,6 +119,9 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
+    if dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):  # the op's pages: fp32 or fp16
+        raise UnsupportedError(f"the source's KV cache is {dtype.name.lower()}; the op's pages are float32 or "
+                               "float16: export the model in fp16 or fp32")
     cold_tier = cold_tier_fields(config, artifact, len(plans), dims, int8_pick) if config.has_cold_tier else None
     cold = tier_codecs(asdict(cold_tier), len(plans)) if cold_tier else None  # per layer (int8_layers)
     paged = rewrite(model, plans, io, page_size, dtype, config.last_token_logits, cold)
@@ -134,7 +137,8 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
 
         packed = pack_shared_matmuls(proto, weights_dir)
     times["rewrite"] = time.perf_counter() - t0
-    done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier)
+    done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
+                      "float16" if dtype == ir.DataType.FLOAT16 else "float32")
     return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, quiet)
 
 
@@ -150,6 +154,7 @@ class _Rewritten:
     page_size: int
     packed: int
     cold_tier: ColdTier | None
+    kv_dtype: str  # the pages': the source's cache dtype, or float16 with --fp16
 
 
 def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
@@ -172,7 +177,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
         vocab_size=dims["vocab"], page_size=done.page_size, token_budget=config.token_budget,
         dense_layers=min(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
-        recent_pages=config.recent_pages, dtype="float16" if config.fp16 else "float32",
+        recent_pages=config.recent_pages, dtype=done.kv_dtype,
         max_context=config.max_context, io=PackageIO(done.paged.inputs, done.paged.outputs, done.paged.layers),
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
         source_io=done.source_io, backend=config.backend, cold_tier=cold_tier, **special_tokens(files),

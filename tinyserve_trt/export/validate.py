@@ -110,8 +110,10 @@ def source_logits(original, manifest: dict, lengths=(7, 12), decode_steps: int =
     tokens = [rng.integers(0, vocab, n + decode_steps) for n in lengths]
     ref_logits = [[] for _ in lengths]
     out_names = [o.name for o in original.get_outputs()]
+    np_type = {"tensor(float16)": np.float16, "tensor(double)": np.float64}
+    past_dtype = {i.name: np_type.get(i.type, np.float32) for i in original.get_inputs()}
     for b, n in enumerate(lengths):
-        past = {name: np.zeros((1, manifest["num_kv_heads"], 0, manifest["head_dim"]), np.float32)
+        past = {name: np.zeros((1, manifest["num_kv_heads"], 0, manifest["head_dim"]), past_dtype.get(name, np.float32))
                 for name in src["past_inputs"]}
         pos = 0
         for step_len in [n] + [1] * decode_steps:

@@ -129,9 +129,10 @@ def make_wrapper(model):
     return KVCacheWrapper(model).eval()
 
 
-def example_inputs(config, batch: int = 2, seq: int = 3, past: int = 5, seed: int = 0):
+def example_inputs(config, batch: int = 2, seq: int = 3, past: int = 5, seed: int = 0, dtype=None):
     """Flat tracing inputs. Sizes are distinct and > 1 so no exporter
-    specialises a dynamic dim to a constant or unifies two of them."""
+    specialises a dynamic dim to a constant or unifies two of them. The past K/V are in
+    ``dtype`` (the model's: an fp16 / bf16 model keeps its cache in its own dtype)."""
     import torch
 
     layers, kv_heads, head_dim = cache_geometry(config)
@@ -143,7 +144,7 @@ def example_inputs(config, batch: int = 2, seq: int = 3, past: int = 5, seed: in
         torch.arange(past, past + seq).unsqueeze(0).expand(batch, seq).contiguous(),
     ]
     for _ in range(2 * layers):
-        flat.append(torch.randn(batch, kv_heads, past, head_dim, generator=gen))
+        flat.append(torch.randn(batch, kv_heads, past, head_dim, generator=gen).to(dtype or torch.float32))
     return tuple(flat)
 
 
@@ -185,7 +186,7 @@ def export_causal_lm(model, out_path: str | Path, style: str | ExportStyle) -> P
     layers, _, _ = cache_geometry(model.config)
     inputs, outputs = io_names(layers)
     wrapper = make_wrapper(model)
-    args = example_inputs(model.config)
+    args = example_inputs(model.config, dtype=next(model.parameters()).dtype)
     with torch.no_grad(), warnings.catch_warnings():
         # The tracer warns about every Python branch on a tensor (cache empty?
         # mask padded?); they are all taken the same way for any past > 0, and
