@@ -54,3 +54,47 @@ def test_inlining_never_writes_through_a_symlink_the_package_ships(outside, name
         inlined = onnx.load(model)
         assert not inlined.functions and [n.op_type for n in inlined.graph.node] == ["Add"]
     assert not [p for p in pkg.iterdir() if p.name.startswith(".") or p.suffix == ".tmp" and not p.is_symlink()]
+
+
+# ---- finding 2: TensorRT engines are code: a shipped engine cache is used only when asked ----
+def _trt_package(tmp_path):
+    import types
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "trt_ep_cache").mkdir(exist_ok=True)  # shipped engines
+    return types.SimpleNamespace(path=pkg, dtype="float16", manifest={}, max_context=256)
+
+
+def test_tensorrt_engine_cache_is_per_user_unless_the_package_is_trusted(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path / "cache"))
+    package = _trt_package(tmp_path)
+    opts = ort_providers.tensorrt_options(package, 0, tmp_path / "plugin.so")
+    cache = opts["trt_engine_cache_path"]
+    assert opts["trt_engine_cache_enable"] is True
+    assert os.path.realpath(cache).startswith(os.path.realpath(tmp_path / "cache" / "trt_ep_cache") + os.sep)
+    assert os.path.isdir(cache) and os.stat(cache).st_mode & 0o777 == 0o700
+    (tmp_path / "other").mkdir()
+    other = _trt_package(tmp_path / "other")
+    assert ort_providers.tensorrt_options(other, 0, tmp_path / "p.so")["trt_engine_cache_path"] != cache
+    trusted = ort_providers.tensorrt_options(package, 0, tmp_path / "plugin.so", trust_package_engines=True)
+    assert trusted["trt_engine_cache_path"] == str(package.path / "trt_ep_cache")
+
+
+def test_engine_config_takes_the_opt_in():
+    from tinyserve_trt.runtime.config import EngineConfig
+
+    assert EngineConfig().trust_package_engines is False
+    assert EngineConfig(trust_package_engines=True).trust_package_engines is True
+    with pytest.raises(ValueError, match="trust_package_engines must be a bool"):
+        EngineConfig(trust_package_engines="yes")
+
+
+def test_a_cache_dir_other_users_can_write_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setenv("TINYSERVE_CACHE", str(root))
+    with pytest.raises(RuntimeError) as err:
+        ort_providers.tensorrt_options(_trt_package(tmp_path), 0, tmp_path / "plugin.so")
+    assert "writable by other users" in str(err.value) and "\n" not in str(err.value)

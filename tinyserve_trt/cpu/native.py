@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -48,7 +49,42 @@ def compiler() -> str:
 
 
 def cache_root() -> Path:
+    """``$TINYSERVE_CACHE``, else ``~/.cache/tinyserve``: this user's build and engine caches."""
     return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "tinyserve")
+
+
+class CacheDirError(RuntimeError):
+    """A cache directory that another user could write (or that cannot be made); one line."""
+
+
+def private_dir(root: Path, *parts: str) -> Path:
+    """``root / parts...``, each level a directory only this user can write: made with mode 0700
+    when missing, else it must be owned by this user and not group- or world-writable (what we
+    load from a cache is code, so a cache another user can write is refused, not used as is).
+    Raises CacheDirError naming the directory and ``$TINYSERVE_CACHE``."""
+    path = Path(root)
+    for level in (None, *parts):
+        path = path if level is None else path / level
+        try:
+            if level is None:
+                os.makedirs(path.parent, exist_ok=True)
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CacheDirError(f"cannot make the cache directory {path}: {e.strerror} (set {ENV_CACHE})") from None
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise CacheDirError(f"cannot read the cache directory {path}: {e.strerror} (set {ENV_CACHE})") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheDirError(f"the cache directory {path} is not a directory (set {ENV_CACHE})")
+        if st.st_uid != os.geteuid():
+            raise CacheDirError(f"the cache directory {path} is owned by another user; not used (set {ENV_CACHE})")
+        if st.st_mode & 0o022:
+            raise CacheDirError(f"the cache directory {path} is writable by other users "
+                                f"(mode {stat.S_IMODE(st.st_mode):o}); not used (chmod go-w it or set {ENV_CACHE})")
+    return path
 
 
 def _cpu_flags() -> str:

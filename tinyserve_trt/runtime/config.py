@@ -178,6 +178,9 @@ class EngineConfig:
                          (the package's calibration ranges; values outside them clip).
     ort_provider:        ONNX Runtime EP of the ``ort`` backend: ``auto``, ``cpu``, ``cuda`` (pages on
                          the GPU) or ``tensorrt`` (our plugin through ORT's TensorRT EP); docs/gpu_paths.md.
+    trust_package_engines: let the TensorRT EP load engines the package ships in ``trt_ep_cache``
+                         (engines are code); False: its engine cache is this user's
+                         (``~/.cache/tinyserve/trt_ep_cache``), built here.
     """
 
     backend: str = "ort"
@@ -197,8 +200,11 @@ class EngineConfig:
     hot_decay: float | None = None
     kv_scales: str = "dynamic"
     ort_provider: str = "auto"
+    trust_package_engines: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.trust_package_engines, bool):
+            raise ValueError(f"trust_package_engines must be a bool, got {self.trust_package_engines!r}")
         if self.ort_provider not in ORT_PROVIDERS:
             raise ValueError(f"ort_provider must be one of {ORT_PROVIDERS}, got {self.ort_provider!r}")
         check_sparse_min_ratio(self.sparse_min_ratio)

@@ -49,6 +49,8 @@ class OrtBackend(Backend):
     selected_pages: fetch each layer's ``selected_pages`` output (tier policy, stats);
                None: always on the CPU EP, on a GPU only when the pool has a cold tier.
     inline:    inline model-local functions before the CUDA EP sees the model (ORT #27873).
+    trust_package_engines: the TensorRT EP uses the package's ``trt_ep_cache`` (engines shipped
+               with it: code) instead of this user's cache (``EngineConfig.trust_package_engines``).
     """
 
     name = "ort"
@@ -56,7 +58,7 @@ class OrtBackend(Backend):
 
     def __init__(self, package, pool, threads: int | None = None, providers: list | None = None,
                  selected_pages: bool | None = None, provider: str = "auto", device_id: int = 0,
-                 inline: bool = True):
+                 inline: bool = True, trust_package_engines: bool = False):
         import onnxruntime as ort
 
         from tinyserve_trt.runtime.backends.ort_providers import check_provider, resolve_provider
@@ -71,6 +73,7 @@ class OrtBackend(Backend):
             raise ValueError(f"threads must be a positive int, got {threads!r}")
         check_provider(provider)
         self.package, self.pool, self._ort = package, pool, ort
+        self._trust_package_engines = bool(trust_package_engines)
         self.provider = _kind_of(providers) if providers else resolve_provider(ort, provider)
         self.session = self._open_session(ort, threads, providers, device_id, inline)
         on_gpu = self.provider != "cpu"
@@ -98,7 +101,7 @@ class OrtBackend(Backend):
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         kind = self.provider
-        providers = providers or provider_list(kind, self.package, device_id)
+        providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines)
         if kind == "cpu":
             # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
             return ort.InferenceSession(str(self._cpu_graph(ort, so)), so, providers=providers)

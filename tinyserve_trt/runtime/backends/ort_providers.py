@@ -11,7 +11,9 @@
             node (it carries ``plugin_namespace``) as the plugin, so ORT users get the
             CUDA kernels without TensorRT code of their own. Nodes TensorRT does not
             take run on the CUDA EP (the op's model-local function is the fallback
-            there), the rest on the CPU EP. Pages on the GPU, as for ``cuda``.
+            there), the rest on the CPU EP. Pages on the GPU, as for ``cuda``. Engines are
+            code: TensorRT's engine cache is this user's (``~/.cache/tinyserve/trt_ep_cache``),
+            the package's ``trt_ep_cache`` only with ``trust_package_engines``.
   auto      ``cuda`` when onnxruntime-gpu sees a GPU and torch has CUDA (the pages
             need it), else ``cpu``.
 
@@ -21,6 +23,7 @@ an explicit choice never falls back silently.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import tempfile
@@ -32,6 +35,7 @@ from tinyserve_trt.runtime.config import ORT_PROVIDERS as PROVIDERS  # defined o
 EP_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
             "tensorrt": "TensorrtExecutionProvider"}
 INLINED_FILE = "model.inlined.onnx"
+TRT_CACHE_DIR = "trt_ep_cache"  # the package's own (trust_package_engines), or this user's
 
 
 def check_provider(kind: str) -> None:
@@ -78,13 +82,16 @@ def plugin_path() -> Path:
         raise RuntimeError(str(e)) from None
 
 
-def tensorrt_options(package, device_id: int, plugin: Path) -> dict:
-    """TensorRT EP options: the plugin library, fp16 for an fp16 package, an engine cache
-    beside the package, and the export's shape profiles (so engines are not rebuilt
-    every time a batch or page table grows)."""
+def tensorrt_options(package, device_id: int, plugin: Path, trust_package_engines: bool = False) -> dict:
+    """TensorRT EP options: the plugin library, fp16 for an fp16 package, an engine cache, and
+    the export's shape profiles (so engines are not rebuilt every time a batch or page table grows).
+
+    Engines are code, so the cache is this user's (``engine_cache_dir``) unless
+    ``trust_package_engines``: then the package's own ``trt_ep_cache`` (engines shipped with it)."""
+    cache = Path(package.path) / TRT_CACHE_DIR if trust_package_engines else engine_cache_dir(package.path)
     opts = {"device_id": device_id, "trt_extra_plugin_lib_paths": str(plugin),
             "trt_fp16_enable": package.dtype == "float16", "trt_engine_cache_enable": True,
-            "trt_engine_cache_path": str(package.path / "trt_ep_cache")}
+            "trt_engine_cache_path": str(cache)}
     try:
         profiles, _ = engine_profiles(package.manifest, package.max_context)
     except (KeyError, TypeError, AttributeError):  # a manifest without io names: TensorRT picks shapes
@@ -94,14 +101,23 @@ def tensorrt_options(package, device_id: int, plugin: Path) -> dict:
     return opts
 
 
-def provider_list(kind: str, package, device_id: int = 0) -> list:
+def engine_cache_dir(package_path: Path) -> Path:
+    """This user's TensorRT EP engine cache for one package: ``$TINYSERVE_CACHE/trt_ep_cache/<hash of
+    the package's real path>``, made mode 0700 (one RuntimeError when another user could write it)."""
+    from tinyserve_trt.cpu.native import cache_root, private_dir
+
+    key = hashlib.sha256(os.path.realpath(package_path).encode()).hexdigest()[:24]
+    return private_dir(cache_root(), TRT_CACHE_DIR, key)
+
+
+def provider_list(kind: str, package, device_id: int = 0, trust_package_engines: bool = False) -> list:
     """The ``providers`` argument of ``InferenceSession`` for a resolved ``kind``."""
     cuda = ("CUDAExecutionProvider", {"device_id": device_id})
     if kind == "cpu":
         return ["CPUExecutionProvider"]
     if kind == "cuda":
         return [cuda, "CPUExecutionProvider"]
-    trt = ("TensorrtExecutionProvider", tensorrt_options(package, device_id, plugin_path()))
+    trt = ("TensorrtExecutionProvider", tensorrt_options(package, device_id, plugin_path(), trust_package_engines))
     return [trt, cuda, "CPUExecutionProvider"]
 
 
