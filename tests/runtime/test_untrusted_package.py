@@ -98,3 +98,14 @@ def test_a_cache_dir_other_users_can_write_is_refused(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError) as err:
         ort_providers.tensorrt_options(_trt_package(tmp_path), 0, tmp_path / "plugin.so")
     assert "writable by other users" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_trusted_engine_cache_must_still_be_inside_the_package(tmp_path):
+    from tinyserve_trt.contracts.manifest import PackageError
+
+    package = _trt_package(tmp_path)
+    (package.path / "trt_ep_cache").rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (package.path / "trt_ep_cache").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PackageError, match="outside the package"):
+        ort_providers.tensorrt_options(package, 0, tmp_path / "plugin.so", trust_package_engines=True)

@@ -12,12 +12,14 @@ turns it into its configs (:meth:`tier_config`, :meth:`hotness_config`,
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig, check_int8_layers
+from tinyserve_trt.contracts.package_paths import resolve_inside
 from tinyserve_trt.ops.quantization import GRANULARITIES, QMAX, group_scale
 
 VERSION = 1
@@ -98,7 +100,8 @@ class CalibrationArtifact:
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationArtifact:
-        """Read an artifact; ArtifactError naming the problem if it is not a valid one."""
+        """Read an artifact; ArtifactError naming the problem if it is not a valid one. Its
+        ``arrays`` (the ``.npz``) must be a file in the JSON's folder (``package_paths``)."""
         path = Path(path)
         try:
             meta = json.loads(path.read_text())
@@ -106,11 +109,14 @@ class CalibrationArtifact:
             raise ArtifactError(f"cannot read calibration file {path}: {e}") from None
         if not isinstance(meta, dict) or meta.get("version") != VERSION:
             raise ArtifactError(f"{path} is not a version-{VERSION} calibration file")
+        arrays = resolve_inside(path.parent, meta.pop("arrays", None), f"{path}: arrays", ArtifactError)
         try:
-            with np.load(path.parent / meta.pop("arrays")) as z:
+            with np.load(arrays, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in ("k_absmax", "v_absmax")}
             return cls(**meta, **arrays)
-        except (OSError, KeyError, TypeError) as e:
+        except ArtifactError:
+            raise
+        except (OSError, KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
             raise ArtifactError(f"{path}: incomplete calibration artifact ({e})") from None
 
     # ---- apply ----------------------------------------------------------------

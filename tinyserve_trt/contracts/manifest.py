@@ -23,6 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
+from tinyserve_trt.contracts.package_paths import PackageError, check_name, resolve_inside
 from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
 MANIFEST_FILE = "tinyserve.json"
@@ -40,10 +41,6 @@ LAYER_ROLES = ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new
 COLD_ROLES = ("key_cache_int8", "value_cache_int8", "key_scale", "value_scale")  # ops.schema.COLD_INPUTS
 SUB_ROLE = "key_sub_bounds"  # ops.schema.TWO_LEVEL_INPUTS: per sparse layer of a two-level package
 INT_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "page_size", "token_budget")
-
-
-class PackageError(ValueError):
-    """A package directory that is missing, incomplete or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +108,10 @@ class ColdTier:
     int8_layers_kl: list | None = None
 
     def __post_init__(self):
+        if self.calibration is not None and (not isinstance(self.calibration, dict) or "file" not in self.calibration):
+            raise PackageError(f"cold_tier.calibration must be null or an object with 'file', got {self.calibration!r}")
+        if self.calibration is not None:
+            check_name(self.calibration["file"], "cold_tier.calibration.file")
         if self.cold_format == "int4":
             if self.cold_format_version is None:  # built in code: the current format
                 object.__setattr__(self, "cold_format_version", INT4_FORMAT_VERSION)
@@ -152,6 +153,9 @@ class OrtOptimized:
     native: str | None = None  # the custom-op domain whose library every session must register (or None)
 
     def __post_init__(self):
+        check_name(self.file, "ort_optimized.file")
+        if self.weights is not None:
+            check_name(self.weights, "ort_optimized.weights")
         if self.native is not None and not isinstance(self.native, str):
             raise PackageError(f"ort_optimized.native must be a string or null, got {self.native!r}")
         if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
@@ -218,7 +222,24 @@ class Manifest:
                 raise PackageError(f"cold_tier: int8_layers_kl has {len(kl)} entries for num_layers={self.num_layers}")
         if self.dtype not in DTYPES:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
+        if self.engine is not None and (not isinstance(self.engine, dict) or "file" not in self.engine):
+            raise PackageError(f"engine must be null or an object with 'file', got {self.engine!r}")
         self._check_two_level()
+        self.named_files()  # each a relative name without '..'
+
+    def named_files(self) -> dict[str, str]:
+        """field -> the file name it gives, for every file the manifest names (checked relative
+        names; :meth:`load` also checks that each resolves inside the package)."""
+        files = {}
+        if self.ort_optimized is not None:
+            files["ort_optimized.file"] = self.ort_optimized.file
+            if self.ort_optimized.weights is not None:
+                files["ort_optimized.weights"] = self.ort_optimized.weights
+        if self.engine is not None:
+            files["engine.file"] = self.engine["file"]
+        if self.cold_tier is not None and self.cold_tier.calibration is not None:
+            files["cold_tier.calibration.file"] = self.cold_tier.calibration["file"]
+        return {field: check_name(name, field) for field, name in files.items()}
 
     def _check_two_level(self) -> None:
         """``sub_page_size`` (absent: 0) properly divides the page size, and exactly the layers
@@ -291,10 +312,17 @@ class Manifest:
             raise PackageError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise PackageError(f"{path}: format is not {FORMAT!r}")
-        if not (package / MODEL_FILE).is_file():
+        try:
+            model = resolve_inside(package, MODEL_FILE, MODEL_FILE)
+        except PackageError as e:
+            raise PackageError(f"{package}: {e}") from None
+        if not model.is_file():
             raise PackageError(f"{package}: {MODEL_FILE} is missing")
         try:
-            return cls.from_dict(data)
+            manifest = cls.from_dict(data)
+            for field_name, name in manifest.named_files().items():
+                resolve_inside(package, name, field_name)
+            return manifest
         except PackageError as e:
             raise PackageError(f"{path}: {e}") from None
 

@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from tinyserve_trt.contracts.manifest import MODEL_FILE, Manifest, PackageError
+from tinyserve_trt.contracts.package_paths import resolve_inside
 
 __all__ = ["ModelPackage", "PackageError"]
 
@@ -60,9 +61,19 @@ class ModelPackage:
         ``model.onnx.data``) when it was made by this ONNX Runtime version; otherwise the
         portable model."""
         opt = self.spec.ort_optimized
-        if opt is not None and opt.onnxruntime == onnxruntime_version and (self.path / opt.file).is_file():
-            return self.path / opt.file
+        if opt is not None and opt.onnxruntime == onnxruntime_version:
+            path = resolve_inside(self.path, opt.file, "ort_optimized.file")
+            if path.is_file():
+                return path
         return self.model_path
+
+    def file(self, name: str) -> Path:
+        """``name`` in the package (``package_paths.resolve_inside``: PackageError for an absolute
+        name, ``..`` or a link that leads outside the package)."""
+        try:
+            return resolve_inside(self.path, name, name)
+        except PackageError as e:
+            raise PackageError(f"{self.path}: {e}") from None
 
     num_layers = property(lambda self: self.spec.num_layers)
     num_heads = property(lambda self: self.spec.num_heads)
@@ -109,7 +120,7 @@ class ModelPackage:
     @cached_property
     def tokenizer(self):
         """The HF ``tokenizers.Tokenizer`` of ``tokenizer.json``; PackageError if absent."""
-        file = self.path / "tokenizer.json"
+        file = self.file("tokenizer.json")
         if not file.is_file():
             raise PackageError(f"{self.path}: no tokenizer.json; pass prompt token ids instead of text")
         from tokenizers import Tokenizer
@@ -118,7 +129,7 @@ class ModelPackage:
 
     @cached_property
     def tokenizer_config(self) -> dict:
-        file = self.path / "tokenizer_config.json"
+        file = self.file("tokenizer_config.json")
         try:
             return json.loads(file.read_text()) if file.is_file() else {}
         except json.JSONDecodeError:
@@ -127,7 +138,7 @@ class ModelPackage:
     @cached_property
     def chat_template(self) -> str | None:
         """``chat_template.jinja`` or tokenizer_config.json's ``chat_template``, if any."""
-        jinja = self.path / "chat_template.jinja"
+        jinja = self.file("chat_template.jinja")
         if jinja.is_file():
             return jinja.read_text()
         template = self.tokenizer_config.get("chat_template")

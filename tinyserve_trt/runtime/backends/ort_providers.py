@@ -88,7 +88,12 @@ def tensorrt_options(package, device_id: int, plugin: Path, trust_package_engine
 
     Engines are code, so the cache is this user's (``engine_cache_dir``) unless
     ``trust_package_engines``: then the package's own ``trt_ep_cache`` (engines shipped with it)."""
-    cache = Path(package.path) / TRT_CACHE_DIR if trust_package_engines else engine_cache_dir(package.path)
+    if trust_package_engines:
+        from tinyserve_trt.contracts.package_paths import resolve_inside
+
+        cache = resolve_inside(package.path, TRT_CACHE_DIR, TRT_CACHE_DIR)  # a link out of the package: refused
+    else:
+        cache = engine_cache_dir(package.path)
     opts = {"device_id": device_id, "trt_extra_plugin_lib_paths": str(plugin),
             "trt_fp16_enable": package.dtype == "float16", "trt_engine_cache_enable": True,
             "trt_engine_cache_path": str(cache)}
