@@ -7,7 +7,9 @@ snapshots back through ``loop.call_soon_threadsafe`` into that request's
 asyncio queue.
 
 Supervised: a step that raises fails only the requests of its batch (they get
-``StepFailed``; the engine freed their pages) and the loop goes on. After
+``StepFailed``; the engine freed their pages) and the loop goes on. A request whose
+pages could not be reserved (a copy-on-write the storage failed, ``FinishReason.ERROR``)
+gets ``StepFailed`` alone. After
 ``max_consecutive_failures`` failed steps in a row, or a failure the engine could
 not clean up (``EngineBroken``), the thread stops: ``is_alive`` turns False and
 ``error`` says why, so a server can report it and exit for a supervisor to restart.
@@ -30,6 +32,7 @@ from tinyserve_trt.runtime.llm import engine_from, normalize_prompts
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.outputs import RequestOutput, RequestTracker
 from tinyserve_trt.runtime.sampling import SamplingParams
+from tinyserve_trt.runtime.sequence import FinishReason
 
 
 log = logging.getLogger("tinyserve.engine")
@@ -160,6 +163,10 @@ class AsyncLLM:
         """Hand ``seq``'s new tokens to its request's tracker and the snapshot to its client."""
         entry = self._live.get(seq.request_id)
         if entry is None:
+            return
+        if seq.finish_reason is FinishReason.ERROR:  # its request failed alone; the engine went on
+            self._send(seq.request_id, StepFailed([seq.request_id], seq.error))
+            del self._live[seq.request_id]
             return
         tracker = entry[0]
         if tracker.update(seq):

@@ -100,26 +100,30 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one batch. Returns the sequences that sampled a token (finished ones included).
+        """Run one batch. Returns the sequences that sampled a token (finished ones included)
+        and those whose request failed in this step's scheduling (``FinishReason.ERROR``, their
+        ``error`` set: a page operation for them raised and was undone; the others ran).
 
         Supervised: if anything in the step raises, its requests are aborted and StepFailed
         is raised (the engine stays usable); EngineBroken if that cleanup fails too."""
-        batch = None
+        batch, failed = None, []
         try:
             batch = self._unsettled = self.scheduler.schedule()
-            return self._run(batch)
+            failed = self.scheduler.take_failed()
+            return self._run(batch) + failed
         except Exception as e:
-            raise self._failed(batch, e) from e
+            raise self._failed(batch, e, failed + self.scheduler.take_failed()) from e
         finally:
             self._unsettled = None
 
-    def _failed(self, batch: ScheduledBatch | None, error: Exception) -> RuntimeError:
+    def _failed(self, batch: ScheduledBatch | None, error: Exception, failed: list[Sequence]) -> RuntimeError:
         """Abort the failed step's requests (every unfinished one if it failed before a batch
-        existed), then check the pool; the exception for ``step`` to raise."""
+        existed), then check the pool; the exception for ``step`` to raise. ``failed``: sequences
+        that already failed in this step's scheduling; their requests are named in it too."""
         self.counters["step_failures"] += 1
         try:
             seqs = batch.seqs if batch is not None else [*self.scheduler.waiting, *self.scheduler.running]
-            request_ids = list(dict.fromkeys(s.request_id for s in seqs))
+            request_ids = list(dict.fromkeys(s.request_id for s in [*seqs, *failed]))
             for rid in request_ids:
                 self.scheduler.cancel(rid)
             if batch is not None and self._unsettled is batch:  # the scheduler still waits for it

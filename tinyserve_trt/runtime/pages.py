@@ -124,15 +124,31 @@ class PagePool:
         self._on_evict = fn
 
     # ---- id lifecycle -----------------------------------------------------
-    def allocate(self, n: int = 1) -> list[int]:
+    def allocate(self, n: int = 1, fill: Callable[[list[int]], None] | None = None) -> list[int]:
         """Take ``n`` pages (free first, then evicting cached pages LRU), refcount 1 each.
 
-        Each page's metadata is reset (no valid tokens, key_min = key_max = 0).
-        Raises OutOfPagesError, allocating nothing, when fewer than ``n`` are available.
+        Each page's metadata is reset (no valid tokens, key_min = key_max = 0), then
+        ``fill(pages)`` runs (e.g. a copy-on-write's :meth:`copy_page`). One transaction:
+        if the reset or ``fill`` raises, the pages go back to the front of the free list
+        and the pool is as before - except that pages it had to evict stay evicted (their
+        data may have been overwritten), now free. Raises OutOfPagesError, allocating
+        nothing, when fewer than ``n`` are available.
         """
         if n > self.num_available:
             raise OutOfPagesError(f"need {n} pages, {self.num_free} free + "
                                   f"{self.num_evictable} evictable of {self.num_pages}")
+        pages = self._take(n)
+        try:
+            self._reset(self._physical_ids(np.array(pages, np.int64)))
+            if fill is not None:
+                fill(pages)
+        except BaseException:
+            self._untake(pages)
+            raise
+        return pages
+
+    def _take(self, n: int) -> list[int]:
+        """Bookkeeping of :meth:`allocate`: ``n`` pages leave the free list (or the LRU), refcount 1."""
         pages = []
         for _ in range(n):
             if self._free:
@@ -144,13 +160,19 @@ class PagePool:
                     self._on_evict(page)
             self._refcount[page] = 1
             pages.append(page)
-        self._reset(np.array(pages, np.int64))
         return pages
 
+    def _untake(self, pages: list[int]) -> None:
+        """Undo :meth:`_take`: ``pages`` back at the front of the free list, in their order."""
+        for page in reversed(pages):
+            self._refcount[page] = 0
+            self._free.appendleft(page)
+
     def _reset(self, phys: np.ndarray) -> None:
-        """Fresh physical pages: no valid tokens; the storage resets their min/max."""
-        self._num_valid[:, phys] = 0
+        """Fresh physical pages: the storage resets their min/max, then no valid tokens
+        (in this order, so a storage that raises leaves the valid counts as they were)."""
         self.storage.reset_pages(phys)
+        self._num_valid[:, phys] = 0
 
     def incref(self, page: int) -> None:
         """Add a holder. A cached unreferenced page leaves the LRU; a free page is an error."""

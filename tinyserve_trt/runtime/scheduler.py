@@ -8,7 +8,9 @@ waiting ones are admitted while the batch, token and page limits allow. When pag
 run out the NEWEST running sequence is preempted: its pages are released (full ones
 stay in the prefix cache) and it is requeued to recompute, so the oldest always
 progresses. Requests are checked at ``add`` to fit the pool alone, so no request is
-ever dropped and the pool running dry never raises.
+ever dropped and the pool running dry never raises. A page operation that raises
+(a storage failing a copy-on-write) is undone by the pool and fails only the request
+that needed it: its sequences finish with ``FinishReason.ERROR`` (``take_failed``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Scheduler:
         self._in_flight: ScheduledBatch | None = None
         self._last_wide: bool | None = None  # kind of the last non-empty batch
         self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # finished with an error, not yet taken (take_failed)
 
     # ---- requests -----------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> Sequence:
@@ -168,24 +171,28 @@ class Scheduler:
         budget = cfg.max_tokens_per_step
         rows: list[tuple[Sequence, int]] = []
         preempted = False
-        idx = 0
-        while idx < len(self.running) and len(rows) < cfg.max_batch and budget > 0:
-            seq = self.running[idx]
+        for seq in list(self.running):  # a copy: preemptions and failures remove sequences
+            if len(rows) >= cfg.max_batch or budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # failed (a sibling's reservation raised) or preempted this step
             n_new = min(seq.num_uncached_tokens, cfg.prefill_chunk, budget)
             if (n_new > 1) != wide:
-                idx += 1
                 continue
-            while not self._reserve(seq, n_new):
-                victim = self.running[-1]  # newest; never one already in rows (those are older)
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
+            try:
+                while not self._reserve(seq, n_new):
+                    victim = self.running[-1]  # newest; never one already in rows (those are older)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+            except Exception as e:  # the pool undid the failed operation: fail this request only
+                rows, budget = self._fail(seq, e, rows)
+                continue
             if seq.status is not SequenceStatus.RUNNING:
                 break
             rows.append((seq, n_new))
             budget -= n_new
-            idx += 1
         # Admitting right after a preemption would only thrash.
         while self.waiting and not preempted and len(rows) < cfg.max_batch and budget > 0:
             seq = self.waiting[0]
@@ -195,7 +202,12 @@ class Scheduler:
                 seq.pages, seq.page_hashes = pages, hashes
                 seq.num_cached_tokens = len(pages) * self.pool.page_size
             n_new = min(seq.num_uncached_tokens, cfg.prefill_chunk, budget)
-            if (n_new > 1) != wide or not self._reserve(seq, n_new):
+            try:
+                reserved = (n_new > 1) == wide and self._reserve(seq, n_new)
+            except Exception as e:
+                rows, budget = self._fail(seq, e, rows)
+                continue
+            if not reserved:
                 self._release(seq)  # first in line: it waits for a step of its kind (or for pages)
                 break
             self.waiting.popleft()
@@ -208,6 +220,26 @@ class Scheduler:
             rows.append((seq, n_new))
             budget -= n_new
         return rows
+
+    def _fail(self, seq: Sequence, error: Exception, rows: list[tuple[Sequence, int]]
+              ) -> tuple[list[tuple[Sequence, int]], int]:
+        """``seq``'s page reservation raised: finish every sequence of its request with
+        ``FinishReason.ERROR`` (``error`` on each, for :meth:`take_failed`) and check that the
+        pool is whole (PoolIntegrityError if the failed operation was not undone). Returns
+        ``rows`` without that request's sequences and the token budget left."""
+        for s in list(self._requests.get(seq.request_id, ())):
+            s.error = error
+            self.finish(s, FinishReason.ERROR)
+            self.failed.append(s)
+        self.check_integrity()
+        rows = [(s, n) for s, n in rows if not s.is_finished]
+        return rows, self.config.max_tokens_per_step - sum(n for _, n in rows)
+
+    def take_failed(self) -> list[Sequence]:
+        """Sequences finished with ``FinishReason.ERROR`` since the last call (their
+        ``error`` says why); the engine reports them to their callers."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def postprocess(self, batch: ScheduledBatch, sampled: SampleOutput | np.ndarray) -> list[Sequence]:
         """Advance the batch's sequences after the model ran and their K/V were written.
@@ -265,7 +297,9 @@ class Scheduler:
         """Make slots ``[num_cached, num_cached + n_new)`` writable pages of ``seq``.
 
         Copies shared pages it will write into (copy-on-write) and allocates the
-        missing ones. Returns False, changing nothing, when the pool is short.
+        missing ones. Returns False, changing nothing, when the pool is short. A pool
+        operation that raises was undone by the pool; the copies made before it are kept
+        (``seq`` holds them), and the exception propagates.
         """
         ps = self.pool.page_size
         first, end = seq.num_cached_tokens // ps, -(-(seq.num_cached_tokens + n_new) // ps)
@@ -281,9 +315,10 @@ class Scheduler:
         if len(shared) + missing > self.pool.num_available:
             return False
         for j in shared:
-            (dst,) = self.pool.allocate(1)
-            self.pool.copy_page(seq.pages[j], dst)
-            self.pool.decref(seq.pages[j])
+            src = seq.pages[j]
+            # allocate + copy is one transaction: if the copy raises, the page goes back free
+            (dst,) = self.pool.allocate(1, fill=lambda pages: self.pool.copy_page(src, pages[0]))
+            self.pool.decref(src)
             seq.pages[j] = dst
         seq.pages.extend(self.pool.allocate(missing))
         return True

@@ -23,6 +23,7 @@ class FinishReason(str, Enum):
     STOP = "stop"            # a stop token / EOS / stop string
     LENGTH = "length"        # max_tokens or max_seq_len reached
     CANCELLED = "cancelled"  # Scheduler.cancel
+    ERROR = "error"          # a page operation for it raised (``Sequence.error``); the engine went on
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Sequence:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stats: SequenceStats = field(default_factory=SequenceStats)
     forked: bool = False  # its n-1 siblings were created
+    error: BaseException | None = None  # why it finished with FinishReason.ERROR
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
