@@ -1,7 +1,8 @@
 """Contracts that export, calibration and the runtime share - and the layering of tinyserve_trt.
 
 ``manifest``     the package manifest ``tinyserve.json`` (typed, versioned, validated) and the
-                 package's file names
+                 package's file names; ``manifest_fields`` its per-field type and range checks
+``package_paths`` ``PackageError`` and ``resolve_inside``: every file a package names stays inside it
 ``cold_tier``    ``TierConfig`` / ``HotnessConfig``: the INT8 cold tier and which pages stay hot
 ``calibration``  ``CalibrationArtifact``: what ``tinyserve-calibrate`` writes, the exporter
                  copies into a package and the runtime applies

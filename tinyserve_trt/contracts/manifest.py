@@ -22,6 +22,7 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from tinyserve_trt.contracts import manifest_fields as checks
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
 from tinyserve_trt.contracts.package_paths import PackageError, check_name, resolve_inside
 from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
@@ -70,6 +71,10 @@ class PackageIO:
                 raise PackageError(f"io.layers[{i}] lacks {lacking}")
         if not isinstance(self.outputs, dict) or "logits" not in self.outputs:
             raise PackageError("io.outputs lacks 'logits'")
+        checks.check_names("io.inputs", self.inputs)
+        checks.check_names("io.outputs", self.outputs)
+        for i, layer in enumerate(self.layers):
+            checks.check_layer_io(i, layer)
 
 
 def _old_int4(version) -> str:
@@ -112,6 +117,7 @@ class ColdTier:
             raise PackageError(f"cold_tier.calibration must be null or an object with 'file', got {self.calibration!r}")
         if self.calibration is not None:
             check_name(self.calibration["file"], "cold_tier.calibration.file")
+        checks.check_cold_tier_types(self)
         if self.cold_format == "int4":
             if self.cold_format_version is None:  # built in code: the current format
                 object.__setattr__(self, "cold_format_version", INT4_FORMAT_VERSION)
@@ -128,7 +134,7 @@ class ColdTier:
             object.__setattr__(self, "int8_layers", list(tiers.int8_layers))
             HotnessConfig(decay=self.decay, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
                           hot_fraction=self.hot_fraction)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: a value of the wrong type compared
             raise PackageError(f"cold_tier: {e}") from None
 
 
@@ -156,6 +162,7 @@ class OrtOptimized:
         check_name(self.file, "ort_optimized.file")
         if self.weights is not None:
             check_name(self.weights, "ort_optimized.weights")
+        checks.check_ort_optimized(self)
         if self.native is not None and not isinstance(self.native, str):
             raise PackageError(f"ort_optimized.native must be a string or null, got {self.native!r}")
         if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
@@ -207,6 +214,7 @@ class Manifest:
         if not isinstance(self.format_version, int) or not 1 <= self.format_version <= FORMAT_VERSION:
             raise PackageError(f"format_version {self.format_version!r} is not one this tinyserve reads "
                                f"(1..{FORMAT_VERSION}); upgrade tinyserve-trt")
+        checks.check_scalars(self)
         if len(self.io.layers) != self.num_layers:
             raise PackageError(f"io.layers has {len(self.io.layers)} entries for num_layers={self.num_layers}")
         if self.cold_tier is not None:
@@ -222,8 +230,6 @@ class Manifest:
                 raise PackageError(f"cold_tier: int8_layers_kl has {len(kl)} entries for num_layers={self.num_layers}")
         if self.dtype not in DTYPES:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
-        if self.engine is not None and (not isinstance(self.engine, dict) or "file" not in self.engine):
-            raise PackageError(f"engine must be null or an object with 'file', got {self.engine!r}")
         self._check_two_level()
         self.named_files()  # each a relative name without '..'
 

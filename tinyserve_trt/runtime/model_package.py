@@ -114,7 +114,9 @@ class ModelPackage:
     @property
     def bos_token_id(self) -> int | None:
         bos = self.spec.bos_token_id
-        return bos[0] if isinstance(bos, list) and bos else bos
+        if isinstance(bos, list):
+            return bos[0] if bos else None
+        return bos
 
     # ---- tokenizer and chat template ------------------------------------------
     @cached_property
