@@ -129,8 +129,10 @@ class TieredPagePool(PagePool):
         hot_evictable = sum(1 for p in self._evictable if self._phys[p] < self.num_hot)
         return min(len(self._free) + len(self._evictable), len(self._free_hot) + hot_evictable)
 
-    def allocate(self, n: int = 1) -> list[int]:
-        """``n`` handles bound to fresh hot slots (metadata reset), refcount 1 each.
+    def allocate(self, n: int = 1, fill=None) -> list[int]:
+        """``n`` handles bound to fresh hot slots (metadata reset), refcount 1 each, then
+        ``fill(pages)``; one transaction, as :meth:`PagePool.allocate` (undone: handles and
+        slots back at the front of their free lists).
 
         Evicts cached pages LRU when handles or hot slots run short (a hot one
         when slots do). Raises OutOfPagesError, allocating nothing, if impossible.
@@ -138,6 +140,9 @@ class TieredPagePool(PagePool):
         if n > self.num_available:
             raise OutOfPagesError(f"need {n} pages, {self.num_free} free handles + {self.num_evictable} "
                                   f"evictable, {self.num_hot_free} free hot slots of {self.num_hot}")
+        return super().allocate(n, fill)
+
+    def _take(self, n: int) -> list[int]:
         pages = []
         for _ in range(n):
             if not self._free_hot:
@@ -148,8 +153,13 @@ class TieredPagePool(PagePool):
             self._phys[page] = slot
             self._refcount[page] = 1
             pages.append(page)
-        self._reset(self._phys[pages])
         return pages
+
+    def _untake(self, pages: list[int]) -> None:
+        for page in reversed(pages):
+            self._free_hot.appendleft(int(self._phys[page]))
+            self._phys[page] = -1
+        super()._untake(pages)
 
     def decref(self, page: int) -> None:
         super().decref(page)
@@ -198,7 +208,8 @@ class TieredPagePool(PagePool):
         cached unreferenced cold page is evicted (LRU) when no cold slot is free.
         Metadata becomes min/max of the dequantized keys (INT4: min/max and sub-page codes stay). Returns (old, new)
         physical ids. Raises ValueError for a free, cold or partial page and
-        OutOfPagesError when the cold tier is full.
+        OutOfPagesError when the cold tier is full. A storage that raises leaves the pool as it
+        was, except that a cold page it had to evict stays evicted.
         """
         old = int(self._phys[page])
         if old < 0:
@@ -211,9 +222,10 @@ class TieredPagePool(PagePool):
             victim = next((p for p in self._evictable if self._phys[p] >= self.num_hot), None)
             if victim is None:
                 raise OutOfPagesError(f"cold tier full ({self.num_cold} pages, none evictable)")
-            self._evict(victim)
-        new = self._free_cold.popleft()
-        self.storage.demote_page(old, new)
+            self._evict(victim)  # stays evicted if the demotion fails: its slot may be overwritten
+        new = self._free_cold[0]
+        self.storage.demote_page(old, new)  # first: if it raises, no bookkeeping has changed
+        self._free_cold.popleft()
         self._num_valid[:, new] = self._num_valid[:, old]
         self._phys[page] = new
         self._free_hot.append(old)
@@ -223,7 +235,7 @@ class TieredPagePool(PagePool):
         """Dequantize cold page ``page`` into a free hot slot and free its cold slot; the
         handle stays. Never evicts: promotion only uses room there is. Returns (old, new)
         physical ids. Raises ValueError for a free or hot page and OutOfPagesError when no
-        hot slot is free."""
+        hot slot is free. A storage that raises leaves the pool as it was."""
         old = int(self._phys[page])
         if old < 0:
             raise ValueError(f"page {page} is free")
@@ -231,8 +243,9 @@ class TieredPagePool(PagePool):
             raise ValueError(f"page {page} is already hot")
         if not self._free_hot:
             raise OutOfPagesError(f"no free hot slot to promote page {page} into")
-        new = self._free_hot.popleft()
+        new = self._free_hot[0]
         self.storage.copy_page(old, new)  # dequantizes; min/max of the cold page describe these keys
+        self._free_hot.popleft()
         self._num_valid[:, new] = self._num_valid[:, old]
         self._phys[page] = new
         self._free_cold.append(old)
