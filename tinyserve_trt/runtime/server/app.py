@@ -31,7 +31,7 @@ from tinyserve_trt.runtime.server.admission import Admission
 from tinyserve_trt.runtime.server.auth import ApiKeyMiddleware, bind_warning
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, error_body
-from tinyserve_trt.runtime.server.handler import CompletionHandler
+from tinyserve_trt.runtime.server.handler import ENGINE_UNAVAILABLE, CompletionHandler
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
 from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve_trt.runtime.server.warmup import prefill, warmup_token_ids
@@ -133,8 +133,8 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
 
     @app.get("/health")
     async def health():
-        if not llm.is_alive:
-            why = f": {llm.error!r}" if llm.error is not None else ""
+        if not llm.is_alive:  # the details are in the log (watch_engine); the client gets the class
+            why = f" ({type(llm.error).__name__})" if llm.error is not None else ""
             return JSONResponse(error_body(503, f"the engine thread is not running{why}"), status_code=503)
         return {"status": "ok"}
 
@@ -144,7 +144,8 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
             stats, waiting, running = await llm.run_on_engine(
                 lambda e: (e.stats(), len(e.scheduler.waiting), len(e.scheduler.running)))
         except RuntimeError as e:
-            return JSONResponse(error_body(503, str(e)), status_code=503)
+            log.error("/metrics: the engine did not answer: %s", e)
+            return JSONResponse(error_body(503, ENGINE_UNAVAILABLE), status_code=503)
         return PlainTextResponse(metrics.render(stats, waiting, running, admission.in_flight),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 

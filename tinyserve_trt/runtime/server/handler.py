@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import aclosing
 
 from starlette.requests import Request
@@ -30,6 +31,21 @@ from tinyserve_trt.runtime.server.responses import Responder, usage
 from tinyserve_trt.runtime.server.sse import EventStream
 
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+ENGINE_UNAVAILABLE = "the engine is not running (it stopped or is shutting down); retry later"
+log = logging.getLogger("tinyserve.server")
+
+
+def step_failed(rid: str, e: StepFailed) -> APIError:
+    """The 500 of a request whose engine step raised: the cause's class for the client, the
+    cause itself (``repr``, traceback) for the log - never the other way round."""
+    log.error("request %s: engine step failed: %r", rid, e.cause)
+    return APIError(500, f"the engine step running this request failed ({type(e.cause).__name__}); the request "
+                         f"was aborted", code="engine_step_failed")
+
+
+def engine_unavailable(rid: str, e: RuntimeError) -> APIError:
+    log.error("request %s: the engine is unavailable: %s", rid, e)
+    return APIError(503, ENGINE_UNAVAILABLE, code="engine_unavailable")
 
 
 class _Timing:
@@ -183,9 +199,9 @@ class CompletionHandler:
         except ValueError as e:
             raise from_value_error(e) from None
         except StepFailed as e:  # this request's step failed; the engine goes on serving
-            raise APIError(500, str(e), code="engine_step_failed") from None
+            raise step_failed(rid, e) from None
         except RuntimeError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
+            raise engine_unavailable(rid, e) from None
         n = params.n
         choices = [responder.choice(i * n + o.index, o) for i, out in final.items() for o in out.outputs]
         use = usage(sum(map(len, prompts)), sum(len(o.token_ids) for out in final.values() for o in out.outputs))
@@ -224,10 +240,10 @@ class CompletionHandler:
             yield json.dumps(from_value_error(e).body())
         except StepFailed as e:
             outcome["status"] = 500
-            yield json.dumps(error_body(500, str(e), code="engine_step_failed"))
+            yield json.dumps(step_failed(rid, e).body())
         except RuntimeError as e:
             outcome["status"] = 503
-            yield json.dumps(error_body(503, str(e), code="engine_unavailable"))
+            yield json.dumps(engine_unavailable(rid, e).body())
         else:
             use = usage(sum(map(len, prompts)), completion_tokens)
             self._observe(timing, use)

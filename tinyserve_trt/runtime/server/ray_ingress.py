@@ -136,8 +136,12 @@ class Ingress:
 
         answers = await self._each("metrics")
         texts = {a[0]: a[2] for a in answers if not isinstance(a, BaseException) and a[1] == 200}
-        if not texts:
-            why = "; ".join(sorted({repr(a) if isinstance(a, BaseException) else f"status {a[1]}" for a in answers}))
+        if not texts:  # the client gets class names and statuses; the errors themselves go to the log
+            for a in answers:
+                if isinstance(a, BaseException):
+                    log.warning("a replica did not answer /metrics: %r", a)
+            why = "; ".join(sorted({type(a).__name__ if isinstance(a, BaseException) else f"status {a[1]}"
+                                    for a in answers}))
             return JSONResponse(error_body(503, f"no replica answered /metrics ({why or 'no replicas'})",
                                            code="replica_failed"), status_code=503)
         return PlainTextResponse(merge(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
