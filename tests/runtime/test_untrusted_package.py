@@ -109,3 +109,72 @@ def test_a_trusted_engine_cache_must_still_be_inside_the_package(tmp_path):
     (package.path / "trt_ep_cache").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(PackageError, match="outside the package"):
         ort_providers.tensorrt_options(package, 0, tmp_path / "plugin.so", trust_package_engines=True)
+
+
+# ---- finding 5: a corrupt model.onnx is one PackageError line naming the file ----
+def _manifest_package(path):
+    """A package with a real manifest (tests/contracts/test_manifest.py's) and whatever model.onnx."""
+    import json
+
+    from tests.contracts.test_manifest import manifest
+
+    (path / "tinyserve.json").write_text(json.dumps(manifest(dtype="float32").to_dict()))
+    return path
+
+
+def _backend(pkg_dir, provider="cpu"):
+    from tinyserve_trt.runtime.backends.ort import OrtBackend
+    from tinyserve_trt.runtime.config import CacheConfig
+    from tinyserve_trt.runtime.model_package import ModelPackage
+    from tinyserve_trt.runtime.pages import PagePool
+
+    package = ModelPackage.load(pkg_dir)
+    pool = PagePool(CacheConfig(page_size=package.page_size, num_pages=8, dtype="float32"), package.num_layers,
+                    package.num_kv_heads, package.head_dim)
+    return OrtBackend(package, pool, provider=provider)
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated"])
+def test_a_corrupt_model_is_one_package_error_naming_the_file(tmp_path, content):
+    from tinyserve_trt.contracts.manifest import PackageError
+
+    pytest.importorskip("onnxruntime")
+    pkg = _manifest_package(tmp_path)
+    _model_with_function(pkg / "model.onnx")
+    data = (pkg / "model.onnx").read_bytes()
+    (pkg / "model.onnx").write_bytes(b"\xff\x00garbage" * 40 if content == "garbage" else data[: len(data) // 2])
+    with pytest.raises(PackageError) as err:
+        _backend(pkg)
+    text = str(err.value)
+    assert str(pkg / "model.onnx") in text and "\n" not in text and "re-export" in text
+
+
+def test_a_corrupt_model_is_one_package_error_when_inlining_too(tmp_path):
+    from tinyserve_trt.contracts.manifest import PackageError
+
+    (tmp_path / "model.onnx").write_bytes(b"\xff\x00garbage" * 40)
+    with pytest.raises(PackageError) as err:
+        ort_providers.inlined_model(tmp_path / "model.onnx")
+    assert str(tmp_path / "model.onnx") in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_corrupt_optimized_graph_falls_back_to_the_portable_model(llama, tmp_path, caplog):
+    import shutil
+
+    import onnxruntime as ort
+
+    from tinyserve_trt.runtime.llm import LLM
+    from tinyserve_trt.runtime.sampling import SamplingParams
+
+    _, src, manifest = llama
+    if manifest.get("ort_optimized", {}).get("onnxruntime") != ort.__version__:
+        pytest.skip("the tiny package has no optimized graph for this ONNX Runtime")
+    pkg = tmp_path / "pkg"
+    shutil.copytree(src, pkg)
+    (pkg / manifest["ort_optimized"]["file"]).write_bytes(b"\xff\x00garbage")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="tinyserve.runtime"):
+        out = LLM(pkg, max_batch=2).generate(params=params, prompt_token_ids=[[1, 2, 3]])
+    assert "loading the portable model" in caplog.text
+    want = LLM(src, max_batch=2).generate(params=params, prompt_token_ids=[[1, 2, 3]])
+    assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids

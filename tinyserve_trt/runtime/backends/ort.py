@@ -104,7 +104,7 @@ class OrtBackend(Backend):
         providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines)
         if kind == "cpu":
             # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
-            return ort.InferenceSession(str(self._cpu_graph(ort, so)), so, providers=providers)
+            return self._cpu_session(ort, so, providers)
         model = self.package.model_path
         if kind == "cuda" and inline:
             model = inlined_model(model)  # ORT #27873: the CUDA EP may fail on model-local functions
@@ -112,6 +112,28 @@ class OrtBackend(Backend):
             return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=providers)
         except Exception as e:
             raise session_error(kind, model, e, inlined=inline) from None
+
+    def _cpu_session(self, ort, so, providers: list):
+        """The CPU EP session over ``_cpu_graph``; when ORT cannot load the optimized graph, the
+        portable model (logged); when it cannot load that either, one PackageError naming the file."""
+        from tinyserve_trt.runtime.backends.ort_providers import first_line, load_error
+
+        path = self._cpu_graph(ort, so)
+        try:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        except MemoryError:
+            raise
+        except Exception as e:  # ORT's InvalidProtobuf, InvalidGraph, Fail, ...: what the package holds
+            if path == self.package.model_path:
+                raise load_error(path, e) from None
+            log.warning("%s: ONNX Runtime cannot load %s (%s); loading the portable model", self.package.path,
+                        path.name, first_line(e))
+        try:
+            return ort.InferenceSession(str(self.package.model_path), so, providers=providers)
+        except MemoryError:
+            raise
+        except Exception as e:
+            raise load_error(self.package.model_path, e) from None
 
     def _cpu_graph(self, ort, so):
         """The graph the CPU EP loads: ``model.ort.onnx`` when this ORT wrote it, with the native

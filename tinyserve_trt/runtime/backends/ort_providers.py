@@ -143,7 +143,10 @@ def inlined_model(model_path: Path):
     cached = model_path.with_name(INLINED_FILE)
     if _own_fresh_file(cached, model_path):
         return cached
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as e:  # google.protobuf DecodeError and the like: bytes that are not a model
+        raise load_error(model_path, e) from None
     if not model.functions:
         return model_path
     inlined = inline_local_functions(model)
@@ -153,7 +156,10 @@ def inlined_model(model_path: Path):
             return cached
         except OSError:  # e.g. a full disk: inline in memory instead
             pass
-    full = onnx.load(str(model_path))  # read-only package: external data loaded, inlined in memory
+    try:
+        full = onnx.load(str(model_path))  # read-only package: external data loaded, inlined in memory
+    except Exception as e:
+        raise load_error(model_path, e) from None
     return inline_local_functions(full).SerializeToString()
 
 
@@ -180,9 +186,22 @@ def write_replace(path: Path, data: bytes) -> None:
         raise
 
 
+def first_line(error: Exception) -> str:
+    """The first line of ``error``'s message, whitespace collapsed, at most 200 characters."""
+    return " ".join((str(error).strip().splitlines() or [type(error).__name__])[0].split())[:200]
+
+
+def load_error(path: Path, error: Exception):
+    """The one-line PackageError for a model file that ONNX / ONNX Runtime cannot parse or load."""
+    from tinyserve_trt.contracts.manifest import PackageError
+
+    return PackageError(f"{path}: cannot load the model ({first_line(error)}); the package is damaged or was "
+                        "written for another version: re-export it with tinyserve-export")
+
+
 def session_error(kind: str, model, error: Exception, inlined: bool = True) -> RuntimeError:
     """One line for a GPU session that ONNX Runtime refused, naming the fix."""
-    first = " ".join((str(error).strip().splitlines() or [type(error).__name__])[0].split())[:200]
+    first = first_line(error)
     where = model if isinstance(model, (str, Path)) else "the inlined model"
     if kind == "cuda" and not inlined:
         fix = ("inline the model-local functions before the CUDA EP sees the model (ORT #27873): "
