@@ -178,3 +178,68 @@ def test_a_corrupt_optimized_graph_falls_back_to_the_portable_model(llama, tmp_p
     assert "loading the portable model" in caplog.text
     want = LLM(src, max_batch=2).generate(params=params, prompt_token_ids=[[1, 2, 3]])
     assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+# ---- finding 6: tokenizer_config.json that is not an object is refused at load, not per chat request ----
+@pytest.mark.parametrize("config, message", [
+    ("[1, 2]", "must hold a JSON object, got a list"),
+    ('"text"', "must hold a JSON object, got a str"),
+    ("{", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    ('{"chat_template": 3}', "chat_template must be a string or a list of"),
+    ('{"chat_template": ["x"]}', "chat_template must be a string or a list of"),
+    ('{"chat_template": [{"name": "default", "template": 5}]}', "chat_template must be a string or a list of"),
+    ('{"chat_template": "{{ x }}", "eos_token": ["a"]}', "eos_token must be a string"),
+    ('{"chat_template": "{{ x }}", "bos_token": {"content": 1}}', "bos_token must be a string"),
+])
+def test_a_malformed_tokenizer_config_is_one_line_at_load(tmp_path, config, message):
+    from tinyserve_trt.contracts.manifest import PackageError
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    pkg = _manifest_package(tmp_path)
+    (pkg / "model.onnx").write_bytes(b"")
+    data = config if isinstance(config, bytes) else config.encode()
+    (pkg / "tokenizer_config.json").write_bytes(data)
+    with pytest.raises(PackageError) as err:
+        ModelPackage.load(pkg)
+    text = str(err.value)
+    assert message in text and "tokenizer_config.json" in text and "\n" not in text
+
+
+def test_a_chat_template_that_is_not_text_is_one_line_at_load(tmp_path):
+    from tinyserve_trt.contracts.manifest import PackageError
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    pkg = _manifest_package(tmp_path)
+    (pkg / "model.onnx").write_bytes(b"")
+    (pkg / "chat_template.jinja").write_bytes(b"\xff\xfe\x00{{")
+    with pytest.raises(PackageError, match="chat_template.jinja: not UTF-8 text") as err:
+        ModelPackage.load(pkg)
+    assert "\n" not in str(err.value)
+
+
+def test_named_chat_templates_and_token_objects_still_work(tmp_path):
+    import json
+
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    pkg = _manifest_package(tmp_path)
+    (pkg / "model.onnx").write_bytes(b"")
+    (pkg / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": [{"name": "tools", "template": "T"}, {"name": "default", "template": "{{ bos_token }}hi"}],
+        "bos_token": {"content": "<s>"}, "eos_token": None}))
+    assert ModelPackage.load(pkg).apply_chat_template([{"role": "user", "content": "x"}]) == "<s>hi"
+
+
+def test_a_corrupt_tokenizer_json_is_one_line(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tinyserve_trt.contracts.manifest import PackageError
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    pkg = _manifest_package(tmp_path)
+    (pkg / "model.onnx").write_bytes(b"")
+    (pkg / "tokenizer.json").write_text("[1, 2]")
+    loaded = ModelPackage.load(pkg)
+    with pytest.raises(PackageError, match="tokenizer.json: cannot load the tokenizer") as err:
+        loaded.encode("hi")
+    assert "\n" not in str(err.value)

@@ -44,8 +44,13 @@ class ModelPackage:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelPackage:
+        """Check the manifest, ``tokenizer_config.json`` and the chat template (PackageError, one
+        line: a malformed file fails here, not on every chat request); ``tokenizer.json`` is
+        parsed on first use."""
         path = Path(path)
-        return cls(path, Manifest.load(path))
+        package = cls(path, Manifest.load(path))
+        package.tokenizer_config, package.chat_template  # noqa: B018 - read and checked now
+        return package
 
     # ---- manifest fields ----------------------------------------------------
     @cached_property
@@ -127,22 +132,48 @@ class ModelPackage:
             raise PackageError(f"{self.path}: no tokenizer.json; pass prompt token ids instead of text")
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(file))
+        try:
+            return Tokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises plain Exception for a malformed file
+            first = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:200]
+            raise PackageError(f"{file}: cannot load the tokenizer ({first})") from None
 
     @cached_property
     def tokenizer_config(self) -> dict:
+        """``tokenizer_config.json`` ({} when absent), checked: an object whose ``chat_template``
+        is a string or a list of ``{name, template}`` objects and whose ``bos_token`` /
+        ``eos_token`` are strings or ``{content: string}``; PackageError otherwise."""
         file = self.file("tokenizer_config.json")
-        try:
-            return json.loads(file.read_text()) if file.is_file() else {}
-        except json.JSONDecodeError:
+        if not file.is_file():
             return {}
+        try:
+            data = json.loads(file.read_bytes().decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise PackageError(f"{file}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+        if not isinstance(data, dict):
+            raise PackageError(f"{file}: must hold a JSON object, got a {type(data).__name__}")
+        template = data.get("chat_template")
+        named = isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) for t in template)
+        if template is not None and not isinstance(template, str) and not named:
+            raise PackageError(f"{file}: chat_template must be a string or a list of "
+                               "{\"name\", \"template\": string} objects")
+        for name in ("bos_token", "eos_token"):
+            token = data.get(name)
+            content = token.get("content", "") if isinstance(token, dict) else token
+            if content is not None and not isinstance(content, str):
+                raise PackageError(f"{file}: {name} must be a string or {{\"content\": string}}, got {token!r}")
+        return data
 
     @cached_property
     def chat_template(self) -> str | None:
         """``chat_template.jinja`` or tokenizer_config.json's ``chat_template``, if any."""
         jinja = self.file("chat_template.jinja")
         if jinja.is_file():
-            return jinja.read_text()
+            try:
+                return jinja.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise PackageError(f"{jinja}: not UTF-8 text") from None
         template = self.tokenizer_config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
