@@ -107,3 +107,43 @@ def server(llama):
 @pytest.fixture(scope="session")
 def client(server):
     return server.client(timeout=60)
+
+
+def package_with_template(source, root, name: str, template: str):
+    """A copy of the package at ``source`` under ``root/name`` whose chat template is ``template``
+    (``chat_template.jinja`` wins over tokenizer_config.json's): the template is package input."""
+    import shutil
+    from pathlib import Path
+
+    dest = Path(root) / name
+    shutil.copytree(source, dest)
+    (dest / "chat_template.jinja").write_text(template)
+    return dest
+
+
+class HealthProbe:
+    """Polls ``/health`` from a thread every ``interval`` s until ``stop()``; ``latencies``
+    holds each answer's seconds (a probe that failed or timed out counts as ``inf``)."""
+
+    def __init__(self, url: str, interval: float = 0.05, timeout: float = 2.0):
+        self.url, self.interval, self.timeout = url, interval, timeout
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        with httpx.Client(timeout=self.timeout) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    ok = c.get(self.url + "/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.latencies.append(time.perf_counter() - t0 if ok else float("inf"))
+                self._stop.wait(self.interval)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + 5)
+        return self.latencies

@@ -48,7 +48,8 @@ def _shape(body: dict) -> dict:
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
 ])
 def test_bad_request_shape(server, path, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
     r = httpx.post(server.url + path, timeout=30, **kw)
     assert r.status_code == status, r.text
     err = _shape(r.json())

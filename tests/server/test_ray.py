@@ -70,7 +70,8 @@ def test_api_through_the_fleet(fleet):
     with pytest.raises(openai.AuthenticationError):
         _client(url, "sk-wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
     auth = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(url + "/v1/completions", headers=auth, timeout=30,  # the replica's body limit
+    r = httpx.post(url + "/v1/completions", headers={**auth, "content-type": "application/json"}, timeout=30,
+                   # the replica's body limit
                    content=b'{"model": "tiny", "prompt": "' + b"x" * 5000 + b'"}')
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(url + "/v1/nothing", headers=auth, timeout=30)

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "TINYSERVE_API_KEY environment variable; unset = no authentication)")
+    s.add_argument("--allowed-host", action="append", default=list(sc.allowed_hosts), metavar="HOST",
+                   help="also answer requests whose Host header names HOST (repeatable; a name, an IP, "
+                        "'*.suffix', or '*' for any): loopback names and a non-wildcard --host are always "
+                        "allowed, other Hosts get 421 (DNS rebinding)")
     s.add_argument("--warmup", metavar="FILE", default=None,
                    help="prefill these prompts into the prefix cache at start: one per line, or JSON Lines "
                         "of {\"prompt\": ...} / {\"messages\": [...]}")
@@ -183,15 +187,20 @@ def _generate(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
+def _server_config(args):
+    """The ServerConfig of ``serve``'s flags (ValueError for a bad one)."""
     import os
 
     from tinyserve_trt.runtime.server.config import ServerConfig
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("TINYSERVE_API_KEY") or None
-    config = ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
-                          max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
-                          api_key=api_key)
+    return ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
+                        max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
+                        api_key=api_key, allowed_hosts=tuple(args.allowed_host))
+
+
+def _serve(args) -> int:
+    config = _server_config(args)
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget,
                   sparse_min_ratio=args.sparse_min_ratio, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,

@@ -32,6 +32,7 @@ from tinyserve_trt.runtime.server.auth import ApiKeyMiddleware, bind_warning
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import APIError, error_body
 from tinyserve_trt.runtime.server.handler import ENGINE_UNAVAILABLE, CompletionHandler
+from tinyserve_trt.runtime.server.hosts import HostAllowList, HostMiddleware
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
 from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyserve_trt.runtime.server.warmup import prefill, warmup_token_ids
@@ -100,6 +101,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     app.state.context = handler.context  # longest prompt + completion, in tokens
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+    app.add_middleware(HostMiddleware, allowed=HostAllowList.from_config(config))  # outermost: before the key
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):

@@ -1,5 +1,8 @@
-"""Reading a request's JSON body within the server's limits (size, nesting).
+"""Reading a request's JSON body within the server's limits (media type, size, nesting).
 
+A POST body must be declared ``application/json`` (optionally ``; charset=utf-8``),
+else 415 before it is read: the cross-origin POSTs a web page may send without a CORS
+preflight are ``text/plain`` or forms, so this keeps pages from driving the server.
 The body is read in chunks and refused once it passes ``max_bytes`` (a client's
 ``Content-Length`` is checked first, so an announced oversize body is not read at
 all). JSON deeper than the decoder's recursion limit, or than ``max_depth``,
@@ -12,7 +15,26 @@ import json
 
 from starlette.requests import Request
 
-from tinyserve_trt.runtime.server.errors import bad_request
+from tinyserve_trt.runtime.server.errors import APIError, bad_request
+
+
+def is_json_media_type(value: str | None) -> bool:
+    """``application/json`` with no parameter but ``charset=utf-8`` (any case); False for None."""
+    if value is None:
+        return False
+    media, *params = (part.strip().lower() for part in value.split(";"))
+    if media != "application/json":
+        return False
+    for param in params:
+        name, _, charset = param.partition("=")
+        if name.strip() == "charset" and charset.strip().strip('"') not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+def unsupported_media_type() -> APIError:
+    return APIError(415, "the request body must be JSON sent with 'Content-Type: application/json'",
+                    code="unsupported_media_type")
 
 
 def json_depth(value, limit: int) -> int:
@@ -30,7 +52,10 @@ def json_depth(value, limit: int) -> int:
 
 
 async def read_json(request: Request, max_bytes: int, max_depth: int):
-    """The parsed body; APIError(400) if it is too large, not JSON, or nested too deeply."""
+    """The parsed body; APIError(415) if it is not declared JSON, APIError(400) if it is too
+    large, not JSON, or nested too deeply."""
+    if not is_json_media_type(request.headers.get("content-type")):
+        raise unsupported_media_type()
     announced = request.headers.get("content-length")
     if announced is not None and announced.isdigit() and int(announced) > max_bytes:
         raise bad_request(f"the request body is larger than the server's limit of {max_bytes} bytes",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
 
 from tinyserve_trt.runtime.limits import MAX_N, is_finite_number, is_int as _is_int
@@ -27,6 +29,9 @@ class ServerConfig:
                        need about 5); deeper is answered 400 before validation.
     api_key:           when set, every route but /health needs ``Authorization: Bearer <api_key>``
                        (401 otherwise); None = open. Kept out of the repr (logs).
+    allowed_hosts:     Host header names served besides loopback and ``host`` (a non-wildcard
+                       bind): names, IP literals, ``*.suffix``, or ``*`` (any Host); any port.
+                       Other Hosts get 421 (DNS rebinding; see ``hosts.py``).
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +45,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_json_depth: int = 32
     api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -64,3 +70,21 @@ class ServerConfig:
         if key is not None and (not isinstance(key, str) or not key or key != key.strip()
                                 or not (key.isascii() and key.isprintable())):
             raise ValueError("api_key must be a non-empty printable ASCII string without surrounding spaces, or None")
+        if not isinstance(self.allowed_hosts, tuple) or not all(map(_is_host_pattern, self.allowed_hosts)):
+            raise ValueError(f"allowed_hosts must be a tuple of host names, IP literals, '*.suffix' or '*' "
+                             f"(no scheme, port or path), got {self.allowed_hosts!r}")
+
+
+_HOST_NAME = re.compile(r"(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?", re.IGNORECASE)
+
+
+def _is_host_pattern(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    if value == "*" or _HOST_NAME.fullmatch(value):
+        return True
+    try:
+        ipaddress.ip_address(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
+        return True
+    except ValueError:
+        return False

@@ -1,6 +1,7 @@
 """Ingress: the fleet's HTTP front (one Ray Serve deployment, no engine), a thin forwarder.
 
-Per request: API key (401 before the body is read) -> body, up to ``max_body_bytes`` + 1
+Per request: the Host allow-list (421), the API key (401) and a POST's media type
+(``application/json``, else 415), all before the body is read -> body, up to ``max_body_bytes`` + 1
 (the replica answers the 400 of a larger one) -> routing key from the prompt's first
 pages -> one EngineReplica through the DeploymentHandle (its RequestRouter reads the
 key) -> the replica's status, headers and body chunks, streamed through. A replica
@@ -19,8 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tinyserve_trt.runtime.server.auth import bearer_token, key_matches, unauthorized_body
+from tinyserve_trt.runtime.server.body import is_json_media_type, unsupported_media_type
 from tinyserve_trt.runtime.server.config import ServerConfig
 from tinyserve_trt.runtime.server.errors import error_body
+from tinyserve_trt.runtime.server.hosts import OPEN_PATHS, HostAllowList, host_header, misdirected_body
 
 log = logging.getLogger("tinyserve.ray")
 CALL_TIMEOUT = 10.0  # seconds for a control call (metrics, health, stats) to one replica
@@ -38,14 +41,20 @@ class Ingress:
         from tinyserve_trt.runtime.model_package import ModelPackage
 
         self.engine, self.config, self.route_pages, self.engine_name = engine, config, route_pages, engine_name
+        self.hosts = HostAllowList.from_config(config)
         self.package = ModelPackage.load(model_dir)  # tokenizer + chat template for routing keys
 
     async def __call__(self, request: Request):
         path = request.url.path
-        if self.config.api_key is not None and path != "/health":
-            token = bearer_token(request.scope.get("headers", []))
+        headers = request.scope.get("headers", [])
+        if path not in OPEN_PATHS and not self.hosts.allows(host_header(headers)):  # as the app's HostMiddleware
+            return JSONResponse(misdirected_body(), status_code=421)
+        if self.config.api_key is not None and path not in OPEN_PATHS:
+            token = bearer_token(headers)
             if not key_matches(token, self.config.api_key):
                 return JSONResponse(unauthorized_body(token), status_code=401, headers={"www-authenticate": "Bearer"})
+        if request.method == "POST" and not is_json_media_type(request.headers.get("content-type")):
+            return unsupported_media_type().response()
         try:
             if request.method == "GET" and path == "/metrics":
                 return await self._metrics()
