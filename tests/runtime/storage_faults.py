@@ -67,12 +67,33 @@ def pool_state(pool) -> dict:
     """Free lists (in order), LRU (in order), refcounts, cached flags, valid counts, handle
     bindings of a tiered pool, and the keys and min/max of every live page as the op reads them."""
     state = dict(free=list(pool._free), evictable=list(pool._evictable), refcount=pool._refcount.tolist(),
-                 cached=pool._cached.tolist(), num_valid=pool._num_valid.tolist())
+                 cached=pool._cached.tolist())
     if hasattr(pool, "_phys"):
         state.update(phys=pool._phys.tolist(), free_hot=list(pool._free_hot), free_cold=list(pool._free_cold))
     live = np.flatnonzero((pool._refcount > 0) | pool._cached)
     store = pool.storage
-    state["data"] = {int(page): [tuple(np.array(a).tolist() for a in store.read_page(layer, int(p)))
-                                 for layer in range(pool.num_layers)]
+    # a free page's valid counts and data are not state: allocate resets them
+    state["data"] = {int(page): (pool._num_valid[:, p].tolist(),
+                                 [tuple(np.array(a).tolist() for a in store.read_page(layer, int(p)))
+                                  for layer in range(pool.num_layers)])
                      for page, p in zip(live, pool._physical_ids(live))}
     return state
+
+
+def check_unchanged(before: dict, after: dict, evicted) -> None:
+    """``after`` (a :func:`pool_state`) is ``before``, except that the cached pages in ``evicted``
+    (the evict callback's calls during a failed operation) left the LRU for the free lists."""
+    if not evicted:
+        assert after == before
+        return
+    ev = set(evicted)
+    assert ev <= set(before["evictable"])
+    assert after["refcount"] == before["refcount"]
+    assert after["cached"] == [c and p not in ev for p, c in enumerate(before["cached"])]
+    assert after["evictable"] == [p for p in before["evictable"] if p not in ev]
+    assert sorted(after["free"]) == sorted(before["free"] + list(ev))
+    assert after["data"] == {p: d for p, d in before["data"].items() if p not in ev}
+    if "phys" in before:
+        assert after["phys"] == [-1 if p in ev else x for p, x in enumerate(before["phys"])]
+        assert sorted(after["free_hot"] + after["free_cold"]) == sorted(
+            before["free_hot"] + before["free_cold"] + [before["phys"][p] for p in ev])

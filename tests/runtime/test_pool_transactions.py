@@ -131,7 +131,7 @@ def test_a_failed_demotion_leaves_the_page_hot(when):
         pool.demote(page)
     pool.check_integrity(holders, check_data=True)
     assert pool_state(pool) == before and pool.is_hot(page)
-    old, new = pool.demote(page)  # and it demotes on the next try, into the same slot
+    _, new = pool.demote(page)  # and it demotes on the next try, into the same slot
     assert new == before["free_cold"][0]
     pool.check_integrity(holders, check_data=True)
 
@@ -166,6 +166,6 @@ def test_a_failed_promotion_leaves_the_page_cold(when):
         pool.promote(page)
     pool.check_integrity(holders, check_data=True)
     assert pool_state(pool) == before and not pool.is_hot(page)
-    old, new = pool.promote(page)
+    _, new = pool.promote(page)
     assert new == before["free_hot"][0]
     pool.check_integrity(holders, check_data=True)

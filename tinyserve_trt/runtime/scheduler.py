@@ -317,7 +317,7 @@ class Scheduler:
         for j in shared:
             src = seq.pages[j]
             # allocate + copy is one transaction: if the copy raises, the page goes back free
-            (dst,) = self.pool.allocate(1, fill=lambda pages: self.pool.copy_page(src, pages[0]))
+            (dst,) = self.pool.allocate(1, fill=lambda pages, src=src: self.pool.copy_page(src, pages[0]))
             self.pool.decref(src)
             seq.pages[j] = dst
         seq.pages.extend(self.pool.allocate(missing))
