@@ -34,7 +34,13 @@ def available() -> str | None:
     if os.environ.get(native.ENV_DISABLE, "1").strip() == "0":
         return native.available()
     if "reason" not in _BUILD:
-        _BUILD["reason"] = native.available()
+        reason = native.available()
+        if reason is None:
+            try:
+                _function()
+            except (OSError, AttributeError) as e:  # a library that loads for ORT but not here: say why, once
+                reason = f"{native.LIBRARY_NAME} cannot be loaded for {SYMBOL} ({' '.join(str(e).split())[:200]})"
+        _BUILD["reason"] = reason
     return _BUILD["reason"]
 
 

@@ -6,16 +6,21 @@ with ctypes by ``append.py``). It is compiled on first use with the host C++ com
 (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``TINYSERVE_NATIVE_ARCH`` names
 another ``-march`` target, e.g. ``x86-64-v2`` or ``armv8-a`` for a cache shared by several CPUs), into
 ``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
-sources, the compiler's version, the machine and the CPU's flags, so a cache shared
-between machines never hands one CPU another's build. The build writes a temporary file
-and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
+sources, the compiler's version and flags, the ``-march`` target, the machine and the CPU's
+flags, so a cache shared between machines never hands one CPU another's build. What the cache
+holds is code: its directories are made mode 0700, and one another user owns or can write is
+refused (``private_dir``); a cached library that does not load is rebuilt once, then
+NativeUnavailable (the runtime loads the portable graph). The build writes a fresh temporary
+file and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
 disables it; ``TINYSERVE_NATIVE_POOL=own`` runs its parallel work on its own threads instead of the
 session's intra-op pool. Python-light: no numpy or onnxruntime import here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -37,6 +42,8 @@ CXXFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "
 ENV_DISABLE = "TINYSERVE_NATIVE"
 ENV_ARCH = "TINYSERVE_NATIVE_ARCH"
 ENV_CACHE = "TINYSERVE_CACHE"
+SYMBOLS = ("RegisterCustomOps", "tinyserve_append_bounds")  # what ORT and append.py look up
+log = logging.getLogger("tinyserve.cpu")
 
 
 class NativeUnavailable(RuntimeError):
@@ -136,33 +143,79 @@ def _first_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[0].strip()
 
 
+def library_file(source_dir: Path = SOURCE_DIR, root: Path | None = None, march: str | None = None) -> Path:
+    """Where :func:`build` keeps the library of this key (``<root>/native/<key>/``); builds and checks nothing."""
+    cxx = compiler()
+    key = build_key(cxx, _compiler_version(cxx), _source_files(source_dir), platform.machine(), _cpu_flags(),
+                    march or arch())
+    return (root or cache_root()) / "native" / key / LIBRARY_NAME
+
+
 def build(source_dir: Path = SOURCE_DIR, root: Path | None = None, march: str | None = None) -> Path:
-    """Compile the library for ``-march=march`` (default: ``arch()``) if this key has no build yet;
-    return its path."""
+    """The library for ``-march=march`` (default: ``arch()``): the cached one when it loads, else
+    compiled (once) into the cache; return its path. The cache directories must be private
+    (:func:`private_dir`); a cached library that does not load (:func:`unloadable`) is rebuilt,
+    and one that still does not is NativeUnavailable - the runtime then runs the portable graph."""
     cxx = compiler()
     march = march or arch()
-    sources = _source_files(source_dir)
-    key = build_key(cxx, _compiler_version(cxx), sources, platform.machine(), _cpu_flags(), march)
-    out_dir = (root or cache_root()) / "native" / key
-    lib = out_dir / LIBRARY_NAME
-    if lib.exists():
-        return lib
+    lib = library_file(source_dir, root, march)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
+        private_dir(root or cache_root(), "native", lib.parent.name)
+    except CacheDirError as e:
+        raise NativeUnavailable(f"cannot write the build cache: {e}") from None
+    if os.path.lexists(lib):
+        reason = unloadable(lib)
+        if reason is None:
+            return lib
+        log.warning("%s %s; rebuilding it", lib, reason)
+    _build_into(cxx, march, source_dir, lib)
+    reason = unloadable(lib)
+    if reason is not None:
+        raise NativeUnavailable(f"{lib} was rebuilt but {reason}")
+    return lib
+
+
+def _build_into(cxx: str, march: str, source_dir: Path, lib: Path) -> None:
+    """Compile into a fresh temp file beside ``lib`` and rename it onto ``lib`` (atomic: a concurrent
+    build of the same key writes identical bytes; nothing partial is left behind)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=lib.parent)
     except OSError as e:
-        raise NativeUnavailable(f"cannot write the build cache {out_dir}: {e.strerror} (set {ENV_CACHE})") from None
+        raise NativeUnavailable(f"cannot write the build cache {lib.parent}: {e.strerror} (set {ENV_CACHE})") from None
     os.close(fd)
     try:
-        cmd = [cxx, *CXXFLAGS, f"-march={march}", "-o", tmp, *(str(source_dir / s) for s in SOURCES)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise NativeUnavailable(f"compiling {LIBRARY_NAME} failed: {_first_line(res.stderr)}")
-        os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes identical bytes
+        _compile(cxx, march, source_dir, tmp)
+        os.replace(tmp, lib)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
-    return lib
+
+
+def _compile(cxx: str, march: str, source_dir: Path, out: str) -> None:
+    cmd = [cxx, *CXXFLAGS, f"-march={march}", "-o", out, *(str(source_dir / s) for s in SOURCES)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        raise NativeUnavailable(f"compiling {LIBRARY_NAME} failed: {_first_line(res.stderr)}")
+
+
+def unloadable(lib: Path) -> str | None:
+    """None when ``lib`` is a regular file of this user that no one else can write and that loads
+    with the symbols we call (``SYMBOLS``); else why not (one line). Loading it runs no code of
+    ours but its static initializers - the same as registering it."""
+    try:
+        st = os.lstat(lib)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return "is writable by another user"
+    try:
+        handle = ctypes.CDLL(str(lib))
+    except OSError as e:
+        return f"cannot be loaded ({_first_line(str(e))[:200]})"
+    missing = [name for name in SYMBOLS if not hasattr(handle, name)]
+    return f"cannot be loaded (it lacks {', '.join(missing)})" if missing else None
 
 
 _BUILT: list[Path] = []  # this process's build, once it succeeded
@@ -187,5 +240,10 @@ def available() -> str | None:
 
 
 def register(session_options) -> None:
-    """Register the library's custom ops on an ``onnxruntime.SessionOptions``."""
-    session_options.register_custom_ops_library(str(library_path()))
+    """Register the library's custom ops on an ``onnxruntime.SessionOptions``; NativeUnavailable
+    (one line) when ONNX Runtime refuses it."""
+    lib = library_path()
+    try:
+        session_options.register_custom_ops_library(str(lib))
+    except Exception as e:  # ORT's Fail: a library it cannot load or whose ops it rejects
+        raise NativeUnavailable(f"ONNX Runtime cannot register {lib}: {_first_line(str(e))[:200]}") from None

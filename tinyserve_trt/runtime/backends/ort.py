@@ -146,8 +146,11 @@ class OrtBackend(Backend):
 
         reason = native.available()
         if reason is None:
-            native.register(so)  # the kernel runs its parallel work on this session's intra-op pool
-            return path
+            try:
+                native.register(so)  # the kernel runs its parallel work on this session's intra-op pool
+                return path
+            except native.NativeUnavailable as e:
+                reason = str(e)
         log.warning("%s: the native CPU decode kernel is unavailable (%s); loading the portable model",
                     self.package.path, reason)
         return self.package.model_path
