@@ -13,6 +13,11 @@ gets ``StepFailed`` alone. After
 ``max_consecutive_failures`` failed steps in a row, or a failure the engine could
 not clean up (``EngineBroken``), the thread stops: ``is_alive`` turns False and
 ``error`` says why, so a server can report it and exit for a supervisor to restart.
+
+Nothing is left waiting: when the thread stops (shutdown or death) it stops taking
+commands, then answers the requests in flight and every command still queued with a
+RuntimeError; a submission after that fails at once. ``shutdown`` stops the loop and
+joins the thread before closing the engine, never under a running step.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class AsyncLLM:
         self._live: dict[str, tuple[RequestTracker, asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # submissions vs the thread's stop: a command is queued or refused
+        self._accepting = True  # False once the engine thread stopped taking commands
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="tinyserve-engine", daemon=True)
         self._thread.start()
 
@@ -63,9 +71,9 @@ class AsyncLLM:
                        prompt_token_ids: Seq[int] | None = None, request_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield snapshots of one request as it advances (the last has ``finished``).
-        Cancelling or closing the generator aborts the request."""
-        if self._error is not None:
-            raise RuntimeError(f"engine thread died: {self._error!r}")
+        Cancelling or closing the generator aborts the request. RuntimeError at once when the
+        engine thread died or was shut down, or as the last item when that happens mid-request."""
+        self._check_accepting()
         reqs = normalize_prompts(self.package, prompt, prompt_token_ids)
         if len(reqs) != 1:
             raise ValueError("generate takes one prompt")
@@ -78,7 +86,7 @@ class AsyncLLM:
         decoder = self.package if (self.package.path / "tokenizer.json").is_file() else None
         tracker = RequestTracker(rid, text, ids, params, decoder)
         out: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", tracker, out, asyncio.get_running_loop()))
+        self._submit(("add", tracker, out, asyncio.get_running_loop()))
         finished = False
         try:
             while True:
@@ -91,20 +99,41 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", rid))
+                self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Cancel a request (nothing to do once the engine thread stopped: it failed them all)."""
+        try:
+            self._submit(("abort", request_id))
+        except RuntimeError:
+            pass
 
     async def run_on_engine(self, fn):
         """``fn(engine)`` run on the engine thread between two steps; its result (or
-        exception). For consistent reads (stats, ``scheduler.check_integrity()``)."""
-        if self._error is not None or self._stop.is_set():
-            raise RuntimeError(f"engine thread is not running ({self._error!r})")
+        exception). For consistent reads (stats, ``scheduler.check_integrity()``).
+        RuntimeError when the engine thread stopped (before or while this waits)."""
+        if self._stop.is_set():
+            raise RuntimeError(self._stopped_reason())
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._commands.put(("call", fn, fut, loop))
+        self._submit(("call", fn, fut, loop))
         return await fut
+
+    def _check_accepting(self) -> None:
+        if not self._accepting or self._stop.is_set():
+            raise RuntimeError(self._stopped_reason())
+
+    def _submit(self, cmd) -> None:
+        """Queue ``cmd`` for the engine thread, or RuntimeError if it stopped taking commands:
+        under the lock, so a command is either refused here or answered by the thread."""
+        with self._lock:
+            self._check_accepting()
+            self._commands.put(cmd)
+
+    def _stopped_reason(self) -> str:
+        if self._error is not None:
+            return f"engine thread died: {self._error!r}"
+        return "engine shut down"
 
     @property
     def is_alive(self) -> bool:
@@ -118,10 +147,25 @@ class AsyncLLM:
     def stats(self) -> dict:
         return self.engine.stats()  # plain counters read without the lock: good enough for metrics
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step (requests in flight fail with
+        "engine shut down"), join it, then close the engine. If a step outlasts ``timeout``
+        seconds, return without closing under it: the thread closes the engine when that
+        step ends. Idempotent."""
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread is still in a step after %.1f s; it closes the engine when the "
+                        "step ends", timeout)
+            return
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.engine.close()
 
     async def __aenter__(self):
@@ -190,6 +234,7 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         self._failures = 0
+        cmd = None
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
@@ -199,6 +244,7 @@ class AsyncLLM:
                     cmd = None
                 if cmd is not None:
                     self._handle(cmd)
+                    cmd = None
                     continue  # drain every pending command before the next step
                 try:
                     seqs = self.engine.step()
@@ -215,12 +261,39 @@ class AsyncLLM:
                         if seq.request_id in self._live:
                             self._send(seq.request_id, StepFailed([seq.request_id], e))
                             del self._live[seq.request_id]
-            for rid in list(self._live):  # shut down with requests in flight: do not leave them waiting
-                self._send(rid, RuntimeError("engine shut down"))
-            self._live.clear()
         except BaseException as e:  # surface to every waiting request, then stop
             log.critical("the engine thread stopped: %r", e, exc_info=True)
             self._error = e
-            for rid in list(self._live):
-                self._send(rid, RuntimeError(f"engine thread died: {e!r}"))
-            self._live.clear()
+        finally:
+            self._stop_taking_commands([cmd] if cmd is not None else [])
+
+    def _stop_taking_commands(self, pending: list) -> None:
+        """The thread is leaving: refuse new commands, then answer the requests in flight, the
+        command in hand (``pending``) and every queued one; close the engine on a shutdown."""
+        with self._lock:
+            self._accepting = False
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        reason = self._stopped_reason()
+        for _, q, loop in self._live.values():
+            _post(loop, q.put_nowait, RuntimeError(reason))
+        self._live.clear()
+        for cmd in pending:
+            if cmd[0] == "add":
+                _post(cmd[3], cmd[2].put_nowait, RuntimeError(reason))
+            elif cmd[0] == "call":
+                fut = cmd[2]
+                _post(cmd[3], lambda f=fut: f.done() or f.set_exception(RuntimeError(reason)))
+        if self._stop.is_set():  # shutdown asked: the engine is closed here, after the last step
+            self._close_engine()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """``fn(*args)`` on ``loop``; nothing when that loop is closed (nobody is waiting there)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
