@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tinyserve_trt.contracts.manifest import MANIFEST_FILE, Manifest, PackageError
+from tinyserve_trt.contracts.manifest import MANIFEST_FILE, Manifest, PackageError, PackageIO
 from tinyserve_trt.ops import schema
 
 from .test_manifest import COLD, manifest, package
@@ -23,8 +23,8 @@ def full() -> dict:
                     op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
                     engine=dict(file="model.plan", max_batch=8, max_new_tokens=64, max_pages=16, max_pool_pages=64,
                                 max_cold_pages=0),
-                    io=manifest().io.__class__(manifest().io.inputs, {"logits": "logits"},
-                                               [{**_layer(0), "policy": "dense"}, {**_layer(1), "policy": "query_aware"}]),
+                    io=PackageIO(manifest().io.inputs, {"logits": "logits"},
+                                 [{**_layer(0), "policy": "dense"}, {**_layer(1), "policy": "query_aware"}]),
                     ).to_dict()
     data["ort_optimized"] = dict(file="model.ort.onnx", onnxruntime="1.0", weights="model.onnx.data", opset=21,
                                  native="tinyserve.cpu", shared_bytes=10, own_bytes=0)
