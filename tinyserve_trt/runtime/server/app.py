@@ -35,7 +35,8 @@ from tinyserve_trt.runtime.server.handler import ENGINE_UNAVAILABLE, CompletionH
 from tinyserve_trt.runtime.server.hosts import HostAllowList, HostMiddleware
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
 from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from tinyserve_trt.runtime.server.warmup import prefill, warmup_token_ids
+from tinyserve_trt.runtime.server.render import Renderer
+from tinyserve_trt.runtime.server.warmup import prefill, render_token_ids
 
 log = logging.getLogger("tinyserve.server")
 EXIT_ENGINE_DEAD = 3  # the process exit status when the engine could not recover
@@ -62,6 +63,20 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def make_renderer(package_dir, config: ServerConfig) -> Renderer:
+    """The render workers of ``config`` for the package at ``package_dir``."""
+    return Renderer(package_dir, workers=config.render_workers, timeout_s=config.render_timeout_s,
+                    memory_bytes=config.render_memory_bytes)
+
+
+async def _render_warmup(package_dir, config: ServerConfig, items: Sequence[dict]) -> list[list[int]]:
+    renderer = make_renderer(package_dir, config)
+    try:
+        return await render_token_ids(renderer, items)
+    finally:
+        await renderer.close()
+
+
 def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown_engine: bool = True,
                on_engine_death: Callable[[], None] | None = None, warmup: Sequence[Sequence[int]] = ()) -> FastAPI:
     """An app serving ``llm``; with ``shutdown_engine`` the app's shutdown stops the engine thread.
@@ -71,7 +86,8 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     model_name = config.model_name or llm.package.path.resolve().name
     metrics = ServerMetrics()
     admission = Admission(llm.engine.config.max_batch + config.max_queue)
-    handler = CompletionHandler(llm, config, model_name, metrics, admission)
+    renderer = make_renderer(llm.package.path, config)
+    handler = CompletionHandler(llm, config, model_name, metrics, admission, renderer)
     created = int(time.time())
 
     async def watch_engine():
@@ -92,6 +108,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
             yield
         finally:
             watcher.cancel()
+            await renderer.close()
             if shutdown_engine:
                 llm.shutdown()
 
@@ -166,8 +183,8 @@ def serve(model_dir, config: ServerConfig = ServerConfig(), *, log_level: str = 
         log.warning(warning)
         print(warning, file=sys.stderr, flush=True)
     llm = AsyncLLM(model_dir, **engine_config)
-    try:
-        warmup_ids = warmup_token_ids(llm.package, warmup)
+    try:  # the package's template renders in a worker, under the server's limits, as requests do
+        warmup_ids = asyncio.run(_render_warmup(llm.package.path, config, warmup)) if warmup else []
     except ValueError:
         llm.shutdown()
         raise

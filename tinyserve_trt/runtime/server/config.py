@@ -32,6 +32,12 @@ class ServerConfig:
     allowed_hosts:     Host header names served besides loopback and ``host`` (a non-wildcard
                        bind): names, IP literals, ``*.suffix``, or ``*`` (any Host); any port.
                        Other Hosts get 421 (DNS rebinding; see ``hosts.py``).
+    render_workers:    worker processes that render chat templates and tokenize text
+                       (``render.py``); more jobs wait for one.
+    render_timeout_s:  seconds one render + tokenize may take; past it the worker is killed
+                       and the request answered 400 (``render_timeout``).
+    render_memory_bytes: memory a worker may allocate beyond what it holds after loading the
+                       package (Linux ``RLIMIT_DATA``); past it the request is answered 400.
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +52,9 @@ class ServerConfig:
     max_json_depth: int = 32
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] = ()
+    render_workers: int = 2
+    render_timeout_s: float = 2.0
+    render_memory_bytes: int = 1 << 30
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -58,11 +67,13 @@ class ServerConfig:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
         if self.timeout is not None and (not is_finite_number(self.timeout) or not self.timeout > 0):
             raise ValueError(f"timeout must be seconds > 0 or None, got {self.timeout!r}")
+        if not is_finite_number(self.render_timeout_s) or not self.render_timeout_s > 0:
+            raise ValueError(f"render_timeout_s must be seconds > 0, got {self.render_timeout_s!r}")
         if not is_finite_number(self.graceful_shutdown) or self.graceful_shutdown < 0:
             raise ValueError(f"graceful_shutdown must be seconds >= 0, got {self.graceful_shutdown!r}")
         if not _is_int(self.max_n) or not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be an int in [1, {MAX_N}], got {self.max_n!r}")
-        for name in ("max_prompts", "max_body_bytes", "max_json_depth"):
+        for name in ("max_prompts", "max_body_bytes", "max_json_depth", "render_workers", "render_memory_bytes"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

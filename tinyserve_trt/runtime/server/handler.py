@@ -1,7 +1,8 @@
 """CompletionHandler: one OpenAI request from body to answer, for both endpoints.
 
-read the body within its limits and validate (400) -> tokenize and check the
-context and the package's bounds -> admit (429) -> generate
+read the body within its limits and validate (400) -> render the chat template and
+tokenize in a worker process under time and size limits (``render.Renderer``: never on
+the event loop) and check the context and the package's bounds -> admit (429) -> generate
 on the shared AsyncLLM -> one JSON body, or a server-sent-events stream. Every
 request that reaches here is counted in the metrics once, with its final status.
 """
@@ -19,7 +20,6 @@ from starlette.responses import JSONResponse, Response
 from tinyserve_trt.runtime.async_llm import AsyncLLM
 from tinyserve_trt.runtime.engine import StepFailed
 from tinyserve_trt.runtime.limits import check_against_package
-from tinyserve_trt.runtime.model_package import PackageError
 from tinyserve_trt.runtime.server.admission import Admission
 from tinyserve_trt.runtime.server.body import read_json
 from tinyserve_trt.runtime.server.config import ServerConfig
@@ -27,6 +27,7 @@ from tinyserve_trt.runtime.server.errors import APIError, bad_request, error_bod
 from tinyserve_trt.runtime.server.generation import ClientGone, RequestTimeout, outputs, until_done_or_gone
 from tinyserve_trt.runtime.server.metrics import ServerMetrics
 from tinyserve_trt.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, parse
+from tinyserve_trt.runtime.server.render import RenderError, Renderer, longest_token_chars
 from tinyserve_trt.runtime.server.responses import Responder, usage
 from tinyserve_trt.runtime.server.sse import EventStream
 
@@ -64,13 +65,16 @@ class _Timing:
 
 class CompletionHandler:
     def __init__(self, llm: AsyncLLM, config: ServerConfig, model_name: str, metrics: ServerMetrics,
-                 admission: Admission):
+                 admission: Admission, renderer: Renderer):
         self.llm, self.config, self.model_name = llm, config, model_name
-        self.metrics, self.admission = metrics, admission
+        self.metrics, self.admission, self.renderer = metrics, admission, renderer
         engine = llm.engine
         pool_tokens = engine.pool.num_pages * engine.pool.page_size
         self.context = min(engine.config.max_seq_len or llm.package.max_context, pool_tokens)
         self.vocab = llm.package.vocab_size
+        # a text of more characters than this has more tokens than the context holds
+        self.chars_per_token = longest_token_chars(llm.package)  # None: no tokenizer
+        self.max_chars = self.context * (self.chars_per_token or 1)
 
     # ---- entry -----------------------------------------------------------------------
     async def __call__(self, request: Request, kind: str) -> Response:
@@ -125,7 +129,7 @@ class CompletionHandler:
         if isinstance(req, CompletionRequest) and len(req.prompts()) > cfg.max_prompts:
             raise bad_request(f"prompt must hold at most {cfg.max_prompts} prompts (this server's limit), got "
                               f"{len(req.prompts())}", param="prompt")
-        prompts = self._prompt_ids(req)
+        prompts = await self._prompt_ids(req)
         longest = max(len(p) for p in prompts)
         if longest >= self.context:
             raise bad_request(f"this model's maximum context length is {self.context} tokens; the prompt has "
@@ -147,29 +151,56 @@ class CompletionHandler:
             raise from_value_error(e) from None
         return req, prompts, params
 
-    def _prompt_ids(self, req) -> list[list[int]]:
-        package = self.llm.package
+    async def _prompt_ids(self, req) -> list[list[int]]:
+        """Token ids of each prompt; text is rendered / tokenized by ``self.renderer``."""
+        chat = isinstance(req, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        texts = [] if chat else [p for p in req.prompts() if isinstance(p, str)]
+        if (chat or texts) and self.chars_per_token is None:
+            raise bad_request("this model has no tokenizer: send prompt token ids instead of text", param=param,
+                              code="unsupported")
+        if chat and self.llm.package.chat_template is None:
+            raise bad_request("this model has no chat template: use /v1/completions", param=param,
+                              code="unsupported")
         try:
-            if isinstance(req, ChatCompletionRequest):
-                text = package.apply_chat_template(req.chat_messages())
-                return [package.encode(text, add_special_tokens=False)]
-            out = []
-            for p in req.prompts():
-                ids = package.encode(p) if isinstance(p, str) else p
-                bad = [t for t in ids if not 0 <= t < self.vocab]
-                if bad:
-                    raise bad_request(f"prompt token ids must be in [0, {self.vocab}), got {bad[:5]}", param="prompt")
-                if not ids:
-                    raise bad_request("the prompt has no tokens", param="prompt")
-                out.append(ids)
-            return out
-        except PackageError as e:  # no tokenizer / no chat template
-            raise bad_request(str(e), param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                              code="unsupported") from None
-        except Exception as e:
-            if type(e).__module__.startswith("jinja2"):  # the template's raise_exception, or a render error
-                raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
-            raise
+            if chat:
+                return [await self.renderer.chat(req.chat_messages(), self.max_chars, self.context)]
+            encoded = iter(await self.renderer.encode(texts, self.max_chars, self.context) if texts else ())
+        except RenderError as e:
+            raise self._render_error(e, param) from None
+        out = []
+        for p in req.prompts():
+            ids = next(encoded) if isinstance(p, str) else p
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise bad_request(f"prompt token ids must be in [0, {self.vocab}), got {bad[:5]}", param="prompt")
+            if not ids:
+                raise bad_request("the prompt has no tokens", param="prompt")
+            out.append(ids)
+        return out
+
+    def _render_error(self, e: RenderError, param: str) -> APIError:
+        """The one-line answer to a prompt the render worker refused (``render.RenderError``)."""
+        what = "rendering the chat template" if param == "messages" else "tokenizing the prompt"
+        if e.kind == "too_long":
+            size = f"{e.tokens} tokens" if e.tokens is not None else f"{e.chars} characters, more than that holds"
+            return bad_request(f"this model's maximum context length is {self.context} tokens; the prompt has "
+                               f"{size}", param=param, code="context_length_exceeded")
+        if e.kind == "timeout":
+            return bad_request(f"{what} {e.message}", param=param, code="render_timeout")
+        if e.kind == "memory":
+            return bad_request(f"{what} {e.message}", param=param, code="render_memory")
+        if e.kind == "template":  # the template's raise_exception, or a render error
+            return bad_request(f"the chat template failed on these messages: {e.message}", param=param)
+        if e.kind == "tokenizer":
+            return bad_request(f"{e.message} on this prompt", param=param, code="render_failed")
+        if e.kind == "start":
+            log.error("the render worker could not start: %s", e.message)
+            return APIError(503, "the server cannot tokenize text now; retry later", code="render_unavailable")
+        log.warning("%s failed: %s: %s", what, e.kind, e.message)  # "package" names the package's path
+        if e.kind == "package":
+            return bad_request("this model cannot render or tokenize text", param=param, code="unsupported")
+        return bad_request(f"{what} failed: the render worker exited", param=param, code="render_failed")
 
     def _token_text(self, token_id: int) -> str:
         return self.llm.package.decode([token_id], skip_special_tokens=False)

@@ -6,10 +6,11 @@ Each ``EngineReplica`` loads the package into its own AsyncLLM (its own page poo
 prefix cache) and runs the very app of the single server (``create_app``: the same
 routes, errors, limits, 429 admission, timeouts, metrics) in-process through ``asgi.call``;
 it adds an ``x-tinyserve-replica`` header naming itself. The ``Ingress`` is a thin
-forwarder: it checks the API key, reads the body (up to ``max_body_bytes`` + 1: the
-replica answers the 400), computes the routing key from the prompt's first pages
-(``router.body_route_key``) and calls a replica through a DeploymentHandle whose
-``RequestRouter`` (``router.PrefixAwareRouter``) sees that key. Responses stream back
+forwarder: it checks the Host, the API key and the media type, reads the body (up to
+``max_body_bytes`` + 1: the replica answers the 400), computes the routing key from the
+prompt's first pages (``router.route_prompt``, rendered in ``render.Renderer`` workers)
+and calls a replica through a DeploymentHandle whose ``RequestRouter``
+(``router.PrefixAwareRouter``) sees that key. Responses stream back
 chunk by chunk. ``/metrics`` merges every replica's metrics (``ray_metrics.merge``);
 ``/health`` asks one replica.
 

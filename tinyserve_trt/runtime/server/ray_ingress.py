@@ -3,7 +3,8 @@
 Per request: the Host allow-list (421), the API key (401) and a POST's media type
 (``application/json``, else 415), all before the body is read -> body, up to ``max_body_bytes`` + 1
 (the replica answers the 400 of a larger one) -> routing key from the prompt's first
-pages -> one EngineReplica through the DeploymentHandle (its RequestRouter reads the
+pages (the chat template and the tokenizer run in ``render.Renderer`` workers, with the
+server's limits, never on the event loop) -> one EngineReplica through the DeploymentHandle (its RequestRouter reads the
 key) -> the replica's status, headers and body chunks, streamed through. A replica
 that fails before answering gives 503; one that fails mid-stream ends an SSE stream
 with an OpenAI error event and ``[DONE]`` (the openai client raises it), so no client
@@ -42,7 +43,12 @@ class Ingress:
 
         self.engine, self.config, self.route_pages, self.engine_name = engine, config, route_pages, engine_name
         self.hosts = HostAllowList.from_config(config)
+        from tinyserve_trt.runtime.server.app import make_renderer
+        from tinyserve_trt.runtime.server.render import longest_token_chars
+
         self.package = ModelPackage.load(model_dir)  # tokenizer + chat template for routing keys
+        self.renderer = make_renderer(model_dir, config)
+        self.max_chars = self.package.max_context * (longest_token_chars(self.package) or 1)
 
     async def __call__(self, request: Request):
         path = request.url.path
@@ -75,11 +81,30 @@ class Ingress:
                 break
         return b"".join(chunks)[:limit]
 
-    async def _forward(self, request: Request, path: str):
-        from tinyserve_trt.runtime.server.router import body_route_key
+    async def _route_key(self, path: str, body: bytes) -> str | None:
+        """The body's routing key (``router.route_key`` of its first prompt), or None when it
+        has none or it cannot be rendered / tokenized (the replica answers that request)."""
+        from tinyserve_trt.runtime.server.render import RenderError
+        from tinyserve_trt.runtime.server.router import route_key, route_prompt
 
+        found = route_prompt(path, body)
+        if found is None:
+            return None
+        kind, value = found
+        try:
+            if kind == "messages":
+                ids = await self.renderer.chat(value, self.max_chars)
+            elif kind == "text":
+                (ids,) = await self.renderer.encode([value], self.max_chars)
+            else:
+                ids = value
+        except RenderError:
+            return None
+        return route_key(ids, self.package.page_size, self.route_pages)
+
+    async def _forward(self, request: Request, path: str):
         body = await self._body(request)
-        key = body_route_key(self.package, path, body, self.route_pages) if request.method == "POST" else None
+        key = await self._route_key(path, body) if request.method == "POST" else None
         headers = [(k, v) for k, v in request.scope.get("headers", []) if k.lower() != b"authorization"]
         for attempt in range(2):  # a replica that died before answering: once more, on a live one
             stream = self.engine.options(stream=True).http.remote(
@@ -168,10 +193,10 @@ class Ingress:
         A prefix of fewer than ``route_pages`` full pages is prefilled on every replica: the
         requests that extend it hash more pages than it has, so their owner is not its owner."""
         from tinyserve_trt.runtime.server.router import route_key
-        from tinyserve_trt.runtime.server.warmup import warmup_token_ids
+        from tinyserve_trt.runtime.server.warmup import render_token_ids
 
         owners: dict[str, int] = {}
-        for ids in warmup_token_ids(self.package, items):
+        for ids in await render_token_ids(self.renderer, items):
             if len(ids) // self.package.page_size < self.route_pages:
                 targets = [dict(replica=rid) for rid in await self.replica_ids()]
             else:
@@ -189,3 +214,8 @@ class Ingress:
             if isinstance(a, BaseException):
                 raise a
         return {a["id"]: a for a in answers}
+
+    def __del__(self):  # Ray Serve stopping the ingress: its render workers go with it
+        renderer = getattr(self, "renderer", None)
+        if renderer is not None:
+            renderer.kill()

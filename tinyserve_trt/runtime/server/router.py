@@ -28,7 +28,6 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import RequestRouter
 
 from tinyserve_trt.runtime.prefix_cache import compute_hash
-from tinyserve_trt.runtime.server.warmup import prompt_token_ids
 
 LIVE_REPLICAS: dict[str, list[str]] = {}  # deployment name -> unique ids of the replicas routable now
 DEFAULT_IMBALANCE = 4
@@ -43,26 +42,29 @@ def route_key(token_ids, page_size: int, route_pages: int) -> str | None:
     return None if parent is None else parent.hex()
 
 
-def body_route_key(package, path: str, body: bytes, route_pages: int) -> str | None:
-    """The routing key of an OpenAI request body (completions: its first prompt; chat: its
-    messages through the chat template); None when there is none to read. Never raises:
-    a body the replica will refuse needs no particular replica."""
+def route_prompt(path: str, body: bytes) -> tuple[str, object] | None:
+    """What picks the replica of an OpenAI request body: ``("messages", [...])`` (chat, to
+    render with the chat template), ``("text", str)`` or ``("ids", [int])`` (completions:
+    the first prompt); None when there is none to read. Parses only - the caller renders
+    and tokenizes off its event loop (``render.Renderer``). Never raises: a body the
+    replica will refuse needs no particular replica."""
     try:
         obj = json.loads(body)
         if path.endswith("/chat/completions"):
             messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
                         for m in obj["messages"]]
-            if not all(isinstance(m["content"], str) for m in messages):
+            if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
                 return None
-            ids = prompt_token_ids(package, messages=messages)
-        elif path.endswith("/completions"):
+            return "messages", messages
+        if path.endswith("/completions"):
             prompt = obj["prompt"]
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # a list of prompts: the first one picks the replica
-            ids = prompt_token_ids(package, prompt=prompt) if isinstance(prompt, str) else list(prompt)
-        else:
-            return None
-        return route_key(ids, package.page_size, route_pages)
+            if isinstance(prompt, str):
+                return "text", prompt
+            if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+                return "ids", prompt
+        return None
     except Exception:
         return None
 

@@ -5,7 +5,8 @@ A warm-up file holds one prompt per line: plain text, or a JSON object per line
 (rendered with the package's chat template, as ``/v1/chat/completions`` does).
 Blank lines are skipped. ``load_warmup`` parses and checks the file (ValueError with
 one line naming the file and line); ``warmup_token_ids`` turns the items into prompt
-token ids with the package's tokenizer; ``prefill`` runs each as a ``max_tokens=1``
+token ids with the package's tokenizer (``render_token_ids``: the same through a
+``render.Renderer``, with its limits, as the servers do); ``prefill`` runs each as a ``max_tokens=1``
 greedy request through the engine, so its full pages are registered in the prefix
 cache and stay there (idle, evictable) until the pool needs them, like any other.
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAX_WARMUP_PROMPTS = 100_000  # a bound on what one file may ask the server to prefill
+MAX_WARMUP_CHARS = 64 << 20  # characters of one rendered warm-up prompt (it is cut to the context later)
 
 
 def load_warmup(path: str | Path) -> tuple[dict, ...]:
@@ -77,6 +79,26 @@ def warmup_token_ids(package, items: Sequence[dict]) -> list[list[int]]:
             ids = prompt_token_ids(package, item.get("prompt"), item.get("messages"))
         except Exception as e:  # PackageError (no tokenizer / template), a template's own error
             raise ValueError(f"warmup prompt {i + 1}: {' '.join(str(e).split())}") from None
+        if not ids:
+            raise ValueError(f"warmup prompt {i + 1} has no tokens")
+        out.append(ids)
+    return out
+
+
+async def render_token_ids(renderer, items: Sequence[dict]) -> list[list[int]]:
+    """``warmup_token_ids`` through ``renderer`` (a ``render.Renderer``): the template and the
+    tokenizer run in its workers, under its time and memory limits; ValueError (one line)."""
+    from tinyserve_trt.runtime.server.render import RenderError
+
+    out = []
+    for i, item in enumerate(items):
+        try:
+            if item.get("messages") is not None:
+                ids = await renderer.chat(item["messages"], MAX_WARMUP_CHARS)
+            else:
+                (ids,) = await renderer.encode([item["prompt"]], MAX_WARMUP_CHARS)
+        except RenderError as e:
+            raise ValueError(f"warmup prompt {i + 1}: {e.kind}: {' '.join(e.message.split())}") from None
         if not ids:
             raise ValueError(f"warmup prompt {i + 1} has no tokens")
         out.append(ids)
