@@ -26,7 +26,7 @@ from . import checks
 from .config import ExportConfig
 from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
-from .manifest_fields import cold_tier_fields, two_level_fields
+from .tier_fields import cold_tier_fields, two_level_fields
 from .outdir import check_output
 from .package import StagedPackage, special_tokens, tokenizer_files
 from .validate import SourceReference
