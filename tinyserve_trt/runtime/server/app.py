@@ -165,7 +165,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
         except RuntimeError as e:
             log.error("/metrics: the engine did not answer: %s", e)
             return JSONResponse(error_body(503, ENGINE_UNAVAILABLE), status_code=503)
-        return PlainTextResponse(metrics.render(stats, waiting, running, admission.in_flight),
+        return PlainTextResponse(metrics.render(stats, waiting, running, admission.in_flight, admission.sequences),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

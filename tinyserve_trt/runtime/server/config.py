@@ -15,9 +15,10 @@ class ServerConfig:
 
     host, port:        where uvicorn listens (loopback by default).
     model_name:        the id clients pass as ``model``; None = the package directory's name.
-    max_queue:         requests allowed to wait beyond the engine's ``max_batch`` running ones;
-                       the server holds at most ``max_batch + max_queue`` requests and answers
-                       429 to the next (a request with ``n`` samples or a list of prompts counts once).
+    max_queue:         sequences allowed to wait beyond the engine's ``max_batch`` running ones;
+                       the server holds at most ``max_batch + max_queue`` sequences and answers
+                       429 to the next request (a request counts its prompts x ``n``; one that
+                       could never fit is 400).
     timeout:           seconds a request may take from arrival to its last token; past it the
                        request is aborted (its pages freed) and answered 504. None = no limit.
     graceful_shutdown: seconds uvicorn waits for open requests on shutdown.
@@ -25,6 +26,7 @@ class ServerConfig:
                        ``limits.MAX_N`` (OpenAI's 128); each sample is a sequence to decode.
     max_prompts:       most prompts in one ``/v1/completions`` request (a list of prompts).
     max_body_bytes:    largest request body; a larger one is answered 400 unread.
+    body_timeout_s:    seconds a request body may take to arrive in full; past it, 408.
     max_json_depth:    deepest nesting of arrays/objects in a request body (OpenAI's bodies
                        need about 5); deeper is answered 400 before validation.
     api_key:           when set, every route but /health needs ``Authorization: Bearer <api_key>``
@@ -50,6 +52,7 @@ class ServerConfig:
     max_prompts: int = 64
     max_body_bytes: int = 8 << 20
     max_json_depth: int = 32
+    body_timeout_s: float = 30.0
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] = ()
     render_workers: int = 2
@@ -67,8 +70,9 @@ class ServerConfig:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
         if self.timeout is not None and (not is_finite_number(self.timeout) or not self.timeout > 0):
             raise ValueError(f"timeout must be seconds > 0 or None, got {self.timeout!r}")
-        if not is_finite_number(self.render_timeout_s) or not self.render_timeout_s > 0:
-            raise ValueError(f"render_timeout_s must be seconds > 0, got {self.render_timeout_s!r}")
+        for name in ("render_timeout_s", "body_timeout_s"):
+            if not is_finite_number(getattr(self, name)) or not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be seconds > 0, got {getattr(self, name)!r}")
         if not is_finite_number(self.graceful_shutdown) or self.graceful_shutdown < 0:
             raise ValueError(f"graceful_shutdown must be seconds >= 0, got {self.graceful_shutdown!r}")
         if not _is_int(self.max_n) or not 1 <= self.max_n <= MAX_N:

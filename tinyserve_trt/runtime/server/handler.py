@@ -1,9 +1,11 @@
 """CompletionHandler: one OpenAI request from body to answer, for both endpoints.
 
-read the body within its limits and validate (400) -> render the chat template and
+read the body within its limits (415, 400, 408) and validate (400) -> admit its
+sequences, prompts x n (429) -> refuse a text prompt longer in characters than the
+context can hold in tokens (cheap, before any tokenizing) -> render the chat template and
 tokenize in a worker process under time and size limits (``render.Renderer``: never on
-the event loop) and check the context and the package's bounds -> admit (429) -> generate
-on the shared AsyncLLM -> one JSON body, or a server-sent-events stream. Every
+the event loop) and check the context and the package's bounds -> generate on the
+shared AsyncLLM -> one JSON body, or a server-sent-events stream. Every
 request that reaches here is counted in the metrics once, with its final status.
 """
 
@@ -82,9 +84,18 @@ class CompletionHandler:
         arrival = loop.time()
         endpoint = ENDPOINTS[kind]
         try:
-            req, prompts, params = await self._prepare(request, kind)
-            self.admission.acquire()
+            req = await self._parse(request, kind)
+            sequences = len(req.prompts() if isinstance(req, CompletionRequest) else [0]) * req.n
+            self.admission.acquire(sequences)
         except APIError as e:
+            self.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
+            return e.response()
+        try:  # admitted first: the renders waiting for a worker are bounded by admission
+            prompts, params = await self._prepare(req, kind)
+        except BaseException as e:
+            self.admission.release(sequences)
+            if not isinstance(e, APIError):
+                raise
             self.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
             return e.response()
         deadline = None if self.config.timeout is None else arrival + self.config.timeout
@@ -94,7 +105,7 @@ class CompletionHandler:
             outcome = {"status": 499}  # until the stream says otherwise: the client left
 
             def closed():
-                self.admission.release()
+                self.admission.release(sequences)
                 self.metrics.requests.inc(endpoint=endpoint, status=str(outcome["status"]))
 
             events = self._events(req, responder, prompts, params, rid, deadline, _Timing(arrival), outcome)
@@ -112,13 +123,14 @@ class CompletionHandler:
             status = 499
             return Response(status_code=499)
         finally:
-            self.admission.release()
+            self.admission.release(sequences)
             self.metrics.requests.inc(endpoint=endpoint, status=str(status))
 
     # ---- validation ------------------------------------------------------------------
-    async def _prepare(self, request: Request, kind: str):
+    async def _parse(self, request: Request, kind: str):
+        """The validated request (no tokenizing yet): body limits, model, fields, n, prompts."""
         cfg = self.config
-        body = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth)
+        body = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth, cfg.body_timeout_s)
         req = parse(CompletionRequest if kind == "completion" else ChatCompletionRequest, body)
         if req.model != self.model_name:
             raise APIError(400, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
@@ -129,6 +141,10 @@ class CompletionHandler:
         if isinstance(req, CompletionRequest) and len(req.prompts()) > cfg.max_prompts:
             raise bad_request(f"prompt must hold at most {cfg.max_prompts} prompts (this server's limit), got "
                               f"{len(req.prompts())}", param="prompt")
+        return req
+
+    async def _prepare(self, req, kind: str):
+        """Prompt token ids and SamplingParams of an admitted request."""
         prompts = await self._prompt_ids(req)
         longest = max(len(p) for p in prompts)
         if longest >= self.context:
@@ -149,7 +165,7 @@ class CompletionHandler:
             check_against_package(params, self.llm.package)
         except ValueError as e:
             raise from_value_error(e) from None
-        return req, prompts, params
+        return prompts, params
 
     async def _prompt_ids(self, req) -> list[list[int]]:
         """Token ids of each prompt; text is rendered / tokenized by ``self.renderer``."""
@@ -159,6 +175,14 @@ class CompletionHandler:
         if (chat or texts) and self.chars_per_token is None:
             raise bad_request("this model has no tokenizer: send prompt token ids instead of text", param=param,
                               code="unsupported")
+        # the cheap bound first: more characters than the context holds tokens is refused here,
+        # not after seconds of tokenizing (a token covers at most chars_per_token characters)
+        for p in req.prompts() if not chat else ():
+            size = len(p)
+            if (size > self.max_chars) if isinstance(p, str) else (size >= self.context):
+                unit = "characters, more than that holds" if isinstance(p, str) else "tokens"
+                raise bad_request(f"this model's maximum context length is {self.context} tokens; the prompt has "
+                                  f"{size} {unit}", param=param, code="context_length_exceeded")
         if chat and self.llm.package.chat_template is None:
             raise bad_request("this model has no chat template: use /v1/completions", param=param,
                               code="unsupported")

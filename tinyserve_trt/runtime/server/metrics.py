@@ -91,13 +91,15 @@ class ServerMetrics:
                               "Mean time between generated tokens of a request, after the first", TPOT_BUCKETS)
         self.e2e = Histogram("tinyserve_request_latency_seconds", "Request arrival to its last token", E2E_BUCKETS)
 
-    def render(self, engine: dict, waiting: int, running: int, in_flight: int) -> str:
+    def render(self, engine: dict, waiting: int, running: int, in_flight: int, sequences_in_flight: int = 0) -> str:
         """``engine``: ``Engine.stats()``; ``waiting`` / ``running``: the scheduler's sequence counts;
-        ``in_flight``: requests the server holds."""
+        ``in_flight``: requests the server holds; ``sequences_in_flight``: their sequences (admission's count)."""
         lines = []
         for m in (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e):
             lines += m.render()
         lines += gauge("tinyserve_requests_in_flight", "Requests accepted and not yet answered", in_flight)
+        lines += gauge("tinyserve_sequences_in_flight", "Sequences (prompts x n) of the requests in flight; "
+                       "admission's count", sequences_in_flight)
         lines += gauge("tinyserve_queue_depth", "Sequences waiting for a batch slot or pages", waiting)
         lines += gauge("tinyserve_running_sequences", "Sequences in the running batch", running)
         lines += gauge("tinyserve_kv_pages", "KV pages by state: free, used (held by live sequences), cached "

@@ -1,7 +1,8 @@
 """Ingress: the fleet's HTTP front (one Ray Serve deployment, no engine), a thin forwarder.
 
 Per request: the Host allow-list (421), the API key (401) and a POST's media type
-(``application/json``, else 415), all before the body is read -> body, up to ``max_body_bytes`` + 1
+(``application/json``, else 415), all before the body is read -> body, within
+``body_timeout_s`` (408) and up to ``max_body_bytes`` + 1
 (the replica answers the 400 of a larger one) -> routing key from the prompt's first
 pages (the chat template and the tokenizer run in ``render.Renderer`` workers, with the
 server's limits, never on the event loop) -> one EngineReplica through the DeploymentHandle (its RequestRouter reads the
@@ -21,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tinyserve_trt.runtime.server.auth import bearer_token, key_matches, unauthorized_body
-from tinyserve_trt.runtime.server.body import is_json_media_type, unsupported_media_type
+from tinyserve_trt.runtime.server.body import body_timeout, is_json_media_type, unsupported_media_type
 from tinyserve_trt.runtime.server.config import ServerConfig
-from tinyserve_trt.runtime.server.errors import error_body
+from tinyserve_trt.runtime.server.errors import APIError, error_body
 from tinyserve_trt.runtime.server.hosts import OPEN_PATHS, HostAllowList, host_header, misdirected_body
 
 log = logging.getLogger("tinyserve.ray")
@@ -81,6 +82,12 @@ class Ingress:
                 break
         return b"".join(chunks)[:limit]
 
+    async def _body_in_time(self, request: Request) -> bytes:
+        try:
+            return await asyncio.wait_for(self._body(request), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise body_timeout(self.config.body_timeout_s) from None
+
     async def _route_key(self, path: str, body: bytes) -> str | None:
         """The body's routing key (``router.route_key`` of its first prompt), or None when it
         has none or it cannot be rendered / tokenized (the replica answers that request)."""
@@ -103,7 +110,10 @@ class Ingress:
         return route_key(ids, self.package.page_size, self.route_pages)
 
     async def _forward(self, request: Request, path: str):
-        body = await self._body(request)
+        try:
+            body = await self._body_in_time(request)
+        except APIError as e:
+            return e.response()
         key = await self._route_key(path, body) if request.method == "POST" else None
         headers = [(k, v) for k, v in request.scope.get("headers", []) if k.lower() != b"authorization"]
         for attempt in range(2):  # a replica that died before answering: once more, on a live one
