@@ -3,7 +3,7 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--sparse-min-ratio R] [--json]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
-                    [--served-model-name NAME] [--api-key KEY] [--warmup FILE]
+                    [--served-model-name NAME] [--api-key-file PATH] [--allowed-host HOST]... [--warmup FILE]
                     [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
 
 With ``--json`` stdout holds exactly one JSON object:
@@ -89,9 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, default=ec.max_seq_len)
     s.add_argument("--memory", type=_memory, default=ec.memory,
                    help="KV pool: bytes (int) or a fraction of RAM (0 < f <= 1)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
-                        "TINYSERVE_API_KEY environment variable; unset = no authentication)")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", metavar="PATH", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health, KEY being this "
+                          "file's content (one line; keep the file mode 600)")
+    key.add_argument("--api-key", default=None,
+                     help="the key itself: visible to every local user in the process list, so prefer "
+                          "--api-key-file or the TINYSERVE_API_KEY environment variable (the default; "
+                          "none of the three = no authentication)")
     s.add_argument("--allowed-host", action="append", default=list(sc.allowed_hosts), metavar="HOST",
                    help="also answer requests whose Host header names HOST (repeatable; a name, an IP, "
                         "'*.suffix', or '*' for any): loopback names and a non-wildcard --host are always "
@@ -188,19 +193,40 @@ def _generate(args) -> int:
 
 
 def _server_config(args):
-    """The ServerConfig of ``serve``'s flags (ValueError for a bad one)."""
+    """The ServerConfig of ``serve``'s flags (ValueError for a bad one). The API key comes from
+    ``--api-key-file``, else ``--api-key``, else ``TINYSERVE_API_KEY``."""
     import os
+    from pathlib import Path
 
     from tinyserve_trt.runtime.server.config import ServerConfig
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYSERVE_API_KEY") or None
+    if args.api_key_file is not None:
+        try:
+            api_key = Path(args.api_key_file).read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({type(e).__name__})") from None
+        if not api_key.strip():
+            raise ValueError(f"--api-key-file {args.api_key_file}: the file is empty")
+    elif args.api_key is not None:
+        api_key = args.api_key
+    else:
+        api_key = os.environ.get("TINYSERVE_API_KEY") or None
     return ServerConfig(host=args.host, port=args.port, model_name=args.served_model_name,
                         max_queue=args.max_queue, timeout=args.timeout or None, max_n=args.max_n,
                         api_key=api_key, allowed_hosts=tuple(args.allowed_host))
 
 
 def _serve(args) -> int:
+    import os
+    import stat
+
     config = _server_config(args)
+    if args.api_key is not None:
+        print("tinyserve: warning: --api-key is visible to every local user (ps); use --api-key-file or "
+              "TINYSERVE_API_KEY", file=sys.stderr, flush=True)
+    if args.api_key_file is not None and os.stat(args.api_key_file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        print(f"tinyserve: warning: {args.api_key_file} is readable by other users; chmod 600 it",
+              file=sys.stderr, flush=True)
     engine = dict(backend=args.backend, dense=args.dense, token_budget=args.token_budget,
                   sparse_min_ratio=args.sparse_min_ratio, threads=args.threads,
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
