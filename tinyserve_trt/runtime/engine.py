@@ -64,6 +64,8 @@ class Engine:
             backend_options.setdefault("threads", config.threads)
         if config.backend == "ort" and config.ort_provider != "auto":
             backend_options.setdefault("provider", config.ort_provider)
+        if config.backend == "ort" and config.trust_package_engines:  # engines shipped in the package (opt-in)
+            backend_options.setdefault("trust_package_engines", True)
         self.backend = make_backend(config.backend, package, self.pool, **backend_options)
         if self.tiering and not self.backend.reads_cold_pages:
             raise ValueError(f"backend {config.backend!r} cannot read INT8 cold pages; use kv_tiers=False")
