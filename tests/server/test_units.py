@@ -12,7 +12,11 @@ from tinyserve_trt.runtime.server.metrics import Histogram, ServerMetrics, parse
 
 @pytest.mark.parametrize("kw, match", [(dict(port=70000), "port"), (dict(max_queue=-1), "max_queue"),
                                        (dict(timeout=0), "timeout"), (dict(model_name=""), "model_name"),
-                                       (dict(host=""), "host")])
+                                       (dict(host=""), "host"), (dict(body_timeout_s=0), "body_timeout_s"),
+                                       (dict(render_timeout_s=float("inf")), "render_timeout_s"),
+                                       (dict(render_workers=0), "render_workers"),
+                                       (dict(render_memory_bytes=0), "render_memory_bytes"),
+                                       (dict(allowed_hosts=["x"]), "allowed_hosts")])
 def test_server_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerConfig(**kw)

@@ -63,14 +63,8 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def make_renderer(package_dir, config: ServerConfig) -> Renderer:
-    """The render workers of ``config`` for the package at ``package_dir``."""
-    return Renderer(package_dir, workers=config.render_workers, timeout_s=config.render_timeout_s,
-                    memory_bytes=config.render_memory_bytes)
-
-
 async def _render_warmup(package_dir, config: ServerConfig, items: Sequence[dict]) -> list[list[int]]:
-    renderer = make_renderer(package_dir, config)
+    renderer = Renderer.from_config(package_dir, config)
     try:
         return await render_token_ids(renderer, items)
     finally:
@@ -86,7 +80,7 @@ def create_app(llm: AsyncLLM, config: ServerConfig = ServerConfig(), *, shutdown
     model_name = config.model_name or llm.package.path.resolve().name
     metrics = ServerMetrics()
     admission = Admission(llm.engine.config.max_batch + config.max_queue)
-    renderer = make_renderer(llm.package.path, config)
+    renderer = Renderer.from_config(llm.package.path, config)
     handler = CompletionHandler(llm, config, model_name, metrics, admission, renderer)
     created = int(time.time())
 

@@ -44,11 +44,10 @@ class Ingress:
 
         self.engine, self.config, self.route_pages, self.engine_name = engine, config, route_pages, engine_name
         self.hosts = HostAllowList.from_config(config)
-        from tinyserve_trt.runtime.server.app import make_renderer
-        from tinyserve_trt.runtime.server.render import longest_token_chars
+        from tinyserve_trt.runtime.server.render import Renderer, longest_token_chars
 
         self.package = ModelPackage.load(model_dir)  # tokenizer + chat template for routing keys
-        self.renderer = make_renderer(model_dir, config)
+        self.renderer = Renderer.from_config(model_dir, config)
         self.max_chars = self.package.max_context * (longest_token_chars(self.package) or 1)
 
     async def __call__(self, request: Request):

@@ -148,6 +148,13 @@ class Renderer:
         self._killed: set[_Worker] = set()  # until close() has reaped them
         self._slots: asyncio.Semaphore | None = None
 
+    @classmethod
+    def from_config(cls, package_dir, config) -> Renderer:
+        """The workers a ``ServerConfig`` asks for (``render_workers``, ``render_timeout_s``,
+        ``render_memory_bytes``)."""
+        return cls(package_dir, workers=config.render_workers, timeout_s=config.render_timeout_s,
+                   memory_bytes=config.render_memory_bytes)
+
     async def chat(self, messages: list[dict], max_chars: int, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template (the template's special
         tokens are in its text: no others are added)."""
