@@ -12,19 +12,7 @@ onnx = pytest.importorskip("onnx")
 
 from tinyserve_trt.runtime.backends import ort_providers  # noqa: E402
 
-
-def _model_with_function(path):
-    """A model whose one node is a model-local function (as the exporter's op is)."""
-    from onnx import TensorProto, helper
-
-    fn = helper.make_function("tinyserve", "Twice", ["x"], ["y"], [helper.make_node("Add", ["x", "x"], ["y"])],
-                              [helper.make_opsetid("", 17)])
-    graph = helper.make_graph([helper.make_node("Twice", ["a"], ["b"], domain="tinyserve")], "g",
-                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, [2])])
-    model = helper.make_model(graph, functions=[fn], opset_imports=[helper.make_opsetid("", 17),
-                                                                    helper.make_opsetid("tinyserve", 1)])
-    onnx.save(model, str(path))
+from .test_ort_gpu import _model_with_function  # noqa: E402
 
 
 @pytest.fixture

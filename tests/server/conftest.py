@@ -147,3 +147,17 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(timeout=self.timeout + 5)
         return self.latencies
+
+
+def post_while_probing(url: str, path: str, body: dict, timeout: float):
+    """(response, seconds the POST took, /health latencies meanwhile): one POST of ``body`` to
+    ``url + path`` with a ``HealthProbe`` running around it."""
+    probe = HealthProbe(url)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(url + path, json=body, timeout=timeout)
+    finally:
+        elapsed = time.monotonic() - t0
+        latencies = probe.stop()
+    return r, elapsed, latencies

@@ -13,19 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, HealthProbe, LiveServer
+from tests.server.conftest import MODEL, LiveServer, post_while_probing
 
 
 def test_a_megabytes_prompt_is_refused_by_its_length_and_health_stays_fast(server):
     body = {"model": MODEL, "prompt": "x" * (7 << 20), "max_tokens": 1}
-    probe = HealthProbe(server.url)
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
-    finally:
-        elapsed = time.monotonic() - t0
-        latencies = probe.stop()
+    r, elapsed, latencies = post_while_probing(server.url, "/v1/completions", body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert elapsed < 2.0  # reading 7 MiB and counting characters; tokenizing it took ~5 s
     assert max(latencies) < 0.1, sorted(latencies)[-5:]

@@ -4,13 +4,12 @@ that loops forever, or allocates gigabytes, costs one 400 and never /health's an
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL, HealthProbe, LiveServer, package_with_template
+from tests.server.conftest import MODEL, LiveServer, package_with_template, post_while_probing
 
 ROOT = Path(__file__).resolve().parents[2]
 NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
@@ -44,15 +43,7 @@ def bad_template_server(llama, tmp_path_factory):
 
 
 def _chat_while_probing(server):
-    probe = HealthProbe(server.url)
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=10)
-    finally:
-        elapsed = time.monotonic() - t0
-        latencies = probe.stop()
-    return r, elapsed, latencies
+    return post_while_probing(server.url, "/v1/chat/completions", CHAT, timeout=10)
 
 
 def _one_line_400(r):
