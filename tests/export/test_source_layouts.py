@@ -201,30 +201,38 @@ from tinyserve_trt.export.hf.torch_export import export_causal_lm
 from tests.tiny_models import write_byte_tokenizer
 out = Path(sys.argv[1]); out.mkdir(parents=True)
 dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[2]]
-m = build_tiny_model(TinyModelConfig(kind="llama", vocab_size=256, max_positions=512, seed=0),
-                     attn_implementation="eager").to(dtype)
+kind, attn = sys.argv[4], sys.argv[5]
+m = build_tiny_model(TinyModelConfig(kind=kind, vocab_size=256, max_positions=512, seed=0),
+                     attn_implementation=attn).to(dtype)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    export_causal_lm(m, out / "model.onnx", "legacy_eager")
+    export_causal_lm(m, out / "model.onnx", "legacy_" + attn)
 (out / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
 write_byte_tokenizer(out)
+with torch.no_grad():  # the same weights widened to float32: what a bf16 package must reproduce
+    ids = m.float().generate(torch.tensor([[5, 9, 17, 33]]), max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+(out / "greedy_fp32.json").write_text(json.dumps(ids[0, 4:].tolist()))
 """
 
 
-def _half_source(tmp_path, kind):
+def _half_source(tmp_path, dtype, family="llama", attn="eager"):
     repo = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", HALF_SCRIPT, str(tmp_path / kind), kind, str(repo)], check=True, cwd=repo,
-                   capture_output=True)
-    return tmp_path / kind / "model.onnx"
+    subprocess.run([sys.executable, "-c", HALF_SCRIPT, str(tmp_path / dtype), dtype, str(repo), family, attn],
+                   check=True, cwd=repo, capture_output=True)
+    return tmp_path / dtype / "model.onnx"
 
 
-def test_fp16_source_keeps_fp16_pages_and_validates(capsys, tmp_path):
+@pytest.mark.parametrize("family,attn", [("llama", "eager"), ("llama", "sdpa"), ("qwen2", "sdpa")])
+def test_fp16_source_keeps_fp16_pages_and_validates(capsys, tmp_path, family, attn):
     """A torch export of a half model (cache in fp16): rewritten with fp16 pages, validated against the
     fp16 source at its own noise, and served. Before: torch's tracing inputs were fp32 (no export at
-    all) and validation fed the source fp32 caches."""
+    all) and validation fed the source fp32 caches. sdpa: torch's legacy SDPA in half precision
+    up-casts the logits and V to float (``Cast`` between the cache and the value MatMul) and returns
+    float attention; it was refused at that Cast (Qwen2.5's fp16 export, issue #30)."""
     import json
 
-    src = _half_source(tmp_path, "fp16")
+    src = _half_source(tmp_path, "fp16", family, attn)
     got, out, err = run(capsys, src, "-o", tmp_path / "pkg", "-q")
     assert got == 0, err
     assert json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["dtype"] == "float16"
@@ -239,8 +247,56 @@ def test_fp16_source_keeps_fp16_pages_and_validates(capsys, tmp_path):
     assert list(res[0].outputs[0].token_ids) == want
 
 
-def test_bf16_source_refused_in_one_line(capsys, tmp_path):
+def test_bf16_source_widened_to_fp32_and_validates(capsys, tmp_path):
+    """A bf16 export (ORT's CPU EP has no bf16 kernels): widened to float32 at load - exact, bf16 is
+    float32's top half - rewritten with float32 pages, validated against the widened source at
+    float32 tolerance, and its greedy ids are the same weights' in float32 torch. Before: refused."""
+    import json
+
     src = _half_source(tmp_path, "bf16")
     got, _, err = run(capsys, src, "-o", tmp_path / "pkg", "-q")
-    assert got == 3 and "bfloat16" in one_line(err)
-    assert not (tmp_path / "pkg").exists()
+    assert got == 0, err
+    manifest = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())
+    assert manifest["dtype"] == "float32" and manifest["validation"]["max_abs_logit_diff"] <= 1e-4
+    assert not list((tmp_path / "pkg").rglob("source.*")), "the widened source is scratch, not package"
+    from tinyserve_trt import LLM, SamplingParams
+
+    llm = LLM(str(tmp_path / "pkg"), dense=True)
+    res = llm.generate(params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), prompt_token_ids=[[5, 9, 17, 33]])
+    assert list(res[0].outputs[0].token_ids) == json.loads((tmp_path / "bf16" / "greedy_fp32.json").read_text())
+
+
+def test_bf16_widening_is_exact():
+    """bf16 -> float32 bytes: every bf16 value, NaN and infinities included, is the float32 of it."""
+    import numpy as np
+
+    import torch
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = np.frombuffer(weights.bf16_to_f32(bits.tobytes()), np.float32)
+    want = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), bits[~same][:5]
+
+
+def test_fp32_kv_on_fp16_source_decodes_on_the_native_kernel(capsys, tmp_path):
+    """``--fp32-kv``: an fp16 model with float32 pages (the op's inputs cast up, its output cast back),
+    which the native CPU kernel reads; same greedy ids as the fp16 source. ``--fp16 --fp32-kv``: one line."""
+    import json
+
+    src = _half_source(tmp_path, "fp16", "qwen2", "sdpa")
+    got, out, err = run(capsys, src, "-o", tmp_path / "pkg", "--fp32-kv")
+    assert got == 0, err
+    manifest = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())
+    assert manifest["dtype"] == "float32"
+    assert "float32 pages" in out and "native CPU kernel" in out
+    from tinyserve_trt import LLM, SamplingParams
+
+    from ..tiny_models import original_greedy
+
+    want = original_greedy(src, manifest["source_io"], [5, 9, 17, 33], 6)
+    llm = LLM(str(tmp_path / "pkg"), dense=True)
+    res = llm.generate(params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), prompt_token_ids=[[5, 9, 17, 33]])
+    assert list(res[0].outputs[0].token_ids) == want
+    got, _, err = run(capsys, src, "-o", tmp_path / "pkg2", "--fp32-kv", "--fp16")
+    assert got == 2 and "choose one" in one_line(err) and not (tmp_path / "pkg2").exists()

@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                         f"{DEFAULTS.resolved_page_size()}; single level 8-16 up to 4K context, 16-32 up to 16K, "
                         "32-64 beyond, near sqrt(context/16)); default %(default)s")
     p.add_argument("--max-context", type=int, default=DEFAULTS.max_context,
-                   help="longest context the package is sized for (used by --page-size auto); default %(default)s")
+                   help="longest context the package serves (its request limit; sizes --page-size auto); default: "
+                        "the model's own (max_position_embeddings in the config.json beside it), else 8192")
     p.add_argument("--token-budget", type=int, default=DEFAULTS.token_budget,
                    help="default decode token budget the runtime uses (0 = dense); default %(default)s")
     p.add_argument("--dense-layers", type=int, default=DEFAULTS.dense_layers,
@@ -54,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
                    help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "
                         "an FP16 engine; validated to 5e-2 instead of 1e-4")
+    p.add_argument("--fp32-kv", action="store_true",
+                   help="float32 KV pages whatever the source's dtype (default: the source's cache dtype; an fp16 "
+                        "model's fp32 pages decode on the native CPU kernel, which reads float32 pages)")
     p.add_argument("--calibration", metavar="FILE",
                    help="a tinyserve-calibrate artifact (calibration.json): emit the cold-page tier (the op's "
                         "_int4/_int8 overload, cold-pool inputs per layer) with its scale granularities and hot/cold "
@@ -86,7 +90,7 @@ def _config(args) -> ExportConfig:
     try:
         return ExportConfig(page_size=page_size, token_budget=args.token_budget, dense_layers=args.dense_layers,
                             policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
-                            fp16=args.fp16, validate=not args.no_validate, backend=args.backend,
+                            fp16=args.fp16, fp32_kv=args.fp32_kv, validate=not args.no_validate, backend=args.backend,
                             cold_pages=args.cold_pages is not None, calibration=args.calibration,
                             cold_format=None if args.cold_pages in (None, "auto") else args.cold_pages,
                             sub_page_size=args.sub_page_size, candidate_share=args.candidate_share,
@@ -122,7 +126,8 @@ def run(argv=None) -> int:
     if args.model is None:
         from .hf import smollm2
 
-        source = smollm2.ensure_onnx()
+        source = smollm2.ensure_onnx(progress=None if args.quiet else
+                                     (lambda msg: print(f"tinyserve-export: {msg}", file=sys.stderr, flush=True)))
         extra = {"model_name": "SmolLM2-135M-Instruct"}
         out = Path(args.output or DEMO_OUT)
     else:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from ..contracts.cold_tier import check_int8_layers
 from ..ops import schema
@@ -19,6 +20,37 @@ DEFAULT_SUB_PAGE_SIZE = 4
 INT8_LAYER_CHOICES = ("auto", "dense", "none")  # or layer indices (ExportConfig.int8_layers)
 
 
+FALLBACK_MAX_CONTEXT = 8192  # a source without a config.json that says its context
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def model_max_context(source: Path) -> int | None:
+    """The context the model was trained for, from the ``config.json`` beside ``source`` (what
+    transformers, optimum and our GGUF / HF conversion write); None without one."""
+    import json
+
+    try:
+        data = json.loads((Path(source).parent / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    data = data.get("text_config", data) if isinstance(data, dict) else {}
+    for key in CONTEXT_KEYS:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def resolve_max_context(config: ExportConfig, source: Path) -> tuple[ExportConfig, str]:
+    """``config`` with ``max_context`` set, and where it came from (for the summary)."""
+    if config.max_context is not None:
+        return config, "--max-context"
+    found = model_max_context(source)
+    if found is not None:
+        return replace(config, max_context=found), "the model's config.json"
+    return replace(config, max_context=FALLBACK_MAX_CONTEXT), "no config.json beside the model says; --max-context N"
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     page_size: int | str = DEFAULT_PAGE_SIZE  # or "auto"
@@ -27,8 +59,12 @@ class ExportConfig:
     policy: str = "query_aware"
     sink_pages: int = 1
     recent_pages: int = 1
-    max_context: int = 8192  # sizes page_size="auto"
-    fp16: bool = False
+    # the longest context the package serves (sizes page_size="auto", the engine profile, the runtime's
+    # request limit); None: the model's own (config.json beside it: max_position_embeddings), else
+    # FALLBACK_MAX_CONTEXT (``resolve_max_context``)
+    max_context: int | None = None
+    fp16: bool = False  # FP16 KV pages whatever the source's dtype
+    fp32_kv: bool = False  # float32 KV pages whatever the source's dtype (default: the source's cache dtype)
     validate: bool = True
     backend: str = "ort"
     validate_tolerance: float | None = None  # max |logit diff|; None: 1e-4 fp32, 5e-2 fp16 pages
@@ -74,8 +110,10 @@ class ExportConfig:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.max_context < 1:
-            raise ValueError("max_context must be positive")
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 1):
+            raise ValueError(f"max_context must be a positive integer, got {self.max_context!r}")
+        if self.fp16 and self.fp32_kv:
+            raise ValueError("fp16 and fp32_kv both name the KV pages' dtype: choose one")
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
                             sub_page_size=self.resolved_sub_page_size(), candidate_share=self.candidate_share)
         if self.sub_page_size and self.resolved_page_size() % self.sub_page_size:
@@ -172,8 +210,9 @@ class ExportConfig:
             return int(self.page_size)
         if self._default_two_level() or (self.sub_page_size and self.policy in schema.TWO_LEVEL_POLICIES):
             return DEFAULT_PAGE_SIZE
-        lo, hi = (8, 16) if self.max_context <= 4096 else (16, 32) if self.max_context <= 16384 else (32, 64)
-        ideal = 2 ** round(math.log2(math.sqrt(self.max_context / 16)))
+        ctx = self.max_context or FALLBACK_MAX_CONTEXT
+        lo, hi = (8, 16) if ctx <= 4096 else (16, 32) if ctx <= 16384 else (32, 64)
+        ideal = 2 ** round(math.log2(math.sqrt(ctx / 16)))
         return min(hi, max(lo, ideal))
 
     def layer_attributes(self, layer: int, scale: float) -> schema.OpAttributes:

@@ -78,9 +78,50 @@ class Chain:
     factors: list[tuple[ir.Node, ir.Value, bool]] = field(default_factory=list)  # (node, scalar, divides)
 
 
+# A Cast that loses nothing: half -> float (torch's SDPA in fp16 up-casts V), or a no-op.
+_WIDER = {ir.DataType.FLOAT16: (ir.DataType.FLOAT, ir.DataType.DOUBLE),
+          ir.DataType.BFLOAT16: (ir.DataType.FLOAT, ir.DataType.DOUBLE),
+          ir.DataType.FLOAT: (ir.DataType.DOUBLE,)}
+
+
+# ops whose output has the element type of their data inputs (these positions)
+_SAME_TYPE_AS = {**{op: (0,) for op in LAYOUT_OPS}, "Concat": (0, 1), "MatMul": (0, 1), "Softmax": (0,),
+                 "Add": (0, 1), "Mul": (0, 1), "Div": (0, 1), "Sub": (0, 1), "Where": (1, 2)}
+
+
+def value_dtype(value: ir.Value, depth: int = 0) -> ir.DataType | None:
+    """``value``'s element type, read through Casts, Constants and type-preserving ops when shape
+    inference left it unset (torch's legacy exports state few intermediate types)."""
+    if value.dtype is not None:
+        return value.dtype
+    node = value.producer()
+    if node is None or depth > 64:
+        return None
+    if node.op_type == "Cast":
+        return ir.DataType(node.attributes.get_int("to", 0))
+    const = ir.convenience.get_const_tensor(value)
+    if const is not None:
+        return const.dtype
+    for i in _SAME_TYPE_AS.get(node.op_type, ()):
+        if i < len(node.inputs) and node.inputs[i] is not None:
+            found = value_dtype(node.inputs[i], depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def is_widening_cast(node: ir.Node) -> bool:
+    """A ``Cast`` whose target holds every value of its input's type (known, or read through layout ops)."""
+    if node.op_type != "Cast" or node.inputs[0] is None:
+        return False
+    src, to = value_dtype(node.inputs[0]), ir.DataType(node.attributes.get_int("to", 0))
+    return src is not None and (to == src or to in _WIDER.get(src, ()))
+
+
 def walk_up(value: ir.Value, stop, allow_scale: bool = True) -> tuple[Chain | None, ir.Node | None]:
     """Follow data inputs (input 0, or the non-scalar operand of Mul/Div) up
-    through layout ops and scalar Mul/Div until ``stop(value)`` is true.
+    through layout ops, widening Casts and scalar Mul/Div until ``stop(value)``
+    is true.
 
     Returns ``(chain, None)`` on success or ``(None, blocking_node)`` where the
     walk met an op it may not cross.
@@ -94,7 +135,7 @@ def walk_up(value: ir.Value, stop, allow_scale: bool = True) -> tuple[Chain | No
         node = v.producer()
         if node is None:
             return None, None
-        if node.op_type in LAYOUT_OPS:
+        if node.op_type in LAYOUT_OPS or is_widening_cast(node):
             chain.nodes.append(node)
             v = node.inputs[0]
             continue

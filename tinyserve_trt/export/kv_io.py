@@ -30,7 +30,7 @@ import onnx_ir as ir
 from ..ops import schema
 from ..ops.cold_codec import ColdCodec
 from .errors import UnsupportedError
-from .graph_walk import consumers
+from .graph_walk import consumers, value_dtype
 from .rules.base import AttentionMatch
 from .graph_io import SourceIO
 
@@ -132,8 +132,11 @@ def rewrite(model: ir.Model, plans: list[LayerPlan], io: SourceIO, page_size: in
         op.outputs[0].name = f"attention_output.{i}"
         g.insert_before(anchor, op)
         out = op.outputs[0]
-        if dtype != act:  # FP16 KV pages: the op runs on fp16 tensors (fp32 math inside), the model stays fp32
-            out = _cast(g, anchor, out, act, after=op)
+        # the op returns the pages' dtype (fp32 math inside); the model gets what its attention returned:
+        # fp32 around FP16 pages, or float from an fp16 model whose SDPA up-casts (torch's legacy export)
+        want = value_dtype(m.output) or act
+        if dtype != want:
+            out = _cast(g, anchor, out, want, after=op)
         m.output.replace_all_uses_with(out)
         new_k = _named_output(g, op, k_new, f"new_key.{i}", dtype, hkv, d)
         new_v = _named_output(g, op, v_new, f"new_value.{i}", dtype, hkv, d)

@@ -11,7 +11,7 @@ import onnx_ir as ir
 from onnx_ir.external_data import set_base_dir
 
 from .errors import InputError, UnsupportedError
-from . import weights
+from . import bf16, weights
 from .weights import check_copy, check_external_data, external_files, inline_small
 from .graph_walk import as_cache_concat, is_past_input
 from .rules import AttentionMatch, rules
@@ -30,11 +30,13 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def load_source(path: str | Path, scratch: Path | None = None) -> ir.Model:
-    """The model as onnx_ir, its large weights left in their files (lazy ``ExternalTensor``s:
-    any size, ``weights.py``); InputError for a missing, non-ONNX or truncated file. A model
-    whose large weights are inline (one file under 2 GB) has them streamed out to ``scratch``
-    (a folder this call creates; the export removes it), so no stage holds them in memory."""
+def load_source(path: str | Path, scratch: Path | None = None) -> tuple[ir.Model, Path]:
+    """(the model as onnx_ir, the file sessions of the source load): its large weights left in
+    their files (lazy ``ExternalTensor``s: any size, ``weights.py``); InputError for a missing,
+    non-ONNX or truncated file. A model whose large weights are inline (one file under 2 GB) has
+    them streamed out to ``scratch`` (a folder this call creates; the export removes it), so no
+    stage holds them in memory. A bfloat16 model is widened to float32 into ``scratch``
+    (``bf16.py``), and that widened file is the one sessions load."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file")
@@ -47,11 +49,15 @@ def load_source(path: str | Path, scratch: Path | None = None) -> ir.Model:
     if not proto.graph.node:
         raise InputError(f"{path}: not an ONNX model (no graph nodes)")
     _refuse_fused_attention(proto)
-    _refuse_bfloat16(proto)
     check_external_data(proto, path.parent, str(path))
     inline_small(proto, path.parent)
-    base = path.parent
-    if scratch is not None and any(weights.external_info(t) is None and weights.tensor_bytes(t) > weights.EXTERNAL_OVER
+    base, reference = path.parent, path
+    if bf16.is_bf16(proto):
+        if scratch is None:
+            raise UnsupportedError(f"bfloat16 model ({path}): ONNX Runtime's CPU EP has no bf16 kernels; "
+                                   "export it in fp16 or fp32")
+        reference, base = bf16.upcast(proto, path.parent, Path(scratch)), Path(scratch)
+    elif scratch is not None and any(weights.external_info(t) is None and weights.tensor_bytes(t) > weights.EXTERNAL_OVER
                                    for t in proto.graph.initializer):
         Path(scratch).mkdir(parents=True)
         weights.write_data(proto, path.parent, Path(scratch) / "source.data")  # one folder for ORT to read
@@ -63,7 +69,7 @@ def load_source(path: str | Path, scratch: Path | None = None) -> ir.Model:
     model = ir.from_proto(proto)
     del proto
     set_base_dir(model.graph, str(base))
-    return model
+    return model, reference
 
 
 # Fused attention ops of ONNX Runtime's contrib domain (what onnxruntime_genai.models.builder and
@@ -83,19 +89,6 @@ def _refuse_fused_attention(proto: onnx.ModelProto) -> None:
                 f"unsupported attention at node {node.name or '<unnamed>'} ({node.domain}::{node.op_type}): an ONNX "
                 "Runtime fused attention that keeps its own KV cache (ORT GenAI's model builder writes these); "
                 "give tinyserve-export the Hugging Face folder or GGUF file instead (or a torch.onnx.export of it)")
-
-
-def _refuse_bfloat16(proto: onnx.ModelProto) -> None:
-    """bf16 models do not run on ONNX Runtime's CPU EP (no bf16 Where, Softmax, ...), so neither the
-    probe nor the validation could; the op's pages are fp32 or fp16."""
-    bf16 = onnx.TensorProto.BFLOAT16
-    typed = [v for v in proto.graph.input if v.type.tensor_type.elem_type == bf16]
-    weights = [t for t in proto.graph.initializer if t.data_type == bf16]
-    if typed or weights:
-        name = (typed or weights)[0].name
-        raise UnsupportedError(f"bfloat16 model ({name}): ONNX Runtime's CPU EP has no bf16 kernels to probe and "
-                               "validate it with; export it in fp16 or fp32, or give tinyserve-export the Hugging Face "
-                               "folder (converted in fp32)")
 
 
 def _refuse_windowed_cache(g: ir.Graph) -> None:

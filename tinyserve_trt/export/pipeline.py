@@ -23,7 +23,7 @@ from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, Cold
 from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
-from .config import ExportConfig
+from .config import ExportConfig, resolve_max_context
 from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
 from .tier_fields import cold_tier_fields, two_level_fields
@@ -60,6 +60,9 @@ class ExportReport:
     int8_layers_source: str | None = None  # where they came from
     tolerance: float | None = None  # the validation's bound (pipeline._tolerance)
     source_noise: float | None = None  # the source's own float32 noise (SourceReference.noise)
+    kv_dtype: str = "float32"  # the KV pages'
+    max_context: int | None = None  # what the package serves, and where that came from
+    max_context_from: str = ""
 
 
 def _progress(msg: str, quiet: bool) -> None:
@@ -75,12 +78,14 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
     ``config.runs_int8_pass()``; None runs it first (``auto_int8.py``)."""
     source, outdir = Path(source), Path(outdir)
     check_output(outdir, overwrite, (source,))  # before minutes of work; nothing touched yet
+    config, context_from = resolve_max_context(config, source)
     if config.runs_int8_pass() and int8_pick is None:
         from .auto_int8 import export_with_int8_pass
 
         _load_calibration(config)  # a bad artifact fails before minutes of work
-        return export_with_int8_pass(source, outdir, config, overwrite, quiet, extra_manifest,
-                                     lambda msg: _progress(msg, quiet))
+        report = export_with_int8_pass(source, outdir, config, overwrite, quiet, extra_manifest,
+                                       lambda msg: _progress(msg, quiet))
+        return replace(report, max_context_from=context_from)
     times = {}
     if config.backend == "trt":  # fail before minutes of work, not after
         from .trt_build import require_tensorrt
@@ -88,7 +93,8 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         require_tensorrt()
     artifact = _load_calibration(config)
     with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
-        return _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times)
+        report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times)
+    return replace(report, max_context=config.max_context, max_context_from=context_from)
 
 
 def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, extra_manifest, int8_pick,
@@ -96,7 +102,10 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     """load -> match -> probe -> rewrite, then :func:`_validate_and_write` into ``stage``."""
     t0 = time.perf_counter()
     _progress(f"loading {source}", quiet)
-    model = load_source(source, stage.path / SOURCE_WEIGHTS)  # large weights stay on disk (weights.py)
+    model, reference = load_source(source, stage.path / SOURCE_WEIGHTS)  # large weights stay on disk (weights.py)
+    if reference != source:
+        _progress("bfloat16 source: widened to float32 (ONNX Runtime's CPU EP has no bf16 kernels); "
+                  "validated against the widened model", quiet)
     weights_dir = Path(weights_dir_of(model) or source.parent)
     sha = file_sha256(source)
     times["load"] = time.perf_counter() - t0
@@ -118,7 +127,8 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     t0 = time.perf_counter()
     _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
     page_size = config.resolved_page_size()
-    dtype = ir.DataType.FLOAT16 if config.fp16 else plans[0].match.key.past_input.dtype
+    dtype = ir.DataType.FLOAT16 if config.fp16 else ir.DataType.FLOAT if config.fp32_kv \
+        else plans[0].match.key.past_input.dtype  # the source's cache dtype
     if dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):  # the op's pages: fp32 or fp16
         raise UnsupportedError(f"the source's KV cache is {dtype.name.lower()}; the op's pages are float32 or "
                                "float16: export the model in fp16 or fp32")
@@ -138,7 +148,7 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
         packed = pack_shared_matmuls(proto, weights_dir)
     times["rewrite"] = time.perf_counter() - t0
     done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
-                      "float16" if dtype == ir.DataType.FLOAT16 else "float32")
+                      "float16" if dtype == ir.DataType.FLOAT16 else "float32", reference)
     return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, quiet)
 
 
@@ -154,7 +164,8 @@ class _Rewritten:
     page_size: int
     packed: int
     cold_tier: ColdTier | None
-    kv_dtype: str  # the pages': the source's cache dtype, or float16 with --fp16
+    kv_dtype: str  # the pages': the source's cache dtype, float16 with --fp16, float32 with --fp32-kv
+    reference: Path  # what sessions of the source load: the user's file, or its widened copy (bf16.py)
 
 
 def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
@@ -164,7 +175,8 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     proto, plans, dims, counts, cold_tier = done.proto, done.plans, done.dims, done.counts, done.cold_tier
     t0 = time.perf_counter()
     weights = stage.write_model(proto, weights_dir)  # proto now points at the package's data file
-    shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
+    if done.reference == source:  # else validation still reads the widened source there
+        shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
     times["write"] = time.perf_counter() - t0
     try:
         onnx.checker.check_model(check_copy(proto), full_check=True)
@@ -188,7 +200,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     if config.validate:
         t0 = time.perf_counter()
         _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
-        reference = SourceReference(source, stage.path)
+        reference = SourceReference(done.reference, stage.path)
         tolerance, noise = _tolerance(config, reference, manifest.to_dict())
         figure = _validate(reference, proto, manifest.to_dict())
         validation = dict(max_abs_logit_diff=figure, tolerance=tolerance, source_noise=noise)
@@ -210,6 +222,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
             raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
                                   f"{tolerance:.3g}" + (f" ({NOISE_FACTOR}x the source's own rounding noise)"
                                                         if tolerance > config.tolerance() else ""))
+    shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)
     t0 = time.perf_counter()
     outdir = stage.outdir
     _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
@@ -226,7 +239,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
                         int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
-                        source_noise=(manifest.validation or {}).get("source_noise"))
+                        source_noise=(manifest.validation or {}).get("source_noise"), kv_dtype=done.kv_dtype)
 
 
 NOISE_FACTOR = 4  # the rewrite may differ from the source by this many times the source's own noise
@@ -236,10 +249,12 @@ def _tolerance(config: ExportConfig, reference, manifest: dict) -> tuple[float, 
     """(the validation's max |logit diff| bound, the source's rounding noise): the configured
     tolerance, or ``NOISE_FACTOR`` x the noise of the source against itself (ORT optimizations on
     vs off) when that is larger - a fixed 1e-4 held SmolLM2 (noise ~1e-5) but not Qwen2.5-0.5B,
-    whose own float32 noise is ~1e-4. An explicit ``validate_tolerance`` is used as given."""
+    whose own float32 noise is ~1e-4. A half-precision source's logits are rounded to its dtype, so
+    ``NOISE_FACTOR`` of its steps at the largest logit bound it too (the noise reported is the larger
+    of the two). An explicit ``validate_tolerance`` is used as given."""
     if config.validate_tolerance is not None:
         return config.validate_tolerance, None
-    noise = reference.noise(manifest)
+    noise = max(reference.noise(manifest), reference.logit_ulp(manifest))
     return max(config.tolerance(), NOISE_FACTOR * noise), noise
 
 

@@ -12,9 +12,13 @@ from .pipeline import ExportReport
 
 
 def print_summary(report: ExportReport, config: ExportConfig) -> None:
+    if report.max_context:  # as the export resolved it (the model's config.json, by default)
+        config = replace(config, max_context=report.max_context)
     rows = [("output", str(report.outdir)), ("layers rewritten", str(report.layers))]
     rows += [(f"  rule {name}", str(n)) for name, n in sorted(report.rule_counts.items())]
     rows += [("projections packed", f"{report.packed_matmuls} MatMuls folded into their neighbours' (QKV, gate/up)"),
+             ("max context", f"{config.max_context} tokens ({report.max_context_from})" if report.max_context
+              else "unknown"),
              ("page size", str(config.resolved_page_size())),
              ("selection", _selection(config)),
              ("bytes / token / KV head", _bytes_per_token(report, config)),
@@ -70,11 +74,11 @@ def _bytes_per_token(report: ExportReport, config: ExportConfig) -> str:
     """K+V and selection metadata per token, KV head and layer, in the cache dtype."""
     if not report.head_dim:
         return "unknown"
-    width = 2 if config.fp16 else 4
+    width = 2 if report.kv_dtype == "float16" else 4
     kv = fine_bounds.kv_bytes_per_token(report.head_dim, width)
     meta = fine_bounds.metadata_bytes_per_token(config.resolved_page_size(), config.resolved_sub_page_size(),
                                                 report.head_dim, width)
-    return f"KV {kv}, selection metadata {meta:g} ({meta / kv:.1%})"
+    return f"{report.kv_dtype} pages: KV {kv}, selection metadata {meta:g} ({meta / kv:.1%})"
 
 
 def _ort_opset(report: ExportReport) -> str:

@@ -166,6 +166,17 @@ class SourceReference:
         _, off = self.logits(manifest, lengths, decode_steps, seed, optimized=False)
         return max(float(np.abs(a.astype(np.float64) - b).max()) for r, q in zip(on, off) for a, b in zip(r, q))
 
+    def logit_ulp(self, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0) -> float:
+        """The spacing of the source's logits' own dtype at their largest magnitude: 0 for float32
+        and wider (its noise dominates), one half-precision step for an fp16 model, whose logits
+        no rewrite can match more closely than its own rounding."""
+        _, ref = self.logits(manifest, lengths, decode_steps, seed)
+        dtype = ref[0][0].dtype
+        if np.finfo(dtype).bits >= 32:
+            return 0.0
+        top = max(float(np.abs(x.astype(np.float32)).max()) for r in ref for x in r)
+        return float(np.spacing(dtype.type(top)))
+
 
 def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0,
              budget: int = 0) -> ValidationResult:

@@ -120,10 +120,17 @@ def external_files(proto: onnx.ModelProto) -> list[str]:
     return list(out)
 
 
-def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int = EXTERNAL_OVER) -> int:
+def bf16_to_f32(data: bytes) -> bytes:
+    """Little-endian bfloat16 bytes as float32 bytes (exact: bf16 is float32's top half)."""
+    return (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
+
+
+def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int = EXTERNAL_OVER,
+               upcast_bf16: bool = False) -> int:
     """Stream every initializer over ``threshold`` bytes - external (read from ``base_dir``) or
     inline - into the one file ``dst`` (page-aligned offsets) and point the proto at it; returns
-    the bytes written. Holds one chunk at a time, never the weights."""
+    the bytes written. Holds one chunk at a time, never the weights. ``upcast_bf16``: bfloat16
+    initializers are written as float32 (``bf16.py``)."""
     written = 0
     with open(dst, "wb") as out:
         for t in proto.graph.initializer:
@@ -131,12 +138,13 @@ def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int
             size = tensor_bytes(t)
             if info is None and size <= threshold:
                 continue
+            widen = bf16_to_f32 if upcast_bf16 and t.data_type == onnx.TensorProto.BFLOAT16 else bytes
             pad = -out.tell() % ALIGN
             out.write(b"\0" * pad)
             offset = out.tell()
             if info is None:
                 data = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
-                out.write(data)
+                out.write(widen(data))
                 t.ClearField("raw_data")
                 for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
                     t.ClearField(field)
@@ -146,11 +154,13 @@ def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int
                     f.seek(info["offset"])
                     left = size
                     while left:
-                        block = f.read(min(COPY_CHUNK, left))
+                        block = f.read(min(COPY_CHUNK, left))  # even: whole bf16 values
                         if not block:
                             raise InputError(f"{info['location']}: truncated while copying initializer {t.name}")
-                        out.write(block)
+                        out.write(widen(block))
                         left -= len(block)
+            if widen is not bytes:
+                t.data_type, size = onnx.TensorProto.FLOAT, 2 * size
             written += size
             del t.external_data[:]
             t.data_location = onnx.TensorProto.EXTERNAL
