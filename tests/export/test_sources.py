@@ -157,13 +157,37 @@ def test_smollm2_missing_package_message(monkeypatch):
     assert smollm2.main([]) == 1
 
 
+def test_smollm2_converts_in_a_child_process(monkeypatch, tmp_path):
+    """The demo's torch conversion runs in a child process, so the export's peak RSS (printed in
+    its summary, issue #30's 2.5x bound) is the export's, not torch's: a fresh machine's first
+    ``tinyserve-export --demo`` printed 4.74x the weights when torch ran in-process."""
+    import subprocess
+
+    from tinyserve_trt.export.hf import smollm2
+
+    monkeypatch.setattr(smollm2, "find_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(smollm2, "file_sha256", lambda path: "0" * 64)
+    monkeypatch.setattr(smollm2, "build_onnx", lambda *a, **k: pytest.fail("torch ran in this process"))
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "error: the child failed here\n")
+
+    monkeypatch.setattr(smollm2.subprocess, "run", fake_run)
+    with pytest.raises(smollm2.SourceModelError, match="the child failed here"):
+        smollm2.ensure_onnx(smollm2.SmolLM2Cache(root=tmp_path))
+    assert calls and calls[0][1:3] == ["-m", "tinyserve_trt.export.hf.smollm2"]
+    assert str(tmp_path) in calls[0]
+
+
 @pytest.mark.slow
 def test_smollm2_export_matches_torch():
     """The real model: cached legacy export (builds ~35 s the first time) vs HF."""
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from tinyserve_trt.export.hf import smollm2
     from tinyserve_dev.models.parity import Scenario, max_abs_diff, run_onnx, run_torch
+    from tinyserve_trt.export.hf import smollm2
 
     try:
         smollm2.find_gguf()

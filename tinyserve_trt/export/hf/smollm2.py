@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -186,13 +187,37 @@ def load_hf(cache: SmolLM2Cache | None = None, attn_implementation: str = "sdpa"
     return model.eval(), AutoTokenizer.from_pretrained(str(directory))
 
 
-def ensure_onnx(cache: SmolLM2Cache | None = None, force: bool = False) -> Path:
+ONNX_FILES = ("model.onnx", "model.onnx.data", "tokenizer.json")
+
+
+def ensure_onnx(cache: SmolLM2Cache | None = None, force: bool = False, progress=None) -> Path:
     """Export SmolLM2 with KV-cache I/O (``torch_export`` interface) once and
-    return ``model.onnx``; weights go to ``model.onnx.data`` beside it."""
+    return ``model.onnx``; weights go to ``model.onnx.data`` beside it. The torch
+    work runs in a child process (``main``), so its memory is not the caller's
+    (the export's peak RSS is printed against its weights: issue #30)."""
     cache = cache or SmolLM2Cache()
+    key = _key(find_gguf(), style=cache.style)
+    if not force and _cache_valid(cache.onnx_dir, key, ONNX_FILES):
+        return cache.onnx_path
+    if progress:
+        progress(f"converting SmolLM2-135M-Instruct to ONNX with torch, once (cached in {cache.onnx_dir})")
+    cmd = [sys.executable, "-m", "tinyserve_trt.export.hf.smollm2", "--cache-root", str(cache.root),
+           "--style", cache.style] + (["--force"] if force else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stderr or "").splitlines() if ln.strip()]
+        raise SourceModelError(lines[-1].removeprefix("error: ") if lines else
+                               f"converting SmolLM2 failed (exit {done.returncode})")
+    if not _cache_valid(cache.onnx_dir, key, ONNX_FILES):
+        raise SourceModelError(f"converting SmolLM2 left no valid cache in {cache.onnx_dir}")
+    return cache.onnx_path
+
+
+def build_onnx(cache: SmolLM2Cache, force: bool = False) -> Path:
+    """The in-process conversion behind :func:`ensure_onnx` (torch, transformers)."""
     gguf = find_gguf()
     key = _key(gguf, style=cache.style)
-    if not force and _cache_valid(cache.onnx_dir, key, ("model.onnx", "model.onnx.data", "tokenizer.json")):
+    if not force and _cache_valid(cache.onnx_dir, key, ONNX_FILES):
         return cache.onnx_path
     import onnx
 
@@ -227,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         ensure_hf(cache, force=args.force)
         t1 = time.perf_counter()
-        path = ensure_onnx(cache, force=args.force)
+        path = build_onnx(cache, force=args.force)
     except (SourceModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
