@@ -74,12 +74,12 @@ class StagedPackage:
         if kind is not None:
             shutil.rmtree(self.path, ignore_errors=True)
 
-    def write_model(self, model: onnx.ModelProto, weights_dir: Path | None) -> int:
+    def write_model(self, model: onnx.ModelProto, weights_dir: Path | None, on_bytes=None) -> int:
         """``model.onnx`` + ``model.onnx.data`` (every initializer over ``EXTERNAL_OVER`` bytes,
         streamed from ``weights_dir``, the folder its external references resolve in); ``model``
         is left pointing at the package's data file. Returns the weights' bytes."""
         weights = weight_bytes(model)
-        write_data(model, Path(weights_dir or "."), self.path / MODEL_DATA_FILE, EXTERNAL_OVER)
+        write_data(model, Path(weights_dir or "."), self.path / MODEL_DATA_FILE, EXTERNAL_OVER, on_bytes=on_bytes)
         onnx.save_model(model, str(self.path / MODEL_FILE))
         return weights
 

@@ -28,7 +28,8 @@ from .errors import InputError, UnsupportedError, ValidationError
 from .kv_io import LayerPlan, rewrite
 from .tier_fields import cold_tier_fields, two_level_fields
 from .outdir import check_output
-from .package import StagedPackage, special_tokens, tokenizer_files
+from .package import StagedPackage, special_tokens, tokenizer_files, weight_bytes
+from .progress import Progress
 from .validate import SourceReference
 from .weights import check_copy
 from .probe import run_with_outputs, source_feeds, weights_dir as weights_dir_of
@@ -101,17 +102,18 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
             times: dict) -> ExportReport:
     """load -> match -> probe -> rewrite, then :func:`_validate_and_write` into ``stage``."""
     t0 = time.perf_counter()
-    _progress(f"loading {source}", quiet)
+    bar = Progress(quiet)
+    bar.start("load", f"loading {source}")
     model, reference = load_source(source, stage.path / SOURCE_WEIGHTS)  # large weights stay on disk (weights.py)
     if reference != source:
-        _progress("bfloat16 source: widened to float32 (ONNX Runtime's CPU EP has no bf16 kernels); "
-                  "validated against the widened model", quiet)
+        bar.note("bfloat16 source: widened to float32 (ONNX Runtime's CPU EP has no bf16 kernels); "
+                 "validated against the widened model")
     weights_dir = Path(weights_dir_of(model) or source.parent)
     sha = file_sha256(source)
     times["load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    _progress("matching attention blocks", quiet)
+    bar.start("match", "matching attention blocks")
     matches, counts = find_attention(model)
     cache_in = {m.key.past_input for m in matches} | {m.value.past_input for m in matches}
     cache_out = {m.key.present for m in matches} | {m.value.present for m in matches}
@@ -125,7 +127,7 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     times["match"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    _progress(f"rewriting {len(plans)} attention blocks ({dict(counts)})", quiet)
+    bar.start("rewrite", f"rewriting {len(plans)} attention blocks ({dict(counts)})")
     page_size = config.resolved_page_size()
     dtype = ir.DataType.FLOAT16 if config.fp16 else ir.DataType.FLOAT if config.fp32_kv \
         else plans[0].match.key.past_input.dtype  # the source's cache dtype
@@ -149,7 +151,7 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     times["rewrite"] = time.perf_counter() - t0
     done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
                       "float16" if dtype == ir.DataType.FLOAT16 else "float32", reference)
-    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, quiet)
+    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar)
 
 
 @dataclass
@@ -169,12 +171,13 @@ class _Rewritten:
 
 
 def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
-                        extra_manifest, times: dict, quiet: bool) -> ExportReport:
+                        extra_manifest, times: dict, bar: Progress) -> ExportReport:
     """Write the rewritten model into ``stage`` (its weights streamed from the source's files), check
     and validate it there, then finish and swap in the package."""
     proto, plans, dims, counts, cold_tier = done.proto, done.plans, done.dims, done.counts, done.cold_tier
     t0 = time.perf_counter()
-    weights = stage.write_model(proto, weights_dir)  # proto now points at the package's data file
+    bar.start("write", "writing model.onnx and model.onnx.data", total=weight_bytes(proto), unit="B")
+    weights = stage.write_model(proto, weights_dir, bar.advance)  # proto now points at the package's data file
     if done.reference == source:  # else validation still reads the widened source there
         shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
     times["write"] = time.perf_counter() - t0
@@ -199,17 +202,20 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     figure = None
     if config.validate:
         t0 = time.perf_counter()
-        _progress("validating against the original (prefill + 8 decode steps, batch 2, dense)", quiet)
-        reference = SourceReference(done.reference, stage.path)
+        runs = 3 if config.backend == "trt" else 4 + bool(config.native_decode)  # sessions, about
+        bar.start("validate", "validating against the original (prefill + 8 decode steps, batch 2, dense)",
+                  total=runs, unit="runs")
+        reference = SourceReference(done.reference, stage.path, on_run=bar.advance)
         tolerance, noise = _tolerance(config, reference, manifest.to_dict())
         figure = _validate(reference, proto, manifest.to_dict())
+        bar.advance()
         validation = dict(max_abs_logit_diff=figure, tolerance=tolerance, source_noise=noise)
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
             from .ort_validation import validate_ort_graph
 
             ort = validate_ort_graph(proto, manifest.to_dict(), tolerance,
-                                     lambda graph: _validate(reference, graph, manifest.to_dict()),
-                                     lambda msg: _progress(msg, quiet), native=config.native_decode,
+                                     lambda graph: (_validate(reference, graph, manifest.to_dict()), bar.advance())[0],
+                                     bar.note, native=config.native_decode,
                                      weights_dir=stage.path)
             validation.update(model_max_abs_logit_diff=figure, **ort)
             figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
@@ -225,11 +231,12 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)
     t0 = time.perf_counter()
     outdir = stage.outdir
-    _progress(f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""), quiet)
+    bar.start("package", f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""))
     finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
+    bar.end()
     times["write"] += time.perf_counter() - t0
     ort_graph = written.ort_optimized
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,

@@ -137,8 +137,8 @@ class SourceReference:
     memory at a time), and ``weights_dir``: the folder the rewritten graphs' external weights
     resolve in (the package being written)."""
 
-    def __init__(self, source, weights_dir=None):
-        self.source, self.weights_dir = source, weights_dir
+    def __init__(self, source, weights_dir=None, on_run=None):
+        self.source, self.weights_dir, self.on_run = source, weights_dir, on_run
         self._cache: dict = {}
 
     def logits(self, manifest: dict, lengths, decode_steps: int, seed: int, optimized: bool = True):
@@ -156,6 +156,8 @@ class SourceReference:
                 self._cache[key] = source_logits(session, manifest, lengths, decode_steps, seed)
             finally:
                 del session
+            if self.on_run:
+                self.on_run()
         return self._cache[key]
 
     def noise(self, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0) -> float:

@@ -126,11 +126,11 @@ def bf16_to_f32(data: bytes) -> bytes:
 
 
 def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int = EXTERNAL_OVER,
-               upcast_bf16: bool = False) -> int:
+               upcast_bf16: bool = False, on_bytes=None) -> int:
     """Stream every initializer over ``threshold`` bytes - external (read from ``base_dir``) or
     inline - into the one file ``dst`` (page-aligned offsets) and point the proto at it; returns
     the bytes written. Holds one chunk at a time, never the weights. ``upcast_bf16``: bfloat16
-    initializers are written as float32 (``bf16.py``)."""
+    initializers are written as float32 (``bf16.py``). ``on_bytes(n)``: called as source bytes are copied."""
     written = 0
     with open(dst, "wb") as out:
         for t in proto.graph.initializer:
@@ -145,6 +145,8 @@ def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int
             if info is None:
                 data = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
                 out.write(widen(data))
+                if on_bytes:
+                    on_bytes(len(data))
                 t.ClearField("raw_data")
                 for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
                     t.ClearField(field)
@@ -159,6 +161,8 @@ def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int
                             raise InputError(f"{info['location']}: truncated while copying initializer {t.name}")
                         out.write(widen(block))
                         left -= len(block)
+                        if on_bytes:
+                            on_bytes(len(block))
             if widen is not bytes:
                 t.data_type, size = onnx.TensorProto.FLOAT, 2 * size
             written += size
