@@ -16,15 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve_trt.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION  # the one prompt text
+
 from .decode_attention import SelectionSpec
 from .hf_harness import SparseAttentionHarness, use_harness
 from .perplexity import cache_kwarg
-
-INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. "
-               "Find it and memorize it. I will quiz you about the pass key.\n\n")
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = "\n\nWhat is the pass key? Answer with the number only."
 
 
 @dataclass(frozen=True)

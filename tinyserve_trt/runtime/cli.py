@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replica-gpus", type=float, default=rc.replica_gpus, help="replicas: GPUs reserved per replica")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
+    from tinyserve_trt.eval.cli import add_parser as add_eval
+
+    add_eval(sub)
     return parser
 
 
@@ -263,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "eval":
+            from tinyserve_trt.eval.cli import run as run_eval
+
+            return run_eval(args)
     except (ValueError, RuntimeError, OSError) as e:  # PackageError is a ValueError
         msg = " ".join(str(e).split())
         print(f"tinyserve: error: {msg}", file=sys.stderr)
