@@ -181,6 +181,10 @@ class EngineConfig:
     trust_package_engines: let the TensorRT EP load engines the package ships in ``trt_ep_cache``
                          (engines are code); False: its engine cache is this user's
                          (``~/.cache/tinyserve/trt_ep_cache``), built here.
+    require_native:      refuse to start unless the op decodes on a native kernel (the C++ CPU node or
+                         the TensorRT plugin): a fallback to the op's ONNX function (no compiler, a
+                         library that does not load, a package exported without it) is an error
+                         (``backends.kernel_report.NativeRequired``) instead of a slower engine.
     """
 
     backend: str = "ort"
@@ -201,8 +205,11 @@ class EngineConfig:
     kv_scales: str = "dynamic"
     ort_provider: str = "auto"
     trust_package_engines: bool = False
+    require_native: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.require_native, bool):
+            raise ValueError(f"require_native must be a bool, got {self.require_native!r}")
         if not isinstance(self.trust_package_engines, bool):
             raise ValueError(f"trust_package_engines must be a bool, got {self.trust_package_engines!r}")
         if self.ort_provider not in ORT_PROVIDERS:

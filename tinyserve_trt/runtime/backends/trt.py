@@ -51,6 +51,7 @@ import numpy as np
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
 from tinyserve_trt.runtime.backends.device_pages import DevicePages
 from tinyserve_trt.runtime.backends.graph_buckets import DecodeBuckets, check_profile
+from tinyserve_trt.runtime.backends.kernel_report import KernelReport
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
 GRAPHS_ENV = "TINYSERVE_CUDA_GRAPHS"  # "0" turns decode-step CUDA graphs off
@@ -75,6 +76,7 @@ class TrtBackend(Backend):
             raise RuntimeError(f"{package.path}: no TensorRT engine in the package; export it with "
                                "tinyserve-export --backend trt on this machine")
         self._trt, self._torch, self.package, self.pool = trt, torch, package, pool
+        self._report = KernelReport("trt", "tensorrt", engine_info["file"], "tensorrt_plugin", library=_plugin_path())
         self.device = torch.device("cuda", device)
         logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(logger)
@@ -94,6 +96,9 @@ class TrtBackend(Backend):
         self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if enabled else None
         self._scratch = None  # activation memory of the graph contexts, made with the first one
         pool.attach_storage(self.pages)
+
+    def kernel_report(self):
+        return self._report
 
     @property
     def cuda_graphs(self) -> bool:
@@ -231,6 +236,16 @@ class TrtBackend(Backend):
         self.context = None
         self.engine = None
         self.pages = None
+
+
+def _plugin_path() -> str | None:
+    """The plugin library ``require_tensorrt`` loaded (None when a stand-in TensorRT loaded none)."""
+    from tinyserve_trt.cuda.plugin import TensorRTUnavailable, plugin_library
+
+    try:
+        return str(plugin_library())
+    except TensorRTUnavailable:
+        return None
 
 
 def _check_pool_fits(engine_info: dict, pages: DevicePages, path) -> None:
