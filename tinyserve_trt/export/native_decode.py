@@ -2,7 +2,7 @@
 
 On ONNX Runtime's CPU EP the op otherwise runs as its inlined ONNX function: ~80-110
 small nodes per layer (scores, TopK, gathers, masks) whose per-node cost, not the
-cache reads, sets the decode step (``benchmarks/results/decode_profile_two_level.md``).
+cache reads, sets the decode step (``benchmarks/results/decode_profile.md#decode_profile_two_level``).
 ``tinyserve_trt.cpu`` builds the same op's decode step as one C++ node
 (``tinyserve.cpu::QueryAwareSparseAttentionDecode``, an ORT custom op checked against
 the numpy reference). In ``model.ort.onnx`` (``ort_graph.prepared_graph(native=True)``)
