@@ -24,12 +24,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
-    """No C++ compiler, an empty private build cache, and this process's build forgotten."""
-    monkeypatch.setattr(native, "_BUILT", [])
+    """No C++ compiler, an empty private build cache, no prebuilt library, and this process's build forgotten."""
+    monkeypatch.setattr(native, "_BUILT", {})
+    monkeypatch.setattr(native, "PREBUILT_DIR", tmp_path / "no-prebuilt")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
     monkeypatch.delenv(native.ENV_DISABLE, raising=False)
-    assert "no C++ compiler" in (native.available() or "")
+    reason = native.available() or ""
+    assert "no C++ compiler" in reason and "no prebuilt library" in reason
     return tmp_path
 
 
