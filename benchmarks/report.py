@@ -29,8 +29,8 @@ EXPECTED = [
     ("mixed_precision", "INT8 cold pages: KV bytes vs top-1 agreement", "benchmarks/bench_mixed.py"),
     ("serve_cpu", "serving throughput and latency, CPU", "benchmarks/bench_serve.py"),
     ("gpu_h200", "CUDA kernels / TensorRT on an H200", "benchmarks/gpu_check.py"),
-    ("quality_sweep", "selection variants at budget 1024 (page size, GQA reduce, sinks, recent, dense layers, "
-     "two-level), one section per run", "benchmarks/quality_sweep.py"),
+    ("quality_sweep", ("selection variants at budget 1024 (page size, GQA reduce, sinks, recent, dense layers, "
+                       "two-level), one section per run"), "benchmarks/quality_sweep.py"),
     ("page_size_cpu", "decode step time vs page size (page 16, two-level 32 -> 4)", "benchmarks/bench_page_size.py"),
     ("decode_profile", "one decode step under ORT's profiler, per node kind", "benchmarks/profile_decode.py"),
     ("native_op_cpu", "the native CPU decode kernel vs the op's function", "benchmarks/bench_native_op.py"),
