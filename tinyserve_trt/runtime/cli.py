@@ -147,9 +147,20 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--ort-provider", choices=ORT_PROVIDERS, default=ec.ort_provider,
                    help="ONNX Runtime EP (backend ort): cuda/tensorrt keep the KV pages on the GPU "
                         "(docs/gpu_paths.md); auto = cuda when onnxruntime-gpu and torch see a GPU")
+    p.add_argument("--native-arch", default=ec.native_arch, metavar="TARGET",
+                   help="-march of the native CPU kernel's build (default: native; e.g. x86-64-v2)")
+    p.add_argument("--plugin-dir", default=ec.plugin_dir, metavar="DIR",
+                   help="where tinyserve-build-plugin -o DIR put the GPU libraries (default: its cache)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="backend trt: no CUDA graphs for decode steps")
     p.add_argument("--require-native", action="store_true", default=ec.require_native,
                    help="exit 2 unless the op decodes on a native kernel (the C++ CPU node or the TensorRT "
                         "plugin) instead of falling back to its ONNX function (the kernel report says which)")
+
+
+def _kernel_options(args) -> dict:
+    """The EngineConfig fields of the kernel flags (what runs the op, and where its libraries are)."""
+    return dict(require_native=args.require_native, native_arch=args.native_arch, plugin_dir=args.plugin_dir,
+                cuda_graphs=not args.no_cuda_graphs)
 
 
 def _memory(text: str) -> int | float:
@@ -176,7 +187,7 @@ def _generate(args) -> int:
               sparse_min_ratio=args.sparse_min_ratio,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
               hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
-              ort_provider=args.ort_provider, require_native=args.require_native)
+              ort_provider=args.ort_provider, **_kernel_options(args))
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -243,7 +254,7 @@ def _serve(args) -> int:
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
                   kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider,
-                  require_native=args.require_native)
+                  **_kernel_options(args))
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     from tinyserve_trt.runtime.server.warmup import load_warmup
 

@@ -70,6 +70,12 @@ class Engine:
             backend_options.setdefault("provider", config.ort_provider)
         if config.backend == "ort" and config.trust_package_engines:  # engines shipped in the package (opt-in)
             backend_options.setdefault("trust_package_engines", True)
+        if config.backend == "ort" and config.native_arch is not None:
+            backend_options.setdefault("native_arch", config.native_arch)
+        if config.backend in ("ort", "trt") and config.plugin_dir is not None:
+            backend_options.setdefault("plugin_dir", str(config.plugin_dir))
+        if config.backend == "trt" and not config.cuda_graphs:
+            backend_options.setdefault("cuda_graphs", False)
         self.backend = make_backend(config.backend, package, self.pool, **backend_options)
         if self.tiering and not self.backend.reads_cold_pages:
             raise ValueError(f"backend {config.backend!r} cannot read INT8 cold pages; use kv_tiers=False")

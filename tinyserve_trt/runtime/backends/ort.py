@@ -48,6 +48,9 @@ class OrtBackend(Backend):
     inline:    inline model-local functions before the CUDA EP sees the model (ORT #27873).
     trust_package_engines: the TensorRT EP uses the package's ``trt_ep_cache`` (engines shipped
                with it: code) instead of this user's cache (``EngineConfig.trust_package_engines``).
+    native_arch: ``-march`` of the native CPU decode kernel's build (``EngineConfig.native_arch``).
+    plugin_dir: where ``tinyserve-build-plugin`` put the GPU libraries (``EngineConfig.plugin_dir``;
+               None: its default cache).
     """
 
     name = "ort"
@@ -55,7 +58,8 @@ class OrtBackend(Backend):
 
     def __init__(self, package, pool, threads: int | None = None, providers: list | None = None,
                  selected_pages: bool | None = None, provider: str = "auto", device_id: int = 0,
-                 inline: bool = True, trust_package_engines: bool = False):
+                 inline: bool = True, trust_package_engines: bool = False, native_arch: str | None = None,
+                 plugin_dir: str | None = None):
         import onnxruntime as ort
 
         from tinyserve_trt.runtime.backends.ort_providers import check_provider, resolve_provider
@@ -71,6 +75,7 @@ class OrtBackend(Backend):
         check_provider(provider)
         self.package, self.pool, self._ort = package, pool, ort
         self._trust_package_engines = bool(trust_package_engines)
+        self._native_arch, self._plugin_dir = native_arch, plugin_dir
         self.provider = _kind_of(providers) if providers else resolve_provider(ort, provider)
         self.session = self._open_session(ort, threads, providers, device_id, inline)
         on_gpu = self.provider != "cpu"
@@ -98,7 +103,8 @@ class OrtBackend(Backend):
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         kind = self.provider
-        providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines)
+        providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines,
+                                               self._plugin_dir)
         if kind == "cpu":
             # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
             return self._cpu_session(ort, so, providers)
@@ -156,14 +162,12 @@ class OrtBackend(Backend):
             return path
         from tinyserve_trt.cpu import native
 
-        reason = native.available()
-        if reason is None:
-            try:
-                native.register(so)  # the kernel runs its parallel work on this session's intra-op pool
-                self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(native.library_path()))
-                return path
-            except native.NativeUnavailable as e:
-                reason = str(e)
+        try:  # the kernel runs its parallel work on this session's intra-op pool
+            lib = native.register(so, self._native_arch)
+            self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(lib))
+            return path
+        except native.NativeUnavailable as e:
+            reason = str(e)
         self._report = self._portable(f"the native CPU decode kernel is unavailable ({reason}); "
                                       "loading the portable model")
         return self.package.model_path
