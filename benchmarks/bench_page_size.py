@@ -4,7 +4,7 @@ Packages are told apart by their selection (``label``): ``page 16`` is single le
 ``page 32->4`` two-level (32-token pages, 4-token sub-pages), so the two-level
 default can be timed against the old single-level page-16 default in one run.
 
-Smaller pages rank better (quality_sweep_pages.md: ppl at budget 1024 is
+Smaller pages rank better (quality_sweep.md#quality_sweep_pages: ppl at budget 1024 is
 1.040 / 1.021 / 1.011 of dense at page 16 / 8 / 4) but each decode step reads
 one key_min/key_max pair per page. For each package (``--models``, exported
 from the same source with different ``--page-size``) and each (context,

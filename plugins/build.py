@@ -77,6 +77,18 @@ def gencode_flags(archs, nvcc: str) -> list[str]:
     return flags
 
 
+def nvcc_command(nvcc: str, archs) -> list[str]:
+    """nvcc and the flags every kernel source compiles with, for ``archs`` (e.g. ``("87",)``)."""
+    return [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-lineinfo", f"-I{HERE / 'kernels'}",
+            *gencode_flags(tuple(archs), nvcc)]
+
+
+def library_command(nvcc: str, archs, lib: Path) -> list[str]:
+    """The one nvcc line that links ``lib`` (libqsa_kernels.so) from every kernel source; also what
+    ``tinyserve-build-plugin`` (tinyserve_trt/cuda/plugin_build.py) runs from an installed package."""
+    return [*nvcc_command(nvcc, archs), "-shared", *map(str, SOURCES), "-o", str(lib)]
+
+
 def emulated_inputs() -> list[Path]:
     """Every file the emulated library is built from (for the staleness check)."""
     return [*SOURCES, *(HERE / "kernels").glob("*.h*"), *(HERE / "kernels").glob("*.cuh"),
@@ -138,8 +150,7 @@ def main(argv=None) -> int:
     nvcc = find_nvcc()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-lineinfo", f"-I{HERE / 'kernels'}",
-              *gencode_flags(tuple(args.arch or ARCHS), nvcc)]
+    common = nvcc_command(nvcc, tuple(args.arch or ARCHS))
     if args.check:
         for src in SOURCES:
             cmd = [*common, "-c", str(src), "-o", str(out / (src.stem + ".o"))]
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
             subprocess.run(cmd, check=True)
         return 0
     lib = out / "libqsa_kernels.so"
-    cmd = [*common, "-shared", *map(str, SOURCES), "-o", str(lib)]
+    cmd = library_command(nvcc, tuple(args.arch or ARCHS), lib)
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     print(f"built {lib}")

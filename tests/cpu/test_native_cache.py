@@ -23,7 +23,7 @@ def good_library() -> bytes:
 @pytest.fixture
 def fresh(monkeypatch, tmp_path, good_library):
     """This process's build forgotten, the cache in ``tmp_path / 'cache'``."""
-    monkeypatch.setattr(native, "_BUILT", [])
+    monkeypatch.setattr(native, "_BUILT", {})
     monkeypatch.setenv(native.ENV_CACHE, str(tmp_path / "cache"))
     return tmp_path / "cache"
 

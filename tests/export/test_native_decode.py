@@ -130,10 +130,18 @@ def test_opting_out_and_a_missing_kernel_keep_the_function(export_fixture, tmp_p
     pkg, manifest = _export(export_fixture, tmp_path, "off", ExportConfig(page_size=8, sub_page_size=4,
                                                                           dense_layers=1, native_decode=False))
     assert manifest["ort_optimized"]["native"] is None and "ort_native" not in manifest["validation"]
+    # the export's reason is recorded, and the runtime's kernel report (issue #32) says it
+    assert manifest["ort_optimized"]["native_note"] == "package exported with --no-native-decode"
+    from tinyserve_trt import LLM
+
+    report = LLM(pkg, max_batch=1).engine.kernel_report
+    assert (report.decode_kernel, report.fallback) == ("onnx_function", False)
+    assert report.reason == "package exported with --no-native-decode"
     monkeypatch.setenv("TINYSERVE_NATIVE", "0")
     pkg, manifest = _export(export_fixture, tmp_path, "missing")
     assert manifest["ort_optimized"]["native"] is None and manifest["validation"]["ort_native"] is False
     assert manifest["validation"]["ort_native_check"].startswith("skipped: ")
+    assert "TINYSERVE_NATIVE=0" in manifest["ort_optimized"]["native_note"]
 
 
 @needs_native

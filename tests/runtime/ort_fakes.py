@@ -202,4 +202,5 @@ def fake_package(path, cold_tier=None):
         path=path, model_path=model, ort_model_path=lambda version: model, dtype="float32",
         layers=[layer_names(i) for i in range(LAYERS)], logits="logits", cold_tier=cold_tier,
         num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=PAGE_SIZE, vocab_size=VOCAB,
-        manifest={}, max_context=256, inputs={r: r for r in STEP_INPUTS})
+        manifest={}, max_context=256, inputs={r: r for r in STEP_INPUTS},
+        spec=types.SimpleNamespace(ort_optimized=None, validation=None))  # no model.ort.onnx

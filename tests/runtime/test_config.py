@@ -1,6 +1,6 @@
 import pytest
 
-from tinyserve_trt.runtime.config import CacheConfig, SchedulerConfig
+from tinyserve_trt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def test_defaults_are_valid():
@@ -72,3 +72,43 @@ def test_engine_config_passes_sparse_min_ratio_to_the_scheduler():
 
     assert EngineConfig().scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == SPARSE_MIN_RATIO
     assert EngineConfig(sparse_min_ratio=0).scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == 0
+
+
+# ---- issue #32: the TINYSERVE_* switches are config fields, passed to the backend that reads them ----
+@pytest.mark.parametrize("backend, fields, options", [
+    ("ort", dict(native_arch="x86-64-v2", plugin_dir="/opt/tinyserve"),
+     dict(native_arch="x86-64-v2", plugin_dir="/opt/tinyserve")),
+    ("trt", dict(cuda_graphs=False, plugin_dir="/opt/tinyserve"), dict(cuda_graphs=False, plugin_dir="/opt/tinyserve")),
+    ("trt", dict(native_arch="x86-64-v2"), {}),  # the TensorRT backend has no CPU kernel to build
+    ("ort", dict(cuda_graphs=False), {}),  # nor ORT decode-step graphs to turn off
+])
+def test_kernel_fields_reach_the_backend(monkeypatch, backend, fields, options):
+    from types import SimpleNamespace
+
+    from tinyserve_trt.runtime import engine as engine_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(kind, package, pool, **got):
+        seen.update(got)
+        raise Stop
+
+    monkeypatch.setattr(engine_mod, "make_backend", capture)
+    package = SimpleNamespace(page_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
+                              max_context=256, sub_page_size=0, eos_token_ids=[2], token_budget=0, cold_tier=None)
+    with pytest.raises(Stop):
+        engine_mod.Engine(package, EngineConfig(backend=backend, **fields))
+    assert {k: seen[k] for k in ("native_arch", "plugin_dir", "cuda_graphs") if k in seen} == options
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(native_arch="native; rm -rf /"), "native_arch"), (dict(native_arch=""), "native_arch"),
+    (dict(cuda_graphs="no"), "cuda_graphs"), (dict(require_native=1), "require_native"),
+    (dict(plugin_dir=""), "plugin_dir"), (dict(plugin_dir=3), "plugin_dir"),
+])
+def test_kernel_fields_are_checked(fields, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**fields)

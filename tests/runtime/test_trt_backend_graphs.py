@@ -72,11 +72,8 @@ def test_capture_failure_warns_once_and_runs_plainly(fake_backend):
         np.testing.assert_array_equal(g[3], w[3])
 
 
-@pytest.mark.parametrize("how", ["option", "env"])
-def test_graphs_can_be_turned_off(fake_backend, monkeypatch, how):
-    if how == "env":
-        monkeypatch.setenv(trt_backend.GRAPHS_ENV, "0")
-    backend, pool = fake_backend(cuda_graphs=how != "option")
+def test_graphs_can_be_turned_off(fake_backend):  # EngineConfig.cuda_graphs=False passes this option
+    backend, pool = fake_backend(cuda_graphs=False)
     assert not backend.cuda_graphs
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -290,7 +290,7 @@ def fake_backend(monkeypatch, tmp_path):
         trt = types.SimpleNamespace(
             Logger=FakeLogger, Runtime=lambda logger: types.SimpleNamespace(deserialize_cuda_engine=lambda b: engine),
             ExecutionContextAllocationStrategy=types.SimpleNamespace(USER_MANAGED="user"))
-        monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda: trt)
+        monkeypatch.setattr(trt_backend, "_load_tensorrt", lambda plugin_dir=None: trt)
         cache = CacheConfig(page_size=PAGE_SIZE, num_pages=PAGES, dtype="float32", sub_page_size=sub_page_size)
         pool = TieredPagePool(cache, TierConfig(num_cold_pages=PAGES, **cold_tier), LAYERS, HEADS, DIM) if tiered \
             else PagePool(cache, LAYERS, HEADS, DIM)

@@ -87,6 +87,14 @@ def test_timeout_answers_504_and_frees_pages(cli_server):
     assert m['tinyserve_kv_pages{state="used"}'] == 0 and m["tinyserve_requests_in_flight"] == 0
 
 
+def test_metrics_say_which_kernel_runs(cli_server):
+    _, url = cli_server
+    m = _metrics(url)
+    (info,) = [k for k in m if k.startswith("tinyserve_kernel_info{")]
+    assert m[info] == 1 and 'provider="cpu"' in info and "decode=" in info and "graph=" in info
+    assert m["tinyserve_kernel_fallback"] in (0, 1)
+
+
 def test_sigint_exits_cleanly(cli_server):
     proc, _ = cli_server
     proc.send_signal(signal.SIGINT)

@@ -146,7 +146,9 @@ class OrtOptimized:
     ``opset``: its ai.onnx opset (the exporter raises it past the source's, ``export.ort_opset``);
     ``opset_note``: why it kept an older one (None when raised or already new enough).
     ``native``: the domain of the native CPU decode kernel the graph calls (``export.native_decode``;
-    the runtime registers ``tinyserve_trt.cpu``'s library, or loads the portable model without it)."""
+    the runtime registers ``tinyserve_trt.cpu``'s library, or loads the portable model without it);
+    ``native_note``: when ``native`` is None, why the export left the op's function to decode
+    (``--no-native-decode``, no compiler, out of tolerance): the runtime's kernel report says it."""
 
     file: str
     onnxruntime: str
@@ -157,14 +159,17 @@ class OrtOptimized:
     opset: int | None = None  # None: a package from before the field
     opset_note: str | None = None
     native: str | None = None  # the custom-op domain whose library every session must register (or None)
+    native_note: str | None = None  # why not native (None: native, or a package from before the note)
 
     def __post_init__(self):
         check_name(self.file, "ort_optimized.file")
         if self.weights is not None:
             check_name(self.weights, "ort_optimized.weights")
         checks.check_ort_optimized(self)
-        if self.native is not None and not isinstance(self.native, str):
-            raise PackageError(f"ort_optimized.native must be a string or null, got {self.native!r}")
+        for name in ("native", "native_note"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise PackageError(f"ort_optimized.{name} must be a string or null, got {value!r}")
         if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
                                        or self.opset < 1):
             raise PackageError(f"ort_optimized.opset must be a positive int, got {self.opset!r}")

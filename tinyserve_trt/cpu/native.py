@@ -3,14 +3,18 @@
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
 (``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` (``csrc/qsa_append.cpp``, loaded
 with ctypes by ``append.py``). It is compiled on first use with the host C++ compiler
-(``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``TINYSERVE_NATIVE_ARCH`` names
-another ``-march`` target, e.g. ``x86-64-v2`` or ``armv8-a`` for a cache shared by several CPUs), into
+(``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``EngineConfig.native_arch``, or
+``TINYSERVE_NATIVE_ARCH`` where there is no config, names another ``-march`` target, e.g. ``x86-64-v2`` or
+``armv8-a`` for a cache shared by several CPUs), into
 ``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
 sources, the compiler's version and flags, the ``-march`` target, the machine and the CPU's
 flags, so a cache shared between machines never hands one CPU another's build. What the cache
 holds is code: its directories are made mode 0700, and one another user owns or can write is
 refused (``private_dir``); a cached library that does not load is rebuilt once, then
-NativeUnavailable (the runtime loads the portable graph). The build writes a fresh temporary
+NativeUnavailable (the runtime loads the portable graph) - unless the wheel ships a prebuilt
+baseline library (``setup.py``: ``prebuilt/libtinyserve_cpu.abi<ABI_VERSION>.<machine>.so``), which is
+used where this machine cannot compile (no AVX2 paths: slower than the JIT build, still one node).
+The build writes a fresh temporary
 file and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
 disables it; ``TINYSERVE_NATIVE_POOL=own`` runs its parallel work on its own threads instead of the
 session's intra-op pool. Python-light: no numpy or onnxruntime import here.
@@ -40,6 +44,14 @@ SOURCES = ("qsa_decode_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next
 # (fetestexcept was ~5% of the kernel's time).
 CXXFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden")
 ENV_DISABLE = "TINYSERVE_NATIVE"
+# The wheel's prebuilt library (setup.py), for machines without a C++ compiler: built for a baseline CPU
+# of the architecture (no AVX2 / FMA: the generic paths tests/cpu/test_native_portable.py checks), its
+# C ABI version in the file name. Bump ABI_VERSION when the node's inputs, attributes or domain, or an
+# exported function (SYMBOLS), change: a library of another version is then not picked up.
+ABI_VERSION = 1
+PREBUILT_DIR_NAME = "prebuilt"
+PREBUILT_DIR = Path(__file__).resolve().parent / PREBUILT_DIR_NAME
+PREBUILT_MARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}
 ENV_ARCH = "TINYSERVE_NATIVE_ARCH"
 ENV_CACHE = "TINYSERVE_CACHE"
 SYMBOLS = ("RegisterCustomOps", "tinyserve_append_bounds")  # what ORT and append.py look up
@@ -104,12 +116,19 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def arch() -> str:
-    """The ``-march`` target: ``$TINYSERVE_NATIVE_ARCH`` or ``native``."""
-    value = os.environ.get(ENV_ARCH, "").strip() or "native"
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value):
-        raise NativeUnavailable(f"{ENV_ARCH}={value!r} is not a -march target name")
+def arch(march: str | None = None) -> str:
+    """The ``-march`` target: ``march`` (``EngineConfig.native_arch``), else ``$TINYSERVE_NATIVE_ARCH``
+    (the documented override for tools without a config, e.g. the exporter), else ``native``."""
+    name = "native_arch" if march else ENV_ARCH
+    value = (march or os.environ.get(ENV_ARCH, "")).strip() or "native"
+    if not is_march_name(value):
+        raise NativeUnavailable(f"{name}={value!r} is not a -march target name")
     return value
+
+
+def is_march_name(value: str) -> bool:
+    """Whether ``value`` can be a ``-march`` target (letters, digits, ``_.+-``; never a shell word)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value))
 
 
 def build_key(cxx: str, cxx_version: str, sources: dict[str, bytes], machine: str, cpu_flags: str,
@@ -147,7 +166,7 @@ def library_file(source_dir: Path = SOURCE_DIR, root: Path | None = None, march:
     """Where :func:`build` keeps the library of this key (``<root>/native/<key>/``); builds and checks nothing."""
     cxx = compiler()
     key = build_key(cxx, _compiler_version(cxx), _source_files(source_dir), platform.machine(), _cpu_flags(),
-                    march or arch())
+                    arch(march))
     return (root or cache_root()) / "native" / key / LIBRARY_NAME
 
 
@@ -157,7 +176,7 @@ def build(source_dir: Path = SOURCE_DIR, root: Path | None = None, march: str | 
     (:func:`private_dir`); a cached library that does not load (:func:`unloadable`) is rebuilt,
     and one that still does not is NativeUnavailable - the runtime then runs the portable graph."""
     cxx = compiler()
-    march = march or arch()
+    march = arch(march)
     lib = library_file(source_dir, root, march)
     try:
         private_dir(root or cache_root(), "native", lib.parent.name)
@@ -218,32 +237,88 @@ def unloadable(lib: Path) -> str | None:
     return f"cannot be loaded (it lacks {', '.join(missing)})" if missing else None
 
 
-_BUILT: list[Path] = []  # this process's build, once it succeeded
+_BUILT: dict[str, Path] = {}  # -march target -> this process's library for it, once one loaded
 
 
-def library_path() -> Path:
-    """Path of the built library (built on the first call). Raises NativeUnavailable."""
+def prebuilt_name(machine: str | None = None) -> str:
+    return f"libtinyserve_cpu.abi{ABI_VERSION}.{machine or platform.machine()}.so"
+
+
+def build_prebuilt(out: Path) -> Path:
+    """Compile the wheel's prebuilt library (``PREBUILT_MARCH`` of this machine) into ``out`` (setup.py);
+    NativeUnavailable when there is no compiler or no baseline target for this architecture."""
+    march = PREBUILT_MARCH.get(platform.machine())
+    if march is None:
+        raise NativeUnavailable(f"no baseline -march for {platform.machine()}")
+    cxx = compiler()
+    _compiler_version(cxx)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    lib = Path(out) / prebuilt_name()
+    tmp = lib.with_name(lib.name + ".tmp")
+    try:
+        _compile(cxx, march, SOURCE_DIR, str(tmp))
+        os.replace(tmp, lib)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def prebuilt_library(directory: Path | None = None) -> tuple[Path | None, str]:
+    """(the installed prebuilt library, "") when this install has one that loads, else (None, why not).
+    It is part of the installed package, so it may be owned by root (a system install) but never
+    writable by another user."""
+    lib = (directory or PREBUILT_DIR) / prebuilt_name()
+    try:
+        st = os.lstat(lib)
+    except OSError:
+        return None, "no prebuilt library in this install"
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        return None, f"the prebuilt {lib} is not a regular file of this user or root, writable by no one else"
+    try:
+        handle = ctypes.CDLL(str(lib))
+    except OSError as e:
+        return None, f"the prebuilt {lib} cannot be loaded ({_first_line(str(e))[:200]})"
+    missing = [name for name in SYMBOLS if not hasattr(handle, name)]
+    if missing:
+        return None, f"the prebuilt {lib} lacks {', '.join(missing)}"
+    return lib, ""
+
+
+def library_path(march: str | None = None) -> Path:
+    """Path of the library for ``-march=march`` (default: :func:`arch`): this machine's JIT build (built
+    on the first call), else the wheel's prebuilt baseline library (:func:`prebuilt_library`) when the
+    JIT build cannot run here (no compiler, say). Raises NativeUnavailable naming both reasons."""
     if os.environ.get(ENV_DISABLE, "1").strip() == "0":
         raise NativeUnavailable(f"the native CPU op is disabled ({ENV_DISABLE}=0)")
-    if not _BUILT:
-        _BUILT.append(build())
-    return _BUILT[0]
+    target = arch(march)
+    if target not in _BUILT:
+        try:
+            _BUILT[target] = build(march=target)
+        except NativeUnavailable as e:
+            lib, why = prebuilt_library()
+            if lib is None:
+                raise NativeUnavailable(f"{e}; {why}") from None
+            log.info("the native CPU op cannot be built here (%s); using the prebuilt %s", e, lib)
+            _BUILT[target] = lib
+    return _BUILT[target]
 
 
-def available() -> str | None:
+def available(march: str | None = None) -> str | None:
     """None when the native op can be used, else the one-line reason it cannot."""
     try:
-        library_path()
+        library_path(march)
     except NativeUnavailable as e:
         return str(e)
     return None
 
 
-def register(session_options) -> None:
-    """Register the library's custom ops on an ``onnxruntime.SessionOptions``; NativeUnavailable
-    (one line) when ONNX Runtime refuses it."""
-    lib = library_path()
+def register(session_options, march: str | None = None) -> Path:
+    """Register the library's custom ops on an ``onnxruntime.SessionOptions`` and return its path;
+    NativeUnavailable (one line) when ONNX Runtime refuses it."""
+    lib = library_path(march)
     try:
         session_options.register_custom_ops_library(str(lib))
     except Exception as e:  # ORT's Fail: a library it cannot load or whose ops it rejects
         raise NativeUnavailable(f"ONNX Runtime cannot register {lib}: {_first_line(str(e))[:200]}") from None
+    return lib

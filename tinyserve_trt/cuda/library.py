@@ -15,10 +15,10 @@ from pathlib import Path
 
 from ..ops import schema
 
-DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"
+DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"  # a checkout's build
 # The same kernel sources built by g++ against plugins/emulation (host memory, no GPU).
 EMULATED_LIB = DEFAULT_LIB.parent / "emulated" / "libqsa_kernels.so"
-LIB_ENV = "TINYSERVE_QSA_LIB"
+LIB_ENV = "TINYSERVE_QSA_LIB"  # an override (one file); tinyserve-build-plugin's output is found without it
 
 QSA_OK = 0
 STATUS_NAMES = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "workspace too small", 4: "CUDA launch failed",
@@ -94,8 +94,18 @@ def check_flags(flags: int, what: str) -> None:
 _LIB = None
 
 
-def library_path() -> Path:
-    return Path(os.environ.get(LIB_ENV, DEFAULT_LIB))
+def library_path(plugin_dir: str | os.PathLike | None = None) -> Path:
+    """The kernel library: in ``plugin_dir`` (``EngineConfig.plugin_dir``) when given, else ``$TINYSERVE_QSA_LIB``,
+    else where ``tinyserve-build-plugin`` builds by default, else a checkout's ``build/plugins/``
+    (``plugin_build.find_library``); the last candidate when none exists (``load`` then says how to build it)."""
+    from .plugin_build import KERNELS_LIBRARY, find_library
+
+    try:
+        return find_library(KERNELS_LIBRARY, plugin_dir, LIB_ENV)
+    except FileNotFoundError:
+        if plugin_dir is not None:
+            return Path(plugin_dir) / KERNELS_LIBRARY
+        return Path(os.environ[LIB_ENV]) if os.environ.get(LIB_ENV) else DEFAULT_LIB
 
 
 def is_emulated(lib: ctypes.CDLL) -> bool:
@@ -110,14 +120,16 @@ def use(path: str | os.PathLike) -> ctypes.CDLL:
     return _LIB
 
 
-def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
-    """Load (once) and type the library; raises FileNotFoundError naming the build command."""
+def load(path: str | os.PathLike | None = None, plugin_dir: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load (once) and type the library (``path``, else :func:`library_path` of ``plugin_dir``); raises
+    FileNotFoundError naming the build command."""
     global _LIB
     if _LIB is not None and path is None:
         return _LIB
-    p = Path(path) if path else library_path()
+    p = Path(path) if path else library_path(plugin_dir)
     if not p.is_file():
-        raise FileNotFoundError(f"{p} not found: build it with `python plugins/build.py` or set ${LIB_ENV}")
+        raise FileNotFoundError(f"{p} not found: build it with `tinyserve-build-plugin --arch sm_XX` (or, in a "
+                                f"checkout, `python plugins/build.py`), or set ${LIB_ENV}")
     lib = ctypes.CDLL(str(p))
     lib.qsa_workspace_size.argtypes = [ctypes.POINTER(QsaDims)]
     lib.qsa_workspace_size.restype = ctypes.c_size_t

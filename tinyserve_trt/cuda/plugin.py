@@ -13,7 +13,7 @@ import ctypes
 import os
 from pathlib import Path
 
-PLUGIN_ENV = "TINYSERVE_TRT_PLUGIN"
+PLUGIN_ENV = "TINYSERVE_TRT_PLUGIN"  # an override (one file); tinyserve-build-plugin's output is found without it
 PLUGIN_DEFAULT = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libtinyserve_trt_plugin.so"
 
 
@@ -21,22 +21,26 @@ class TensorRTUnavailable(RuntimeError):
     """A missing piece of the TensorRT path: the module, the plugin library, cuda-python or a GPU."""
 
 
-def plugin_library() -> Path:
-    path = Path(os.environ.get(PLUGIN_ENV, PLUGIN_DEFAULT))
-    if not path.is_file():
-        raise TensorRTUnavailable(f"TensorRT plugin library not found at {path} (build plugins/ with "
-                                  f"-DTINYSERVE_BUILD_TRT_PLUGIN=ON, or set {PLUGIN_ENV})")
-    return path
+def plugin_library(plugin_dir: str | os.PathLike | None = None) -> Path:
+    """The plugin library: in ``plugin_dir`` (``EngineConfig.plugin_dir``, tinyserve-build-plugin's ``-o``)
+    when given, else ``$TINYSERVE_TRT_PLUGIN``, else where ``tinyserve-build-plugin`` builds by default,
+    else a checkout's ``build/plugins/`` (``plugin_build.find_library``); TensorRTUnavailable (one line) if absent."""
+    from .plugin_build import PLUGIN_LIBRARY, find_library
+
+    try:
+        return find_library(PLUGIN_LIBRARY, plugin_dir, PLUGIN_ENV)
+    except FileNotFoundError as e:
+        raise TensorRTUnavailable(f"TensorRT plugin library not found: {e}") from None
 
 
-def require_tensorrt():
-    """The tensorrt module, with the plugin library loaded and a GPU present."""
+def require_tensorrt(plugin_dir: str | os.PathLike | None = None):
+    """The tensorrt module, with the plugin library (:func:`plugin_library`) loaded and a GPU present."""
     try:
         import tensorrt as trt
     except Exception:  # ImportError, or a placeholder wheel that fails on import
         raise TensorRTUnavailable("TensorRT is not installed (pip install 'tinyserve-trt[trt]' on a machine with "
                                   "TensorRT >= 10 libraries)") from None
-    lib = plugin_library()
+    lib = plugin_library(plugin_dir)
     try:
         ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:

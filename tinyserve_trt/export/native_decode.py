@@ -2,7 +2,7 @@
 
 On ONNX Runtime's CPU EP the op otherwise runs as its inlined ONNX function: ~80-110
 small nodes per layer (scores, TopK, gathers, masks) whose per-node cost, not the
-cache reads, sets the decode step (``benchmarks/results/decode_profile_two_level.md``).
+cache reads, sets the decode step (``benchmarks/results/decode_profile.md#decode_profile_two_level``).
 ``tinyserve_trt.cpu`` builds the same op's decode step as one C++ node
 (``tinyserve.cpu::QueryAwareSparseAttentionDecode``, an ORT custom op checked against
 the numpy reference). In ``model.ort.onnx`` (``ort_graph.prepared_graph(native=True)``)
@@ -68,6 +68,23 @@ def unsupported(model: onnx.ModelProto) -> str | None:
     if not reasons:
         return f"no {schema.OP_TYPE} node"
     return None if None in reasons else reasons[0]
+
+
+def not_native_note(native: bool, validation: dict, unavailable: str | None) -> str:
+    """Why ``model.ort.onnx`` decodes on the op's function (recorded as ``ort_optimized.native_note``,
+    read by the runtime's kernel report and the export's summary). ``native``: the export asked for
+    the kernel (``ExportConfig.native_decode``); ``validation``: the manifest's (``ort_native_check``);
+    ``unavailable``: why the kernel could not be built, when the export did not validate."""
+    if not native:
+        return "package exported with --no-native-decode"
+    check = validation.get("ort_native_check") or ""
+    if check.startswith(("skipped: ", "failed: ")):
+        return f"the native kernel was not used at export ({check})"
+    if check:
+        return f"the native kernel was out of tolerance at export ({check})"
+    if unavailable:
+        return f"the native kernel was unavailable at export ({unavailable})"
+    return "no layer of the model can decode on the native kernel"
 
 
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

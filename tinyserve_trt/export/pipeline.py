@@ -242,7 +242,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
-                        ort_decode=_ort_decode(ort_graph, manifest.validation or {}, config),
+                        ort_decode=_ort_decode(ort_graph),
                         int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
@@ -265,18 +265,13 @@ def _tolerance(config: ExportConfig, reference, manifest: dict) -> tuple[float, 
     return max(config.tolerance(), NOISE_FACTOR * noise), noise
 
 
-def _ort_decode(ort_graph, validation: dict, config: ExportConfig) -> str | None:
+def _ort_decode(ort_graph) -> str | None:
     """The summary's line on model.ort.onnx's decode steps (``native_decode.py``)."""
     if ort_graph is None:
         return None
     if ort_graph.native:
         return f"native CPU kernel ({ort_graph.native}); prefill: the op's ONNX function"
-    if not config.native_decode:
-        return "the op's ONNX function (--no-native-decode)"
-    check = validation.get("ort_native_check") or ""
-    if check.startswith("skipped: "):
-        return f"the op's ONNX function (native kernel not used: {check[len('skipped: '):]})"
-    return "the op's ONNX function" + (f" (native kernel {check})" if check else "")
+    return f"the op's ONNX function ({ort_graph.native_note})" if ort_graph.native_note else "the op's ONNX function"
 
 
 def _load_calibration(config: ExportConfig):
@@ -317,15 +312,19 @@ def _ort_graph_saver(config: ExportConfig):
 
 def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True) -> Manifest:
     from ..cpu import native as cpu_native
+    from .native_decode import not_native_note
     from .ort_graph import save_optimized_graph
     from .ort_opset import ORT_OPSET
 
     validation = manifest.validation or {}
     contrib = validation.get("ort_contrib_ops", True)  # False: they failed validation
-    native = validation.get("ort_native", native and cpu_native.available() is None)
-    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET), native)
+    unavailable = cpu_native.available() if native and "ort_native" not in validation else None
+    wanted = validation.get("ort_native", native and unavailable is None)
+    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET), wanted)
     if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
         record = replace(record, opset_note=validation["ort_opset_note"])
+    if record.native is None:
+        record = replace(record, native_note=not_native_note(native, validation, unavailable))
     return replace(manifest, ort_optimized=record)
 
 

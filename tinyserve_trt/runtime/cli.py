@@ -2,6 +2,7 @@
 
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--sparse-min-ratio R] [--json]
+                       [--require-native]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
                     [--served-model-name NAME] [--api-key-file PATH] [--allowed-host HOST]... [--warmup FILE]
                     [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
@@ -11,6 +12,9 @@ With ``--json`` stdout holds exactly one JSON object:
 ``serve`` runs the OpenAI-compatible server (needs the ``serve`` extra) until interrupted;
 with ``--replicas N`` (N > 1) or ``--ray-address``, N engine replicas on Ray Serve behind
 the same API (needs the ``scale`` extra; see docs/scale_out.md).
+Both log the engine's kernel report (graph, decode kernel, cold format, why: ``generate``
+ends its text output with it, ``--json`` has it in ``stats.engine.kernel_*``); with
+``--require-native`` a fallback from the native kernel is an error (exit 2, one line).
 Bad input: one line on stderr, exit status 2. ``serve`` exits 3 when its engine
 failed beyond recovery (so a supervisor restarts it).
 Defaults come from SamplingParams, EngineConfig and ServerConfig; sampling flags
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from tinyserve_trt.runtime.config import ORT_PROVIDERS, EngineConfig
@@ -145,6 +150,20 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--ort-provider", choices=ORT_PROVIDERS, default=ec.ort_provider,
                    help="ONNX Runtime EP (backend ort): cuda/tensorrt keep the KV pages on the GPU "
                         "(docs/gpu_paths.md); auto = cuda when onnxruntime-gpu and torch see a GPU")
+    p.add_argument("--native-arch", default=ec.native_arch, metavar="TARGET",
+                   help="-march of the native CPU kernel's build (default: native; e.g. x86-64-v2)")
+    p.add_argument("--plugin-dir", default=ec.plugin_dir, metavar="DIR",
+                   help="where tinyserve-build-plugin -o DIR put the GPU libraries (default: its cache)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="backend trt: no CUDA graphs for decode steps")
+    p.add_argument("--require-native", action="store_true", default=ec.require_native,
+                   help="exit 2 unless the op decodes on a native kernel (the C++ CPU node or the TensorRT "
+                        "plugin) instead of falling back to its ONNX function (the kernel report says which)")
+
+
+def _kernel_options(args) -> dict:
+    """The EngineConfig fields of the kernel flags (what runs the op, and where its libraries are)."""
+    return dict(require_native=args.require_native, native_arch=args.native_arch, plugin_dir=args.plugin_dir,
+                cuda_graphs=not args.no_cuda_graphs)
 
 
 def _memory(text: str) -> int | float:
@@ -171,7 +190,7 @@ def _generate(args) -> int:
               sparse_min_ratio=args.sparse_min_ratio,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
               hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
-              ort_provider=args.ort_provider)
+              ort_provider=args.ort_provider, **_kernel_options(args))
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -191,6 +210,9 @@ def _generate(args) -> int:
         if s is not None and s.ttft is not None:
             rate = f", {s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else ""
             print(f"[{s.output_tokens} tokens, ttft {s.ttft * 1e3:.1f} ms{rate}]", file=sys.stderr)
+        report = llm.engine.kernel_report
+        if report is not None and not report.fallback:  # a fallback was logged as a warning at start
+            print(f"[{report.line()}]", file=sys.stderr)
     llm.close()
     return 0
 
@@ -235,7 +257,8 @@ def _serve(args) -> int:
                   prefix_sharing=not args.no_prefix_sharing, max_batch=args.max_batch,
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
-                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider)
+                  kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider,
+                  **_kernel_options(args))
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     from tinyserve_trt.runtime.server.warmup import load_warmup
 
@@ -259,8 +282,36 @@ def _serve(args) -> int:
     return serve(args.model_dir, config, log_level=args.log_level, warmup=warmup, **engine)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (not the one at creation: tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _log_to_stderr(level: str) -> None:
+    """``tinyserve.*`` records at ``level`` and above on stderr, one line each (the engine's kernel
+    report, the server's warm-up); once per process."""
+    logger, level = logging.getLogger("tinyserve"), getattr(logging, level.upper())
+    handler = next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("tinyserve: %(message)s"))
+        logger.addHandler(handler)
+    handler.setLevel(level)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # generate: warnings only (stdout/stderr stay what they were; the report ends the text output)
+    _log_to_stderr(args.log_level if args.command == "serve" else "warning")
     try:
         if args.command == "generate":
             return _generate(args)

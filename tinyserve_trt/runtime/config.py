@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.cpu.native import is_march_name
 from tinyserve_trt.runtime.limits import INT32_MAX
 
 KV_DTYPES = ("float32", "float16")
@@ -181,6 +182,16 @@ class EngineConfig:
     trust_package_engines: let the TensorRT EP load engines the package ships in ``trt_ep_cache``
                          (engines are code); False: its engine cache is this user's
                          (``~/.cache/tinyserve/trt_ep_cache``), built here.
+    require_native:      refuse to start unless the op decodes on a native kernel (the C++ CPU node or
+                         the TensorRT plugin): a fallback to the op's ONNX function (no compiler, a
+                         library that does not load, a package exported without it) is an error
+                         (``backends.kernel_report.NativeRequired``) instead of a slower engine.
+    native_arch:         ``-march`` target of the native CPU kernel's build (e.g. ``x86-64-v2`` for a build
+                         cache shared by several CPUs); None: ``$TINYSERVE_NATIVE_ARCH`` if set, else ``native``.
+    plugin_dir:          where ``tinyserve-build-plugin -o DIR`` put the GPU libraries (``libqsa_kernels.so``,
+                         ``libtinyserve_trt_plugin.so``); None: its default cache (``~/.cache/tinyserve/plugins``),
+                         ``$TINYSERVE_QSA_LIB`` / ``$TINYSERVE_TRT_PLUGIN`` when set, a checkout's build/plugins/.
+    cuda_graphs:         the TensorRT backend replays decode steps as CUDA graphs; False: plain launches.
     """
 
     backend: str = "ort"
@@ -201,8 +212,22 @@ class EngineConfig:
     kv_scales: str = "dynamic"
     ort_provider: str = "auto"
     trust_package_engines: bool = False
+    require_native: bool = False
+    native_arch: str | None = None
+    plugin_dir: str | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self):
+        for name in ("require_native", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.native_arch is not None and (not isinstance(self.native_arch, str)
+                                             or not is_march_name(self.native_arch)):
+            raise ValueError(f"native_arch must be a -march target name (e.g. x86-64-v2) or None, "
+                             f"got {self.native_arch!r}")
+        if self.plugin_dir is not None and (not isinstance(self.plugin_dir, (str, os.PathLike))
+                                            or not str(self.plugin_dir)):
+            raise ValueError(f"plugin_dir must be a directory path or None, got {self.plugin_dir!r}")
         if not isinstance(self.trust_package_engines, bool):
             raise ValueError(f"trust_package_engines must be a bool, got {self.trust_package_engines!r}")
         if self.ort_provider not in ORT_PROVIDERS:

@@ -12,6 +12,7 @@ selections to the hotness policy and demotes between steps (``tiers/tiering.py``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ import numpy as np
 from tinyserve_trt.runtime.backends import make_backend
 from tinyserve_trt.runtime.batch import ScheduledBatch
 from tinyserve_trt.runtime.backends.base import StepOutput
+from tinyserve_trt.runtime.backends.kernel_report import KernelReport, NativeRequired, cold_format_of
 from tinyserve_trt.runtime.config import EngineConfig
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.pages import PagePool
@@ -27,6 +29,8 @@ from tinyserve_trt.runtime.sampling import SampleOutput, Sampler, SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.sequence import FinishReason, Sequence
 from tinyserve_trt.runtime.tiers.tiering import Tiering
+
+log = logging.getLogger("tinyserve.runtime")
 
 
 class StepFailed(RuntimeError):
@@ -66,15 +70,39 @@ class Engine:
             backend_options.setdefault("provider", config.ort_provider)
         if config.backend == "ort" and config.trust_package_engines:  # engines shipped in the package (opt-in)
             backend_options.setdefault("trust_package_engines", True)
+        if config.backend == "ort" and config.native_arch is not None:
+            backend_options.setdefault("native_arch", config.native_arch)
+        if config.backend in ("ort", "trt") and config.plugin_dir is not None:
+            backend_options.setdefault("plugin_dir", str(config.plugin_dir))
+        if config.backend == "trt" and not config.cuda_graphs:
+            backend_options.setdefault("cuda_graphs", False)
         self.backend = make_backend(config.backend, package, self.pool, **backend_options)
         if self.tiering and not self.backend.reads_cold_pages:
             raise ValueError(f"backend {config.backend!r} cannot read INT8 cold pages; use kv_tiers=False")
+        self.kernel_report = self._kernel_report(config)
         self.sampler = Sampler(seed)
         self._sparse_layers = [i for i, layer in enumerate(package.layers) if layer.get("policy") != "dense"]
         self._observed_layers = self._sparse_layers or list(range(package.num_layers))  # hotness: selections
         self._unsettled: ScheduledBatch | None = None  # scheduled, not yet handed to postprocess
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
                              pages_selected=0.0, pages_available=0, step_failures=0)
+
+    def _kernel_report(self, config: EngineConfig) -> KernelReport | None:
+        """The backend's report with the cold format served, logged once (WARNING for a fallback);
+        with ``config.require_native`` a decode kernel that is not native closes the backend and
+        raises NativeRequired (one line)."""
+        report = self.backend.kernel_report()
+        if report is not None:
+            report = report.with_cold_format(cold_format_of(self.package, self.tiering is not None))
+        if config.require_native and (report is None or not report.native):
+            self.backend.close()
+            if report is None:
+                raise NativeRequired(f"a native decode kernel is required (require_native) but backend "
+                                     f"{config.backend!r} does not report what it runs")
+            report.check_native()
+        if report is not None:
+            log.log(logging.WARNING if report.fallback else logging.INFO, "%s: %s", self.package.path, report.line())
+        return report
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None
@@ -168,7 +196,8 @@ class Engine:
 
     # ---- stats ----------------------------------------------------------------
     def stats(self) -> dict:
-        """Pool use, prefix hit rate and decode page-selection rate so far."""
+        """Pool use, prefix hit rate and decode page-selection rate so far, and what runs
+        (``kernel_*``: the kernel report)."""
         c, pool = self.counters, self.pool
         in_use = len(pool.in_use_pages())
         return dict(
@@ -181,6 +210,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions, step_failures=c["step_failures"],
             **(self.tiering.stats() if self.tiering else {}),
             **(self.backend.transfer.stats() if getattr(self.backend, "transfer", None) else {}),
+            **(self.kernel_report.stats() if self.kernel_report else {}),
         )
 
     def close(self) -> None:

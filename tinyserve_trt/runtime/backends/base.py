@@ -41,5 +41,9 @@ class Backend(ABC):
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Compute ``batch`` and write its new K/V into the pool. Does not touch page ids."""
 
+    def kernel_report(self):
+        """What this backend runs: a ``kernel_report.KernelReport`` (graph, decode kernel, why), or
+        None when it cannot say (then ``EngineConfig.require_native`` refuses it)."""
+
     def close(self) -> None:
         """Release sessions / device memory (idempotent)."""

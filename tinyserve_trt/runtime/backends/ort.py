@@ -25,14 +25,11 @@ unused INT8 tier, so every page is read hot.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
-log = logging.getLogger("tinyserve.runtime")
 _NP_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
              "tensor(float16)": np.float16, "tensor(bool)": np.bool_}
 
@@ -51,6 +48,9 @@ class OrtBackend(Backend):
     inline:    inline model-local functions before the CUDA EP sees the model (ORT #27873).
     trust_package_engines: the TensorRT EP uses the package's ``trt_ep_cache`` (engines shipped
                with it: code) instead of this user's cache (``EngineConfig.trust_package_engines``).
+    native_arch: ``-march`` of the native CPU decode kernel's build (``EngineConfig.native_arch``).
+    plugin_dir: where ``tinyserve-build-plugin`` put the GPU libraries (``EngineConfig.plugin_dir``;
+               None: its default cache).
     """
 
     name = "ort"
@@ -58,7 +58,8 @@ class OrtBackend(Backend):
 
     def __init__(self, package, pool, threads: int | None = None, providers: list | None = None,
                  selected_pages: bool | None = None, provider: str = "auto", device_id: int = 0,
-                 inline: bool = True, trust_package_engines: bool = False):
+                 inline: bool = True, trust_package_engines: bool = False, native_arch: str | None = None,
+                 plugin_dir: str | None = None):
         import onnxruntime as ort
 
         from tinyserve_trt.runtime.backends.ort_providers import check_provider, resolve_provider
@@ -74,6 +75,7 @@ class OrtBackend(Backend):
         check_provider(provider)
         self.package, self.pool, self._ort = package, pool, ort
         self._trust_package_engines = bool(trust_package_engines)
+        self._native_arch, self._plugin_dir = native_arch, plugin_dir
         self.provider = _kind_of(providers) if providers else resolve_provider(ort, provider)
         self.session = self._open_session(ort, threads, providers, device_id, inline)
         on_gpu = self.provider != "cpu"
@@ -101,11 +103,13 @@ class OrtBackend(Backend):
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         kind = self.provider
-        providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines)
+        providers = providers or provider_list(kind, self.package, device_id, self._trust_package_engines,
+                                               self._plugin_dir)
         if kind == "cpu":
             # The exporter's ORT-optimized copy is CPU-EP specific; other providers start from the portable model.
             return self._cpu_session(ort, so, providers)
         model = self.package.model_path
+        self._report = _gpu_report(kind, self.package, providers)
         if kind == "cuda" and inline:
             model = inlined_model(model)  # ORT #27873: the CUDA EP may fail on model-local functions
         try:
@@ -115,7 +119,8 @@ class OrtBackend(Backend):
 
     def _cpu_session(self, ort, so, providers: list):
         """The CPU EP session over ``_cpu_graph``; when ORT cannot load the optimized graph, the
-        portable model (logged); when it cannot load that either, one PackageError naming the file."""
+        portable model (said in the kernel report); when it cannot load that either, one PackageError
+        naming the file."""
         from tinyserve_trt.runtime.backends.ort_providers import first_line, load_error
 
         path = self._cpu_graph(ort, so)
@@ -126,8 +131,8 @@ class OrtBackend(Backend):
         except Exception as e:  # ORT's InvalidProtobuf, InvalidGraph, Fail, ...: what the package holds
             if path == self.package.model_path:
                 raise load_error(path, e) from None
-            log.warning("%s: ONNX Runtime cannot load %s (%s); loading the portable model", self.package.path,
-                        path.name, first_line(e))
+            self._report = self._portable(f"ONNX Runtime cannot load {path.name} ({first_line(e)}); "
+                                          "loading the portable model")
         try:
             return ort.InferenceSession(str(self.package.model_path), so, providers=providers)
         except MemoryError:
@@ -138,22 +143,44 @@ class OrtBackend(Backend):
     def _cpu_graph(self, ort, so):
         """The graph the CPU EP loads: ``model.ort.onnx`` when this ORT wrote it, with the native
         decode kernel's library registered in ``so`` when the graph calls it; the portable model
-        (the op's ONNX function throughout) when that library cannot be built here (logged)."""
+        (the op's ONNX function throughout) when that library cannot be built here. Which one, and
+        why, goes into ``self._report`` (``kernel_report.py``)."""
+        from tinyserve_trt.runtime.backends.kernel_report import KernelReport, export_note
+
+        spec, opt = self.package.spec, self.package.spec.ort_optimized
         path = self.package.ort_model_path(ort.__version__)
-        if path == self.package.model_path or not self.package.spec.ort_optimized.native:
+        if path == self.package.model_path:
+            if opt is None:
+                self._report = self._portable(export_note(spec), fallback=False)
+            else:
+                self._report = self._portable(f"{opt.file} was written by ONNX Runtime {opt.onnxruntime}, this is "
+                                              f"{ort.__version__}: loading the portable model (re-export to get it)")
+            return path
+        graph = path.relative_to(self.package.path).as_posix()
+        if not opt.native:
+            self._report = KernelReport("ort", "cpu", graph, "onnx_function", reason=export_note(spec))
             return path
         from tinyserve_trt.cpu import native
 
-        reason = native.available()
-        if reason is None:
-            try:
-                native.register(so)  # the kernel runs its parallel work on this session's intra-op pool
-                return path
-            except native.NativeUnavailable as e:
-                reason = str(e)
-        log.warning("%s: the native CPU decode kernel is unavailable (%s); loading the portable model",
-                    self.package.path, reason)
+        try:  # the kernel runs its parallel work on this session's intra-op pool
+            lib = native.register(so, self._native_arch)
+            self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(lib))
+            return path
+        except native.NativeUnavailable as e:
+            reason = str(e)
+        self._report = self._portable(f"the native CPU decode kernel is unavailable ({reason}); "
+                                      "loading the portable model")
         return self.package.model_path
+
+    def _portable(self, reason: str, fallback: bool = True):
+        """The report of the portable model on the CPU EP: the op's ONNX function, because ``reason``."""
+        from tinyserve_trt.runtime.backends.kernel_report import KernelReport
+
+        graph = self.package.model_path.relative_to(self.package.path).as_posix()
+        return KernelReport("ort", "cpu", graph, "onnx_function", fallback=fallback, reason=reason)
+
+    def kernel_report(self):
+        return self._report
 
     # ---- CPU EP: pages in host memory, shared with ORT ---------------------------
     def _init_host(self, package, pool, want_selected: bool) -> None:
@@ -281,6 +308,20 @@ def _kind_of(providers: list) -> str:
     if first not in kinds:
         raise ValueError(f"unsupported first ORT provider {first!r}; use one of {sorted(kinds)}")
     return kinds[first]
+
+
+def _gpu_report(kind: str, package, providers: list):
+    """The kernel report of a GPU session: the TensorRT EP imports the op node as our plugin (its
+    library in the EP's options); the CUDA EP runs the op's ONNX function, inlined."""
+    from tinyserve_trt.runtime.backends.kernel_report import KernelReport
+
+    graph = package.model_path.relative_to(package.path).as_posix()
+    if kind == "tensorrt":
+        options = next((p[1] for p in providers if isinstance(p, (tuple, list)) and p[0] == "TensorrtExecutionProvider"),
+                       {})
+        return KernelReport("ort", kind, graph, "tensorrt_plugin", library=options.get("trt_extra_plugin_lib_paths"))
+    return KernelReport("ort", kind, graph, "cuda_ep", reason="the CUDA EP runs the op's ONNX function (its CUDA "
+                        "kernels run as the TensorRT plugin: --ort-provider tensorrt)")
 
 
 def _unused_cold_tier(package) -> list[dict[str, np.ndarray]]:

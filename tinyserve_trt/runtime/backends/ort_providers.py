@@ -72,12 +72,13 @@ def resolve_provider(ort, kind: str) -> str:
     return kind
 
 
-def plugin_path() -> Path:
-    """Our TensorRT plugin library (``TINYSERVE_TRT_PLUGIN`` or build/plugins/...)."""
+def plugin_path(plugin_dir: str | None = None) -> Path:
+    """Our TensorRT plugin library (``cuda.plugin.plugin_library``: ``plugin_dir``, ``$TINYSERVE_TRT_PLUGIN``,
+    tinyserve-build-plugin's default cache, a checkout's build/plugins/)."""
     from tinyserve_trt.cuda.plugin import TensorRTUnavailable, plugin_library
 
     try:
-        return plugin_library()
+        return plugin_library(plugin_dir)
     except TensorRTUnavailable as e:
         raise RuntimeError(str(e)) from None
 
@@ -115,14 +116,16 @@ def engine_cache_dir(package_path: Path) -> Path:
     return private_dir(cache_root(), TRT_CACHE_DIR, key)
 
 
-def provider_list(kind: str, package, device_id: int = 0, trust_package_engines: bool = False) -> list:
+def provider_list(kind: str, package, device_id: int = 0, trust_package_engines: bool = False,
+                  plugin_dir: str | None = None) -> list:
     """The ``providers`` argument of ``InferenceSession`` for a resolved ``kind``."""
     cuda = ("CUDAExecutionProvider", {"device_id": device_id})
     if kind == "cpu":
         return ["CPUExecutionProvider"]
     if kind == "cuda":
         return [cuda, "CPUExecutionProvider"]
-    trt = ("TensorrtExecutionProvider", tensorrt_options(package, device_id, plugin_path(), trust_package_engines))
+    trt = ("TensorrtExecutionProvider", tensorrt_options(package, device_id, plugin_path(plugin_dir),
+                                                         trust_package_engines))
     return [trt, cuda, "CPUExecutionProvider"]
 
 

@@ -30,7 +30,7 @@ padded arrays into the static inputs and replays; the K/V append stays outside
 the graph (``library.append_kv``, enqueued on the same stream) and skips the padding rows. The
 graph contexts share one activation buffer: they run one at a time on one
 stream. Prefill steps run plainly. ``cuda_graphs=False`` (backend option) or
-``TINYSERVE_CUDA_GRAPHS=0`` turns graphs off; any capture failure (e.g. an
+``EngineConfig.cuda_graphs=False`` turns graphs off; any capture failure (e.g. an
 engine that cannot be captured) warns once and turns them off for good.
 
 Every missing piece is a one-line RuntimeError: no tensorrt, no plugin
@@ -42,7 +42,6 @@ cannot run on our CI machines (no GPU, no TensorRT) - see plugins/README.md.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import replace
 
@@ -51,23 +50,24 @@ import numpy as np
 from tinyserve_trt.runtime.backends.base import Backend, StepOutput
 from tinyserve_trt.runtime.backends.device_pages import DevicePages
 from tinyserve_trt.runtime.backends.graph_buckets import DecodeBuckets, check_profile
+from tinyserve_trt.runtime.backends.kernel_report import KernelReport
 from tinyserve_trt.runtime.batch import ScheduledBatch
 
-GRAPHS_ENV = "TINYSERVE_CUDA_GRAPHS"  # "0" turns decode-step CUDA graphs off
 
 
-def _load_tensorrt():
+def _load_tensorrt(plugin_dir: str | None = None):
     from tinyserve_trt.cuda.plugin import require_tensorrt  # TensorRTUnavailable is a RuntimeError
 
-    return require_tensorrt()
+    return require_tensorrt(plugin_dir)
 
 
 class TrtBackend(Backend):
     name = "trt"
     reads_cold_pages = True
 
-    def __init__(self, package, pool, device: int = 0, cuda_graphs: bool = True, **_ignored):
-        trt = _load_tensorrt()
+    def __init__(self, package, pool, device: int = 0, cuda_graphs: bool = True, plugin_dir: str | None = None,
+                 **_ignored):
+        trt = _load_tensorrt(plugin_dir)
         import torch
 
         engine_info = package.manifest.get("engine")
@@ -75,6 +75,8 @@ class TrtBackend(Backend):
             raise RuntimeError(f"{package.path}: no TensorRT engine in the package; export it with "
                                "tinyserve-export --backend trt on this machine")
         self._trt, self._torch, self.package, self.pool = trt, torch, package, pool
+        self._report = KernelReport("trt", "tensorrt", engine_info["file"], "tensorrt_plugin",
+                                    library=_plugin_path(plugin_dir))
         self.device = torch.device("cuda", device)
         logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(logger)
@@ -90,10 +92,12 @@ class TrtBackend(Backend):
         self.pages = DevicePages(pool, dtype, self.device, package.cold_tier, stream=self.stream)
         _check_pool_fits(engine_info, self.pages, package.path)
         self._bind_pages(self.context)
-        enabled = cuda_graphs and os.environ.get(GRAPHS_ENV, "1") != "0"
-        self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if enabled else None
+        self._graphs: dict[tuple[int, int], _DecodeGraph] | None = {} if cuda_graphs else None
         self._scratch = None  # activation memory of the graph contexts, made with the first one
         pool.attach_storage(self.pages)
+
+    def kernel_report(self):
+        return self._report
 
     @property
     def cuda_graphs(self) -> bool:
@@ -231,6 +235,16 @@ class TrtBackend(Backend):
         self.context = None
         self.engine = None
         self.pages = None
+
+
+def _plugin_path(plugin_dir: str | None) -> str | None:
+    """The plugin library ``require_tensorrt`` loaded (None when a stand-in TensorRT loaded none)."""
+    from tinyserve_trt.cuda.plugin import TensorRTUnavailable, plugin_library
+
+    try:
+        return str(plugin_library(plugin_dir))
+    except TensorRTUnavailable:
+        return None
 
 
 def _check_pool_fits(engine_info: dict, pages: DevicePages, path) -> None:

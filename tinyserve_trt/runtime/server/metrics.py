@@ -114,10 +114,30 @@ class ServerMetrics:
         lines += gauge("tinyserve_token_budget", "Default Quest decode budget in tokens (0 = dense)",
                        engine["token_budget"])
         lines += gauge("tinyserve_preemptions", "Sequences preempted for pages so far", engine["preemptions"])
+        lines += kernel_lines(engine)
         lines += [f"# HELP tinyserve_engine_step_failures_total Engine steps that raised (their requests were "
                   f"failed, the engine went on)", "# TYPE tinyserve_engine_step_failures_total counter",
                   f"tinyserve_engine_step_failures_total {_num(engine.get('step_failures', 0))}"]
         return "\n".join(lines) + "\n"
+
+
+KERNEL_LABELS = (("graph", "kernel_graph"), ("decode", "kernel_decode"), ("cold_format", "kernel_cold_format"),
+                 ("provider", "kernel_provider"), ("reason", "kernel_reason"))
+
+
+def kernel_lines(engine: dict) -> list[str]:
+    """The engine's kernel report (``Engine.stats()``'s ``kernel_*``) as an info gauge (value 1, the
+    report in its labels) and ``tinyserve_kernel_fallback`` (1: a slower graph or kernel than the
+    package ships runs here); nothing when the engine has no report."""
+    if "kernel_decode" not in engine:
+        return []
+    labels = tuple((label, str(engine.get(key) or "")) for label, key in KERNEL_LABELS)
+    return (gauge("tinyserve_kernel_info", "What the engine runs: graph file, decode kernel (native_cpu, "
+                  "onnx_function, cuda_ep, tensorrt_plugin), cold format, provider, and why it is not native",
+                  {labels: 1})
+            + gauge("tinyserve_kernel_fallback", "1 when the engine fell back to a slower graph or decode kernel "
+                    "than the package ships (the reason label of tinyserve_kernel_info says why)",
+                    1 if engine.get("kernel_fallback") else 0))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
