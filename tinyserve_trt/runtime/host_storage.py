@@ -110,6 +110,20 @@ class HostKVStorage(KVStorage):
                                          self._key_max[layer, page], sub_codes=self._codes(layer, page))
         return codec.dequantize(self._kq[layer][c], self._ks[layer][c], self.dtype)
 
+    def read_block(self, page: int) -> dict:
+        self.check_range("exported", page, 0, self.num_hot)
+        return dict(k=self._k[:, page].copy(), v=self._v[:, page].copy(), key_min=self._key_min[:, page].copy(),
+                    key_max=self._key_max[:, page].copy(), sub=self._sub[:, page].copy() if self.sub_page_size else None)
+
+    def write_block(self, page: int, block) -> None:
+        self.check_range("imported", page, 0, self.num_hot)
+        if (block.sub is not None) != bool(self.sub_page_size):
+            raise ValueError("the block's sub-page bounds do not match this storage's")
+        self._k[:, page], self._v[:, page] = block.k, block.v  # numpy checks the shapes
+        self._key_min[:, page], self._key_max[:, page] = block.key_min, block.key_max
+        if self.sub_page_size:
+            self._sub[:, page] = block.sub
+
     # ---- data moves -------------------------------------------------------------
     def reset_pages(self, pages: np.ndarray) -> None:
         self._key_min[:, pages] = 0
