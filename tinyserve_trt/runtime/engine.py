@@ -84,6 +84,7 @@ class Engine:
                              pages_selected=0.0, pages_available=0, step_failures=0,
                              prefix_pages_pool=0, prefix_pages_host=0, prefix_pages_disk=0)
         self._ttfts: dict[str, deque] = {}  # prefix source -> recent TTFTs (s), for stats()
+        self._ttft_totals: dict[str, list] = {}  # prefix source -> [requests, seconds] since start
 
     # ---- requests -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None
@@ -182,7 +183,11 @@ class Engine:
         """TTFT of each request that got its first token this step, by where its prefix came from."""
         for seq, sampled in zip(batch.seqs, batch.sample_mask):
             if sampled and seq.index == 0 and seq.num_output_tokens == 1 and seq.stats.ttft is not None:
-                self._ttfts.setdefault(seq.stats.prefix_source, deque(maxlen=1024)).append(seq.stats.ttft)
+                src = seq.stats.prefix_source
+                self._ttfts.setdefault(src, deque(maxlen=1024)).append(seq.stats.ttft)
+                total = self._ttft_totals.setdefault(src, [0, 0.0])
+                total[0] += 1
+                total[1] += seq.stats.ttft
 
     # ---- stats ----------------------------------------------------------------
     def stats(self) -> dict:
@@ -199,8 +204,10 @@ class Engine:
             preemptions=self.scheduler.num_preemptions, step_failures=c["step_failures"],
             prefix_pages_pool=c["prefix_pages_pool"], prefix_pages_host=c["prefix_pages_host"],
             prefix_pages_disk=c["prefix_pages_disk"],
-            ttft_by_prefix_source={src: dict(requests=len(t), p50_ms=statistics.median(t) * 1e3,
-                                             mean_ms=statistics.fmean(t) * 1e3) for src, t in self._ttfts.items()},
+            # p50/mean over the latest 1024 requests of each source; requests/sum_s since start
+            ttft_by_prefix_source={src: dict(requests=self._ttft_totals[src][0], sum_s=self._ttft_totals[src][1],
+                                             p50_ms=statistics.median(t) * 1e3, mean_ms=statistics.fmean(t) * 1e3)
+                                   for src, t in self._ttfts.items()},
             **({f"kv_store_{k}": v for k, v in self.store.stats().items()} if self.store else {}),
             **(self.tiering.stats() if self.tiering else {}),
             **(self.backend.transfer.stats() if getattr(self.backend, "transfer", None) else {}),
