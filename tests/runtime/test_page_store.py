@@ -288,3 +288,30 @@ def test_readers_racing_writers_never_see_a_partial_entry(tmp_path):
     threads[2].join()
     assert bad == [] and reader.counters["dropped"] == 0
     assert all(same(reader.get_many([H(i)])[0][0], block(i)) for i in range(1, n + 1))
+
+
+def test_a_reader_racing_a_writer_process_never_sees_a_partial_entry(tmp_path):
+    import subprocess
+    import sys
+
+    n = 60
+    code = ("import sys; sys.path.insert(0, {root!r})\n"
+            "from tests.runtime.test_page_store import IDENT, H, block\n"
+            "from tinyserve_trt.runtime.kvstore.disk import DiskPageStore\n"
+            "from tinyserve_trt.runtime.kvstore.block import entry_size\n"
+            "s = DiskPageStore(IDENT, {dir!r}, 1000 * entry_size(IDENT))\n"
+            "for i in range(1, {n} + 1):\n    s.put(H(i), block(i))\n").format(
+        root=str(__import__("pathlib").Path(__file__).resolve().parents[2]), dir=str(tmp_path), n=n)
+    reader = disk(tmp_path, entries=1000)
+    writer = subprocess.Popen([sys.executable, "-c", code])
+    seen, bad = set(), []
+    while writer.poll() is None or len(seen) < n:
+        for i in range(1, n + 1):
+            for b, _ in reader.get_many([H(i)]):
+                seen.add(i)
+                if not same(b, block(i)):
+                    bad.append(i)
+        if writer.poll() is not None and len(seen) < n:
+            assert writer.returncode == 0
+            continue
+    assert bad == [] and reader.counters["dropped"] == 0 and seen == set(range(1, n + 1))

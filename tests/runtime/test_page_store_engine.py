@@ -196,3 +196,19 @@ def test_store_options_are_validated():
     with pytest.raises(ValueError, match="kv_cache_dir"):
         EngineConfig(kv_cache_dir=3)
     assert os.fspath(EngineConfig(kv_cache_dir="d").kv_cache_dir) == "d"
+
+
+def test_a_tiered_pool_stores_its_pages_and_stays_whole(llama_cold, tmp_path):
+    _, pkg, manifest = llama_cold
+    ps = prompts(3, seed=1)
+    llm = LLM(pkg, max_batch=2, memory=24 * CacheConfig.page_bytes(
+        manifest["page_size"], manifest["num_layers"], manifest["num_kv_heads"], manifest["head_dim"],
+        manifest["dtype"]), kv_cache_host_gb=0.01, hot_fraction=0.5)
+    assert llm.engine.tiering is not None
+    assert llm.engine.store.identity.format == "hot-v1+int8-dynamic"  # never read by an all-hot engine
+    for p in ps + ps:
+        out = run(llm, [p])[0]
+        assert len(out) == GREEDY.max_tokens
+    s = llm.stats()
+    assert s["kv_store_host_puts"] > 0 and s["prefix_pages_host"] > 0
+    llm.close()

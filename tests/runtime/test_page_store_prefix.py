@@ -126,3 +126,29 @@ def test_write_through_and_flush_store_cached_pages():
     assert store.num_entries == 4
     with pytest.raises(ValueError, match="prefix sharing"):
         make_prefix_cache("none", pool2, store=store)
+
+
+@pytest.mark.parametrize("codec, sub", [(("int8", "channel", "token", 0), 0), (("int8", "head", "head", 0), 2),
+                                        (("int4", "channel", "token", 4), 0), (("int4", "channel", "token", 4), 2)],
+                         ids=["int8", "int8-two-level", "int4", "int4-two-level"])
+def test_a_cold_page_leaves_as_its_promotion(codec, sub):
+    """``read_block`` of a cold page = the hot page ``copy_page`` (a promotion) makes of it."""
+    from tinyserve_trt.ops.cold_codec import ColdCodec
+    from tinyserve_trt.runtime.host_storage import HostKVStorage
+    from tinyserve_trt.runtime.kvstore.block import PageBlock
+
+    d = 8
+    st = HostKVStorage(L, 3, HKV, PS, d, "float32", num_cold=1, codec=ColdCodec(*codec), sub_page_size=sub)
+    rng = np.random.default_rng(0)
+    k = (rng.standard_normal((L, PS, HKV, d)) * 3).astype(np.float32)
+    slots = np.arange(PS)
+    st.write_layers(slots, k, k[::-1].copy(), np.array([0]), np.full((L, 1), PS))
+    st.demote_page(0, 3)
+    cold = st.read_block(3)
+    st.copy_page(3, 1)
+    promoted = st.read_block(1)
+    for name in ("k", "v", "key_min", "key_max") + (("sub",) if sub else ()):
+        np.testing.assert_array_equal(cold[name], promoted[name], err_msg=name)
+    st.write_block(2, PageBlock(tokens=np.zeros(PS, np.int64), parent=None, num_valid=np.full(L, PS, np.int32),
+                                **cold))
+    assert all(np.array_equal(st.read_block(2)[n], promoted[n]) for n in ("k", "v", "key_min", "key_max"))

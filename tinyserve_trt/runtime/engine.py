@@ -230,6 +230,9 @@ def _page_store(package: ModelPackage, cache, config: EngineConfig):
     from tinyserve_trt.runtime.kvstore import StoreIdentity, make_page_store
 
     identity = StoreIdentity.of_package(package, dtype=cache.dtype, sub_page_size=cache.sub_page_size)
+    tier = package.cold_tier if config.kv_tiers else None
+    if tier:  # some pages were cold (lossy) before they were stored: a store of their own
+        identity = replace(identity, format=f"{identity.format}+{tier.get('cold_format', 'int8')}-{config.kv_scales}")
     name = "host" if config.kv_cache_dir is None else "host+disk"
     return make_page_store(name, identity, host_bytes=int(config.kv_cache_host_gb * 2**30),
                            directory=config.kv_cache_dir, disk_bytes=int(config.kv_cache_max_gb * 2**30))

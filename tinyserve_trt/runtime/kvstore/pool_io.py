@@ -1,9 +1,10 @@
 """Pages between a PagePool and a PageStore: a pool page as a PageBlock, and back.
 
 Functions of a pool (duck-typed, as ``pool_integrity``: the store package does not import
-``pages``). A page leaves the pool only whole - full in every layer and hot (a tiered pool's
-cold pages are not exported: their format would need its own entry layout) - and comes back
-into a freshly allocated hot page the caller holds alone, inside ``allocate(fill=...)``.
+``pages``). A page leaves the pool only whole (full in every layer) and comes back into a freshly
+allocated hot page the caller holds alone, inside ``allocate(fill=...)``. A tiered pool's cold
+page leaves dequantized, as a promotion would make it hot (``KVStorage.read_block``); such an
+engine's store identity names its cold format, so an all-hot engine never reads those pages.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from tinyserve_trt.runtime.kvstore.block import PageBlock
 
 
 def exportable(pool, page: int) -> bool:
-    """Whether ``page`` is bound to a hot slot and full in every layer."""
+    """Whether ``page`` is bound to a slot and full in every layer."""
     phys = int(pool._physical_ids(np.array([page]))[0])
-    hot = getattr(pool.storage, "num_hot", pool.num_pages)
-    return 0 <= phys < hot and bool(np.all(pool._num_valid[:, phys] == pool.page_size))
+    return phys >= 0 and bool(np.all(pool._num_valid[:, phys] == pool.page_size))
 
 
 def page_block(pool, page: int, tokens, parent: bytes | None) -> PageBlock | None:
     """``page``'s content as a PageBlock (copies), or None when it cannot leave whole
-    (partial, cold, or a storage that cannot export)."""
+    (partial, or a storage that cannot export)."""
     if not exportable(pool, page):
         return None
     phys = int(pool._physical_ids(np.array([page]))[0])
