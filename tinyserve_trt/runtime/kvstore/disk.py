@@ -13,8 +13,8 @@ file one entry (``block``: header with magic, version, identity, length, checksu
   have published it since), and a size-bound eviction rescans first.
 - Reads verify the whole entry (``block.decode``: checksum); a bad one is dropped (warning,
   file removed) and never served.
-- Bound: ``max_bytes``; past it the lowest-reuse entries are removed (``reuse.ReuseIndex``;
-  the recency of an entry found at a scan is its file's mtime, refreshed on every hit).
+- Bound: ``max_bytes``; past it the lowest-reuse entries are removed, down to 90% of it
+  (``reuse.ReuseIndex``; the recency of an entry found at a scan is its file's mtime, refreshed on every hit).
 - A write that fails (ENOSPC, any OSError) is skipped with a warning; nothing else changes.
 """
 
@@ -176,7 +176,8 @@ class DiskPageStore(PageStore):
             return False
         if self._index.nbytes + len(data) > self.max_bytes:
             self.scan()  # other writers' entries count too
-            for victim in self._index.victims(len(data), self.max_bytes, keep=page_hash):
+            # down to 90% of the bound: a scan and a sort per tenth of the store, not per write
+            for victim in self._index.victims(len(data), int(self.max_bytes * 0.9), keep=page_hash):
                 self._index.remove(victim)
                 try:
                     self.path(victim).unlink()
