@@ -175,7 +175,7 @@ def write_table(args, package, recomputed, stored, restart, same, disk_bytes) ->
         f"{f' under {args.host_gb} GiB of host memory' if args.host_gb else ''}. Command: `python "
         f"benchmarks/bench_prefix_store.py --model {args.model} --prompts {args.prompts} --prompt-tokens "
         f"{args.prompt_tokens} --pool-prompts {args.pool_prompts}{f' --host-gb {args.host_gb}' if args.host_gb else ''}`.",
-        *([f"", args.note] if args.note else []),
+        *(["", args.note] if args.note else []),
         "",
         "| pass 2 (returning prompts) | TTFT p50 (ms) | TTFT mean (ms) | prefix came from |",
         "|---|---|---|---|",

@@ -315,3 +315,39 @@ def test_a_reader_racing_a_writer_process_never_sees_a_partial_entry(tmp_path):
             assert writer.returncode == 0
             continue
     assert bad == [] and reader.counters["dropped"] == 0 and seen == set(range(1, n + 1))
+
+
+def test_a_background_writer_serves_queued_entries_and_publishes_them_by_close(tmp_path, monkeypatch):
+    store = DiskPageStore(IDENT, tmp_path, 100 * entry_size(IDENT), background=True, max_pending=4)
+    gate = threading.Event()
+    from tinyserve_trt.runtime.kvstore import disk as disk_module
+    real = disk_module.publish
+    monkeypatch.setattr(disk_module, "publish", lambda *a: gate.wait(10) and real(*a))
+    assert store.put(H(1), block(1)) and not store.put(H(1), block(1))
+    assert store.contains(H(1)) and not store.path(H(1)).exists()  # queued, not on disk yet
+    assert same(store.get_many([H(1)])[0][0], block(1))  # served from the queue meanwhile
+    gate.set()
+    store.put(H(2), block(2))
+    store.close()  # drains the queue
+    assert store.path(H(1)).exists() and store.path(H(2)).exists() and store.counters["puts"] == 2
+    fresh = disk(tmp_path)
+    assert [same(b, block(i)) for (b, _), i in zip(fresh.get_many([H(1), H(2)]), (1, 2))] == [True, True]
+
+
+def test_a_background_write_that_fails_is_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
+    store = DiskPageStore(IDENT, tmp_path, 100 * entry_size(IDENT), background=True)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING, "tinyserve.kvstore"):
+        store.put(H(1), block(1))
+        store.wait()
+    monkeypatch.undo()
+    assert store.counters["skipped"] == 1 and not store.contains(H(1)) and any("disk full" in r.message
+                                                                               for r in caplog.records)
+    assert not list(tmp_path.rglob("*.tmp"))
+    store.put(H(2), block(2))
+    store.close()
+    assert store.contains(H(2))

@@ -136,6 +136,7 @@ def test_a_full_disk_skips_pages_and_changes_nothing_else(llama, reference, tmp_
     llm = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path))
     with caplog.at_level(logging.WARNING, "tinyserve.kvstore"):
         assert [run(llm, [p])[0] for p in ps + ps] == expected(reference, ps + ps)
+        llm.engine.store.wait()  # the writer thread tried them all
     s = llm.stats()
     assert s["kv_store_disk_skipped"] > 0 and s["kv_store_disk_entries"] == 0 and s["prefix_pages_disk"] == 0
     assert any("disk full" in r.message for r in caplog.records)
@@ -149,6 +150,7 @@ def test_a_replica_started_first_reads_what_another_writes_later(llama, referenc
     second = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path))  # started before anything was written
     writer = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path), kv_cache_write_through=True)
     assert run(writer, ps) == expected(reference, ps)
+    writer.engine.store.wait()  # published (a replica's writer thread lags its step by a few ms)
     assert run(second, ps) == expected(reference, ps)
     assert second.stats()["prefix_pages_disk"] == 2 * 10
     writer.close()
@@ -176,10 +178,10 @@ def test_two_engines_racing_on_one_directory_serve_only_sound_pages(llama, refer
     assert not errors
     for got, order in results.values():
         assert got == expected(reference, order)
-    assert all(llm.stats()["kv_store_disk_dropped"] == 0 for llm in llms)
-    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
     for llm in llms:
         llm.close()
+    assert all(llm.stats()["kv_store_disk_dropped"] == 0 for llm in llms)
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_store_options_are_validated():

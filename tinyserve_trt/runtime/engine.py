@@ -235,4 +235,5 @@ def _page_store(package: ModelPackage, cache, config: EngineConfig):
         identity = replace(identity, format=f"{identity.format}+{tier.get('cold_format', 'int8')}-{config.kv_scales}")
     name = "host" if config.kv_cache_dir is None else "host+disk"
     return make_page_store(name, identity, host_bytes=int(config.kv_cache_host_gb * 2**30),
-                           directory=config.kv_cache_dir, disk_bytes=int(config.kv_cache_max_gb * 2**30))
+                           directory=config.kv_cache_dir, disk_bytes=int(config.kv_cache_max_gb * 2**30),
+                           background=True)  # disk writes leave the step: a writer thread does them

@@ -61,8 +61,11 @@ class PageStore(ABC):
         out.update({f"{self.tier}_entries": self.num_entries, f"{self.tier}_bytes": self.nbytes})
         return out
 
+    def wait(self) -> None:
+        """Return once the writes accepted so far are done (a background writer's; none by default)."""
+
     def close(self) -> None:
-        """Release what the store holds open (nothing by default)."""
+        """Finish the accepted writes and release what the store holds open (nothing by default)."""
 
 
 PAGE_STORES: dict[str, type] = {}
@@ -76,33 +79,36 @@ def register_page_store(name: str):
 
 
 def make_page_store(name: str, identity: StoreIdentity, *, host_bytes: int = 0, directory=None,
-                    disk_bytes: int = 0, **options) -> PageStore:
-    """The store registered as ``name``; ValueError if unknown or its options are missing."""
+                    disk_bytes: int = 0, background: bool = False, **options) -> PageStore:
+    """The store registered as ``name``; ValueError if unknown or its options are missing.
+    ``background``: the disk tier writes from its own thread; ``options``: every tier's
+    (``half_life_s``, ``clock``)."""
     if name not in PAGE_STORES:
         raise ValueError(f"unknown page store {name!r}; choose from {sorted(PAGE_STORES)}")
     return PAGE_STORES[name](identity, host_bytes=host_bytes, directory=directory, disk_bytes=disk_bytes,
-                             **options)
+                             background=background, **options)
 
 
 @register_page_store("host")
-def _host(identity, *, host_bytes, directory, disk_bytes, **options):
+def _host(identity, *, host_bytes, directory, disk_bytes, background=False, **options):
     from tinyserve_trt.runtime.kvstore.host import HostPageStore
 
     return HostPageStore(identity, host_bytes, **options)
 
 
 @register_page_store("disk")
-def _disk(identity, *, host_bytes, directory, disk_bytes, **options):
+def _disk(identity, *, host_bytes, directory, disk_bytes, background=False, **options):
     from tinyserve_trt.runtime.kvstore.disk import DiskPageStore
 
     if directory is None:
         raise ValueError("the disk page store needs a directory")
-    return DiskPageStore(identity, directory, disk_bytes, **options)
+    return DiskPageStore(identity, directory, disk_bytes, background=background, **options)
 
 
 @register_page_store("host+disk")
-def _host_disk(identity, *, host_bytes, directory, disk_bytes, **options):
+def _host_disk(identity, *, host_bytes, directory, disk_bytes, background=False, **options):
     from tinyserve_trt.runtime.kvstore.host import HostPageStore
 
-    lower = _disk(identity, host_bytes=0, directory=directory, disk_bytes=disk_bytes, **options)
+    lower = _disk(identity, host_bytes=0, directory=directory, disk_bytes=disk_bytes, background=background,
+                  **options)
     return HostPageStore(identity, host_bytes, lower=lower, **options)

@@ -3,10 +3,9 @@
 Layout: ``<directory>/<identity digest hex>/<first hash byte hex>/<page hash hex>.kvp``, each
 file one entry (``block``: header with magic, version, identity, length, checksum; payload).
 
-- Publish: the entry is written to ``<name>.tmp`` opened with O_EXCL - the one writer of that
-  entry; another process finding the temp file skips its own write (a temp file older than
-  ``stale_s`` is a crashed writer's, and is replaced) - then ``os.replace``d into place, so a
-  reader sees no entry or a whole one. Two replicas writing the same hash never corrupt it.
+- Publish: ``publish.publish`` - an O_EXCL temp file (one writer per entry), then ``os.replace``:
+  a reader sees no entry or a whole one; two replicas writing the same hash never corrupt it.
+  With ``background`` a writer thread encodes and publishes, off the engine's step.
 - Index: at start the directory is scanned and every header checked (magic, version,
   identity, length against the file size: a truncated or foreign entry is dropped with one
   warning). A lookup that misses the index checks the file (read-through: another replica may
@@ -20,10 +19,10 @@ file one entry (``block``: header with magic, version, identity, length, checksu
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import time
+import queue
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,11 +31,13 @@ from tinyserve_trt.runtime.kvstore.block import (
     HEADER_SIZE,
     BadEntry,
     PageBlock,
+    check_block,
     check_header,
     decode,
     encode,
 )
 from tinyserve_trt.runtime.kvstore.identity import StoreIdentity
+from tinyserve_trt.runtime.kvstore.publish import publish
 from tinyserve_trt.runtime.kvstore.reuse import ReuseIndex
 
 log = logging.getLogger("tinyserve.kvstore")
@@ -49,7 +50,9 @@ class DiskPageStore(PageStore):
     tier = "disk"
 
     def __init__(self, identity: StoreIdentity, directory, max_bytes: int, half_life_s: float = 600.0,
-                 stale_s: float = 60.0, clock=None):
+                 stale_s: float = 60.0, clock=None, background: bool = False, max_pending: int = 256):
+        """``background``: entries are encoded and written by a writer thread (the engine's step
+        does not wait for the disk); at most ``max_pending`` wait, then ``put`` blocks."""
         super().__init__(identity)
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
@@ -62,6 +65,13 @@ class DiskPageStore(PageStore):
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise ValueError(f"kv cache dir {self.root} is not writable")
         self._index = ReuseIndex(half_life_s, **({"clock": clock} if clock else {}))
+        self._lock = threading.RLock()  # the index and counters: the engine's thread and the writer's
+        self._pending: dict[bytes, PageBlock] = {}  # queued for the writer, served from here meanwhile
+        self._queue = queue.Queue(maxsize=max_pending) if background else None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._writer, name="kv-store-writer", daemon=True)
+            self._thread.start()
         self.scan()
 
     # ---- index ------------------------------------------------------------------
@@ -71,6 +81,10 @@ class DiskPageStore(PageStore):
 
     def scan(self) -> None:
         """(Re)build the index from the directory: headers checked, bad entries dropped."""
+        with self._lock:
+            self._scan()
+
+    def _scan(self) -> None:
         seen = set()
         for path in self.root.glob(f"*/*{SUFFIX}"):
             try:
@@ -126,7 +140,8 @@ class DiskPageStore(PageStore):
 
     # ---- reads ------------------------------------------------------------------
     def contains(self, page_hash: bytes) -> bool:
-        return page_hash in self._index or self._load_header(page_hash)  # read-through: another writer
+        with self._lock:  # read-through on a miss: another process may have published it
+            return page_hash in self._pending or page_hash in self._index or self._load_header(page_hash)
 
     def get_many(self, hashes: Sequence[bytes]) -> list[tuple[PageBlock, str]]:
         out = []
@@ -139,8 +154,15 @@ class DiskPageStore(PageStore):
         return out
 
     def _read(self, page_hash: bytes) -> PageBlock | None:
-        if not self.contains(page_hash):
-            return None
+        with self._lock:
+            pending = self._pending.get(page_hash)
+            if pending is not None:  # queued, not yet on disk: ours, served as it was given
+                self.counters["hits"] += 1
+                self.counters["hit_bytes"] += pending.nbytes
+                return pending
+            return self._read_file(page_hash) if self.contains(page_hash) else None
+
+    def _read_file(self, page_hash: bytes) -> PageBlock | None:
         path = self.path(page_hash)
         try:
             with open(path, "rb") as f:
@@ -167,68 +189,65 @@ class DiskPageStore(PageStore):
 
     # ---- writes -----------------------------------------------------------------
     def put(self, page_hash: bytes, block: PageBlock) -> bool:
-        path = self.path(page_hash)
-        if page_hash in self._index or path.exists():
-            return False
+        """Background: True once queued (the writer thread publishes it; a read meanwhile is
+        served from the queue); else True once published."""
+        check_block(block, self.identity)
+        with self._lock:
+            if page_hash in self._pending or page_hash in self._index or self.path(page_hash).exists():
+                return False
+            if self._queue is None:
+                return self._write(page_hash, block)
+            self._pending[page_hash] = block
+        self._queue.put(page_hash)  # blocks while max_pending entries wait: the writer sets the pace
+        return True
+
+    def _write(self, page_hash: bytes, block: PageBlock) -> bool:
         data = encode(block, page_hash, self.identity)
-        if len(data) > self.max_bytes:
-            self.counters["skipped"] += 1
-            return False
-        if self._index.nbytes + len(data) > self.max_bytes:
-            self.scan()  # other writers' entries count too
-            # down to 90% of the bound: a scan and a sort per tenth of the store, not per write
-            for victim in self._index.victims(len(data), int(self.max_bytes * 0.9), keep=page_hash):
-                self._index.remove(victim)
-                try:
-                    self.path(victim).unlink()
-                except OSError:
-                    pass
-                self.counters["evicted"] += 1
-        if not self._publish(path, data):
-            self.counters["skipped"] += 1
-            return False
-        self._index.add(page_hash, len(data))
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += len(data)
+        with self._lock:
+            if len(data) > self.max_bytes:
+                self.counters["skipped"] += 1
+                return False
+            if self._index.nbytes + len(data) > self.max_bytes:
+                self.scan()  # other writers' entries count too
+                # down to 90% of the bound: a scan and a sort per tenth of the store, not per write
+                for victim in self._index.victims(len(data), int(self.max_bytes * 0.9), keep=page_hash):
+                    self._index.remove(victim)
+                    try:
+                        self.path(victim).unlink()
+                    except OSError:
+                        pass
+                    self.counters["evicted"] += 1
+        ok = publish(self.path(page_hash), data, self.stale_s)  # I/O outside the lock
+        with self._lock:
+            if not ok:
+                self.counters["skipped"] += 1
+                return False
+            self._index.add(page_hash, len(data))
+            self.counters["puts"] += 1
+            self.counters["put_bytes"] += len(data)
         return True
 
-    def _publish(self, path: Path, data: bytes) -> bool:
-        """Write ``data`` to ``path`` atomically as its one writer; False (warned) if not written."""
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            path.parent.mkdir(exist_ok=True, mode=0o700)
-            fd = self._open_exclusive(tmp)
-            if fd is None:
-                return False  # another writer is publishing this entry
+    def _writer(self) -> None:
+        while True:
+            page_hash = self._queue.get()
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    tmp.unlink()
-                except OSError:
-                    pass
-                raise
-        except OSError as e:
-            what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
-            log.warning("kv store: page %s not stored (%s)", path.name, what)
-            return False
-        return True
+                if page_hash is None:
+                    return
+                self._write(page_hash, self._pending[page_hash])
+            except Exception as e:  # a writer that dies would leave the queue full: log, go on
+                log.warning("kv store: page %s not stored (%r)", page_hash.hex(), e)
+            finally:
+                with self._lock:
+                    self._pending.pop(page_hash, None)
+                self._queue.task_done()
 
-    def _open_exclusive(self, tmp: Path) -> int | None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            return os.open(tmp, flags, 0o600)
-        except FileExistsError:
-            try:
-                stale = time.time() - tmp.stat().st_mtime > self.stale_s
-            except FileNotFoundError:
-                stale = True
-            if not stale:
-                return None
-            try:
-                tmp.unlink()
-                return os.open(tmp, flags, 0o600)
-            except (FileExistsError, FileNotFoundError):
-                return None
+    def wait(self) -> None:
+        """Return once every queued entry is published (or skipped)."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Publish what is queued, then stop the writer thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

@@ -108,6 +108,10 @@ class HostPageStore(PageStore):
     def stats(self) -> dict:
         return {**super().stats(), **(self.lower.stats() if self.lower is not None else {})}
 
+    def wait(self) -> None:
+        if self.lower is not None:
+            self.lower.wait()
+
     def close(self) -> None:
         if self.lower is not None:
             self.lower.close()
