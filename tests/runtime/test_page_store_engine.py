@@ -214,3 +214,14 @@ def test_a_tiered_pool_stores_its_pages_and_stays_whole(llama_cold, tmp_path):
     s = llm.stats()
     assert s["kv_store_host_puts"] > 0 and s["prefix_pages_host"] > 0
     llm.close()
+
+
+def test_the_package_identity_is_stable_and_tells_packages_apart(llama, llama_cold):
+    from tinyserve_trt.runtime.kvstore import StoreIdentity
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    a, b = (ModelPackage.load(llama[1]) for _ in range(2))
+    assert StoreIdentity.of_package(a) == StoreIdentity.of_package(b)
+    cold = StoreIdentity.of_package(ModelPackage.load(llama_cold[1]))
+    assert cold.package != StoreIdentity.of_package(a).package and cold.digest != StoreIdentity.of_package(a).digest
+    assert StoreIdentity.of_package(a, dtype="float16").digest != StoreIdentity.of_package(a).digest
