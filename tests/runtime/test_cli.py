@@ -109,3 +109,42 @@ def test_serve_rejects_out_of_bounds_options_before_loading(llama, capsys, args,
     assert main(["serve", str(llama[1]), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and match in err
+
+
+def test_generate_kv_cache_dir_serves_the_prompt_from_disk_on_the_next_run(llama, capsys, tmp_path):
+    cmd = ["generate", str(llama[1]), "--prompt-ids", ",".join(str(i) for i in range(3, 40)), "--max-tokens", "4",
+           "--temperature", "0", "--ignore-eos", "--json", "--kv-cache-dir", str(tmp_path), "--kv-cache-max-gb", "0.1"]
+    assert main(cmd) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["stats"]["engine"]["prefix_pages_disk"] == 0
+    assert main(cmd) == 0  # a new process would do the same: the store is the directory
+    again = json.loads(capsys.readouterr().out)
+    assert again["token_ids"] == first["token_ids"]
+    assert again["stats"]["engine"]["prefix_pages_disk"] == 36 // 4
+    assert again["stats"]["request"]["ttft"] is not None
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--kv-cache-dir", "d", "--kv-cache-max-gb", "0"], "kv_cache_max_gb"),
+    (["--kv-cache-host-gb", "-1"], "kv_cache_host_gb"),
+    (["--kv-cache-dir", "d", "--no-prefix-sharing"], "prefix sharing"),
+    (["--kv-cache-write-through"], "needs a page store"),
+])
+def test_kv_cache_flags_one_line_exit_2(llama, capsys, args, match):
+    assert main(["generate", str(llama[1]), "--prompt-ids", "1,2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+    assert main(["serve", str(llama[1]), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def test_serve_replicas_share_the_kv_cache_dir_with_write_through(llama, monkeypatch, tmp_path):
+    pytest.importorskip("ray.serve")
+    from tinyserve_trt.runtime.server import ray_app
+
+    seen = {}
+    monkeypatch.setattr(ray_app, "run", lambda model_dir, config, scale, engine, warmup: seen.update(engine) or 0)
+    assert main(["serve", str(llama[1]), "--replicas", "2", "--kv-cache-dir", str(tmp_path)]) == 0
+    # every replica gets the same directory and publishes its pages as it computes them
+    assert seen["kv_cache_dir"] == str(tmp_path) and seen["kv_cache_write_through"] is True

@@ -51,3 +51,23 @@ def test_metrics_render_has_every_family():
     assert m['tinyserve_kv_pages{state="used"}'] == 2 and m["tinyserve_queue_depth"] == 1
     assert m["tinyserve_requests_in_flight"] == 3 and str(m["tinyserve_selected_page_rate"]) == "nan"
     assert all(line.startswith(("# HELP", "# TYPE", "tinyserve_")) for line in text.splitlines())
+
+
+def test_metrics_have_the_kv_store_families():
+    engine = dict(pages_free=5, pages_in_use=2, pages_cached_idle=1, pages_total=8, prefix_hit_rate=0.5,
+                  page_selection_rate=None, token_budget=16, preemptions=0, prefix_pages_pool=3,
+                  prefix_pages_host=4, prefix_pages_disk=5, kv_store_disk_hit_bytes=1000, kv_store_host_put_bytes=70,
+                  kv_store_disk_bytes=4096,
+                  ttft_by_prefix_source={"disk": dict(requests=2, sum_s=0.5, p50_ms=250.0, mean_ms=250.0)})
+    m = parse_metrics(ServerMetrics().render(engine, waiting=0, running=0, in_flight=0))
+    assert [m[f'tinyserve_prefix_pages_reused_total{{tier="{t}"}}'] for t in ("pool", "host", "disk")] == [3, 4, 5]
+    assert m['tinyserve_kv_store_bytes_total{tier="disk",direction="read"}'] == 1000
+    assert m['tinyserve_kv_store_bytes_total{tier="host",direction="written"}'] == 70
+    assert m['tinyserve_kv_store_bytes{tier="disk"}'] == 4096
+    assert m['tinyserve_ttft_by_prefix_source_seconds_sum{source="disk"}'] == 0.5
+    assert m['tinyserve_ttft_by_prefix_source_seconds_count{source="disk"}'] == 2
+    # an engine without a store renders zeros, not a KeyError
+    plain = dict(engine)
+    for k in [k for k in plain if k.startswith(("prefix_pages", "kv_store", "ttft_by"))]:
+        del plain[k]
+    assert parse_metrics(ServerMetrics().render(plain, 0, 0, 0))['tinyserve_prefix_pages_reused_total{tier="disk"}'] == 0

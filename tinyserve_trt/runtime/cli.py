@@ -3,6 +3,7 @@
     tinyserve generate MODEL_DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]
                        [--temperature T] [--dense | --token-budget N] [--sparse-min-ratio R] [--json]
                        [--require-native]
+                       [--kv-cache-dir DIR [--kv-cache-max-gb N]] [--kv-cache-host-gb N]
     tinyserve serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--max-queue N] [--timeout S]
                     [--served-model-name NAME] [--api-key-file PATH] [--allowed-host HOST]... [--warmup FILE]
                     [--replicas N [--ray-address ADDR] [--routing prefix|default]] [engine options]
@@ -147,6 +148,17 @@ def _engine_options(p: argparse.ArgumentParser, ec: EngineConfig) -> None:
     p.add_argument("--no-kv-tiers", action="store_true", help="keep every KV page hot (ignore the cold tier)")
     p.add_argument("--kv-scales", choices=("dynamic", "static"), default=ec.kv_scales,
                    help="INT8 scales of cold pages: each page's own range, or the calibration's (static)")
+    p.add_argument("--kv-cache-dir", metavar="DIR", default=ec.kv_cache_dir,
+                   help="keep KV pages of prompt prefixes the pool evicts (and, at exit, the cached ones) in "
+                        "this directory and reuse them: across requests, restarts, and replicas given the same DIR")
+    p.add_argument("--kv-cache-max-gb", type=float, default=ec.kv_cache_max_gb,
+                   help="most GiB --kv-cache-dir holds; past it the least reused pages go (default %(default)s)")
+    p.add_argument("--kv-cache-host-gb", type=float, default=ec.kv_cache_host_gb,
+                   help="GiB of host memory for evicted KV pages before they go to --kv-cache-dir (0: none; "
+                        "alone: a memory-only store)")
+    p.add_argument("--kv-cache-write-through", action="store_true",
+                   help="store every prefix page as soon as it is computed, not only when evicted (on by "
+                        "default with --replicas: a replica then reuses what another just computed)")
     p.add_argument("--ort-provider", choices=ORT_PROVIDERS, default=ec.ort_provider,
                    help="ONNX Runtime EP (backend ort): cuda/tensorrt keep the KV pages on the GPU "
                         "(docs/gpu_paths.md); auto = cuda when onnxruntime-gpu and torch see a GPU")
@@ -164,6 +176,12 @@ def _kernel_options(args) -> dict:
     """The EngineConfig fields of the kernel flags (what runs the op, and where its libraries are)."""
     return dict(require_native=args.require_native, native_arch=args.native_arch, plugin_dir=args.plugin_dir,
                 cuda_graphs=not args.no_cuda_graphs)
+
+
+def _kv_cache(args) -> dict:
+    """The page-store options of ``--kv-cache-*`` (EngineConfig validates them)."""
+    return dict(kv_cache_dir=args.kv_cache_dir, kv_cache_max_gb=args.kv_cache_max_gb,
+                kv_cache_host_gb=args.kv_cache_host_gb, kv_cache_write_through=args.kv_cache_write_through)
 
 
 def _memory(text: str) -> int | float:
@@ -190,7 +208,7 @@ def _generate(args) -> int:
               sparse_min_ratio=args.sparse_min_ratio,
               threads=args.threads, prefix_sharing=not args.no_prefix_sharing, max_batch=1,
               hot_fraction=args.hot_fraction, kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales,
-              ort_provider=args.ort_provider, **_kernel_options(args))
+              ort_provider=args.ort_provider, **_kernel_options(args), **_kv_cache(args))
     if args.chat:
         if args.prompt is None:
             raise ValueError("--chat needs --prompt")
@@ -258,7 +276,9 @@ def _serve(args) -> int:
                   max_tokens_per_step=args.max_tokens_per_step, prefill_chunk=args.prefill_chunk,
                   max_seq_len=args.max_seq_len, memory=args.memory, hot_fraction=args.hot_fraction,
                   kv_tiers=not args.no_kv_tiers, kv_scales=args.kv_scales, ort_provider=args.ort_provider,
-                  **_kernel_options(args))
+                  **_kernel_options(args), **_kv_cache(args))
+    if (args.replicas != 1 or args.ray_address is not None) and args.kv_cache_dir is not None:
+        engine["kv_cache_write_through"] = True  # replicas share the directory: publish pages at once
     EngineConfig(**engine)  # bad options: one line and exit 2 before anything loads
     from tinyserve_trt.runtime.server.warmup import load_warmup
 

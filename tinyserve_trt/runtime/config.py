@@ -179,6 +179,14 @@ class EngineConfig:
                          (the package's calibration ranges; values outside them clip).
     ort_provider:        ONNX Runtime EP of the ``ort`` backend: ``auto``, ``cpu``, ``cuda`` (pages on
                          the GPU) or ``tensorrt`` (our plugin through ORT's TensorRT EP); docs/gpu_paths.md.
+    kv_cache_dir:        a directory for a disk page store below the pool (issue #33): prefix pages the
+                         pool evicts (and, at close, the cached ones) are kept there and reused by later
+                         requests, restarts and other replicas pointing at the same directory; None = none.
+    kv_cache_max_gb:     most GiB the disk store holds (it evicts the least reused entries past it).
+    kv_cache_host_gb:    GiB of host memory for evicted pages before they go to disk (0 = none; alone,
+                         without ``kv_cache_dir``: a memory-only store).
+    kv_cache_write_through: store every prefix page as soon as it is computed, not only when evicted
+                         (replicas sharing ``kv_cache_dir`` see each other's prompts at once).
     trust_package_engines: let the TensorRT EP load engines the package ships in ``trt_ep_cache``
                          (engines are code); False: its engine cache is this user's
                          (``~/.cache/tinyserve/trt_ep_cache``), built here.
@@ -216,6 +224,10 @@ class EngineConfig:
     native_arch: str | None = None
     plugin_dir: str | None = None
     cuda_graphs: bool = True
+    kv_cache_dir: str | None = None
+    kv_cache_max_gb: float = 16.0
+    kv_cache_host_gb: float = 0.0
+    kv_cache_write_through: bool = False
 
     def __post_init__(self):
         for name in ("require_native", "cuda_graphs"):
@@ -228,6 +240,21 @@ class EngineConfig:
         if self.plugin_dir is not None and (not isinstance(self.plugin_dir, (str, os.PathLike))
                                             or not str(self.plugin_dir)):
             raise ValueError(f"plugin_dir must be a directory path or None, got {self.plugin_dir!r}")
+        if self.kv_cache_dir is not None and (not isinstance(self.kv_cache_dir, (str, os.PathLike))
+                                              or not str(self.kv_cache_dir)):
+            raise ValueError(f"kv_cache_dir must be a directory path or None, got {self.kv_cache_dir!r}")
+        for name in ("kv_cache_max_gb", "kv_cache_host_gb"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf") \
+                    or (name == "kv_cache_max_gb" and value == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if name == 'kv_cache_max_gb' else '>= 0'}, "
+                                 f"got {value!r}")
+        if not isinstance(self.kv_cache_write_through, bool):
+            raise ValueError(f"kv_cache_write_through must be a bool, got {self.kv_cache_write_through!r}")
+        if not self.prefix_sharing and (self.kv_cache_dir is not None or self.kv_cache_host_gb):
+            raise ValueError("a KV page store (kv_cache_dir / kv_cache_host_gb) needs prefix sharing on")
+        if self.kv_cache_write_through and self.kv_cache_dir is None and not self.kv_cache_host_gb:
+            raise ValueError("kv_cache_write_through needs a page store (kv_cache_dir or kv_cache_host_gb)")
         if not isinstance(self.trust_package_engines, bool):
             raise ValueError(f"trust_package_engines must be a bool, got {self.trust_package_engines!r}")
         if self.ort_provider not in ORT_PROVIDERS:

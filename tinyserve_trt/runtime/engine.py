@@ -13,18 +13,21 @@ selections to the hotness policy and demotes between steps (``tiers/tiering.py``
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 import numpy as np
 
 from tinyserve_trt.runtime.backends import make_backend
-from tinyserve_trt.runtime.batch import ScheduledBatch
 from tinyserve_trt.runtime.backends.base import StepOutput
 from tinyserve_trt.runtime.backends.kernel_report import KernelReport, NativeRequired, cold_format_of
+from tinyserve_trt.runtime.batch import ScheduledBatch
 from tinyserve_trt.runtime.config import EngineConfig
 from tinyserve_trt.runtime.model_package import ModelPackage
 from tinyserve_trt.runtime.pages import PagePool
+from tinyserve_trt.runtime.prefix_cache import make_prefix_cache
 from tinyserve_trt.runtime.sampling import SampleOutput, Sampler, SamplingParams
 from tinyserve_trt.runtime.scheduler import Scheduler
 from tinyserve_trt.runtime.sequence import FinishReason, Sequence
@@ -62,8 +65,12 @@ class Engine:
         self.tiering = Tiering(package, cache, config) if config.kv_tiers and package.cold_tier else None
         self.pool = self.tiering.pool if self.tiering else PagePool(cache, package.num_layers, package.num_kv_heads,
                                                                     package.head_dim)
+        self.store = _page_store(package, cache, config)
+        prefix = make_prefix_cache(cache.prefix_cache, self.pool, **(
+            dict(store=self.store, write_through=config.kv_cache_write_through) if self.store else {}))
         self.scheduler = Scheduler(config.scheduler_config(token_budget=self.token_budget,
-                                                           eos_token_id=eos[0] if eos else None), self.pool)
+                                                           eos_token_id=eos[0] if eos else None), self.pool,
+                                   prefix_cache=prefix)
         if config.threads is not None:
             backend_options.setdefault("threads", config.threads)
         if config.backend == "ort" and config.ort_provider != "auto":
@@ -85,7 +92,10 @@ class Engine:
         self._observed_layers = self._sparse_layers or list(range(package.num_layers))  # hotness: selections
         self._unsettled: ScheduledBatch | None = None  # scheduled, not yet handed to postprocess
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
-                             pages_selected=0.0, pages_available=0, step_failures=0)
+                             pages_selected=0.0, pages_available=0, step_failures=0,
+                             prefix_pages_pool=0, prefix_pages_host=0, prefix_pages_disk=0)
+        self._ttfts: dict[str, deque] = {}  # prefix source -> recent TTFTs (s), for stats()
+        self._ttft_totals: dict[str, list] = {}  # prefix source -> [requests, seconds] since start
 
     def _kernel_report(self, config: EngineConfig) -> KernelReport | None:
         """The backend's report with the cold format served, logged once (WARNING for a fallback);
@@ -171,6 +181,7 @@ class Engine:
             self.tiering.observe(batch, out.selected_pages, self._observed_layers)
         self._unsettled = None  # from here on the scheduler no longer holds it in flight
         self.scheduler.postprocess(batch, sampled)
+        self._record_first_tokens(batch)
         if self.tiering:
             self.tiering.rebalance([s.pages for s in self.scheduler.running])
         return [seq for seq, sampled_row in zip(batch.seqs, batch.sample_mask) if sampled_row]
@@ -186,6 +197,8 @@ class Engine:
                     and past == seq.stats.prefix_tokens_reused:  # first chunk of a first admission
                 c["prompt_tokens"] += seq.num_prompt_tokens
                 c["prefix_tokens_reused"] += seq.stats.prefix_tokens_reused
+                for tier, n in seq.stats.prefix_pages_by_tier.items():
+                    c[f"prefix_pages_{tier}"] += n
         if out.selected_pages is None or not self._sparse_layers or not decode.any():
             return
         stacked = np.concatenate([out.selected_pages[i] for i in self._sparse_layers], axis=1)
@@ -193,6 +206,16 @@ class Engine:
         per_row = stacked.sum(axis=2).mean(axis=1)
         c["pages_selected"] += float(per_row[decode].sum())
         c["pages_available"] += int((-(-batch.past_lens[decode] // self.pool.page_size)).sum())
+
+    def _record_first_tokens(self, batch: ScheduledBatch) -> None:
+        """TTFT of each request that got its first token this step, by where its prefix came from."""
+        for seq, sampled in zip(batch.seqs, batch.sample_mask):
+            if sampled and seq.index == 0 and seq.num_output_tokens == 1 and seq.stats.ttft is not None:
+                src = seq.stats.prefix_source
+                self._ttfts.setdefault(src, deque(maxlen=1024)).append(seq.stats.ttft)
+                total = self._ttft_totals.setdefault(src, [0, 0.0])
+                total[0] += 1
+                total[1] += seq.stats.ttft
 
     # ---- stats ----------------------------------------------------------------
     def stats(self) -> dict:
@@ -208,10 +231,39 @@ class Engine:
             prefix_hit_rate=c["prefix_tokens_reused"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             page_selection_rate=c["pages_selected"] / c["pages_available"] if c["pages_available"] else None,
             preemptions=self.scheduler.num_preemptions, step_failures=c["step_failures"],
+            prefix_pages_pool=c["prefix_pages_pool"], prefix_pages_host=c["prefix_pages_host"],
+            prefix_pages_disk=c["prefix_pages_disk"],
+            # p50/mean over the latest 1024 requests of each source; requests/sum_s since start
+            ttft_by_prefix_source={src: dict(requests=self._ttft_totals[src][0], sum_s=self._ttft_totals[src][1],
+                                             p50_ms=statistics.median(t) * 1e3, mean_ms=statistics.fmean(t) * 1e3)
+                                   for src, t in self._ttfts.items()},
+            **({f"kv_store_{k}": v for k, v in self.store.stats().items()} if self.store else {}),
             **(self.tiering.stats() if self.tiering else {}),
             **(self.backend.transfer.stats() if getattr(self.backend, "transfer", None) else {}),
             **(self.kernel_report.stats() if self.kernel_report else {}),
         )
 
     def close(self) -> None:
-        self.backend.close()
+        """Write the cached prefix pages to the page store (they survive a restart), then close."""
+        try:
+            if self.store is not None:
+                self.scheduler.prefix_cache.flush()
+                self.store.close()
+        finally:
+            self.backend.close()
+
+
+def _page_store(package: ModelPackage, cache, config: EngineConfig):
+    """The page store of ``config`` (``kv_cache_dir`` / ``kv_cache_host_gb``) for this pool, or None."""
+    if config.kv_cache_dir is None and not config.kv_cache_host_gb:
+        return None
+    from tinyserve_trt.runtime.kvstore import StoreIdentity, make_page_store
+
+    identity = StoreIdentity.of_package(package, dtype=cache.dtype, sub_page_size=cache.sub_page_size)
+    tier = package.cold_tier if config.kv_tiers else None
+    if tier:  # some pages were cold (lossy) before they were stored: a store of their own
+        identity = replace(identity, format=f"{identity.format}+{tier.get('cold_format', 'int8')}-{config.kv_scales}")
+    name = "host" if config.kv_cache_dir is None else "host+disk"
+    return make_page_store(name, identity, host_bytes=int(config.kv_cache_host_gb * 2**30),
+                           directory=config.kv_cache_dir, disk_bytes=int(config.kv_cache_max_gb * 2**30),
+                           background=True)  # disk writes leave the step: a writer thread does them

@@ -110,6 +110,36 @@ class HostKVStorage(KVStorage):
                                          self._key_max[layer, page], sub_codes=self._codes(layer, page))
         return codec.dequantize(self._kq[layer][c], self._ks[layer][c], self.dtype)
 
+    def read_block(self, page: int) -> dict:
+        """A cold page leaves as :meth:`copy_page` would make it hot (dequantized; INT4 layers'
+        min/max and codes recomputed from the dequantized keys): what a promotion gives."""
+        self.check_range("exported", page, 0, self.num_hot + self.num_cold)
+        kmin, kmax = self._key_min[:, page].copy(), self._key_max[:, page].copy()
+        sub = self._sub[:, page].copy() if self.sub_page_size else None
+        if page < self.num_hot:
+            return dict(k=self._k[:, page].copy(), v=self._v[:, page].copy(), key_min=kmin, key_max=kmax, sub=sub)
+        c = page - self.num_hot
+        k, v = np.empty_like(self._k[:, 0]), np.empty_like(self._v[:, 0])
+        for layer, codec in enumerate(self.codecs):
+            k[layer] = codec.dequantize_keys(self._kq[layer][c], self._ks[layer][c], kmin[layer], kmax[layer],
+                                             self.dtype, sub_codes=self._codes(layer, page))
+            v[layer] = codec.dequantize(self._vq[layer][c], self._vs[layer][c], self.dtype)
+            if codec.keys_on_bounds:  # a hot page's metadata is exact: of these keys
+                kmin[layer], kmax[layer] = k[layer].min(axis=1), k[layer].max(axis=1)
+                if sub is not None:
+                    sub[layer] = pages_sub_bounds(k[layer][None], self.sub_page_size, kmin[layer][None],
+                                                  kmax[layer][None], np.array([self.page_size]))[0]
+        return dict(k=k, v=v, key_min=kmin, key_max=kmax, sub=sub)
+
+    def write_block(self, page: int, block) -> None:
+        self.check_range("imported", page, 0, self.num_hot)
+        if (block.sub is not None) != bool(self.sub_page_size):
+            raise ValueError("the block's sub-page bounds do not match this storage's")
+        self._k[:, page], self._v[:, page] = block.k, block.v  # numpy checks the shapes
+        self._key_min[:, page], self._key_max[:, page] = block.key_min, block.key_max
+        if self.sub_page_size:
+            self._sub[:, page] = block.sub
+
     # ---- data moves -------------------------------------------------------------
     def reset_pages(self, pages: np.ndarray) -> None:
         self._key_min[:, pages] = 0

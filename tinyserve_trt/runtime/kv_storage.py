@@ -139,6 +139,17 @@ class KVStorage(ABC):
         dequantized keys (INT4: min/max and codes stay, the keys were quantized on them). May be
         deferred until :meth:`flush`."""
 
+    def read_block(self, page: int) -> dict:
+        """Hot physical ``page``'s data, every layer, as host arrays (copies) by name: ``k``, ``v``
+        ``[L, Hkv, ps, D]``, ``key_min``, ``key_max`` ``[L, Hkv, D]``, ``sub`` ``[L, Hkv, r, D]`` uint8
+        or None - a page store's entry (``runtime/kvstore``). Does not modify the storage."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export pages to a page store")
+
+    def write_block(self, page: int, block) -> None:
+        """Write a :meth:`read_block` of the same geometry (an object with those attributes) into
+        hot physical ``page``: its K/V, min/max and sub-page codes, every layer."""
+        raise NotImplementedError(f"{type(self).__name__} cannot import pages from a page store")
+
     def layer_codec(self, layer: int):
         """``layer``'s cold codec (None without a cold tier)."""
         codecs = getattr(self, "codecs", None)

@@ -56,7 +56,9 @@ class LLM:
     (dense decode below that many times the budget), ``memory``,
     ``prefix_sharing``, ``max_batch``, ``max_tokens_per_step``, ``prefill_chunk``,
     ``max_seq_len``, ``threads``, and for a package with an INT8 cold tier ``kv_tiers``,
-    ``hot_fraction``, ``hot_pages``, ``hot_decay``); ``backend_options`` go to the backend.
+    ``hot_fraction``, ``hot_pages``, ``hot_decay``; a KV page store below the pool: ``kv_cache_dir``,
+    ``kv_cache_max_gb``, ``kv_cache_host_gb``, ``kv_cache_write_through``); ``backend_options`` go to
+    the backend. :meth:`close` writes the cached prefix pages to the store.
 
     Without ``params`` a request uses ``default_params``: the package's generation config
     (greedy when it has none). Bad input raises ValueError before anything is queued."""

@@ -7,18 +7,29 @@ Swap point: ``PrefixCache`` ABC + ``PREFIX_CACHES`` registry + ``make_prefix_cac
 Only full pages whose K/V are written are registered, so a match never returns a
 page still being computed. Cached pages with no holder stay in the pool's LRU and
 are evicted there when it needs room; the pool tells us through a callback.
+
+With a page store (``runtime/kvstore``, issue #33) below the pool, an evicted page's content
+goes to the store first (and, ``write_through``, every page as it is registered; :meth:`flush`
+writes the cached ones at close), and a match continues the chain in the store where the
+pool's pages end: the run of stored pages is read in one pass, then allocated and filled in
+one ``allocate(fill=...)`` transaction and registered like computed pages - so the prefill
+skips them. A store that fails costs only the reuse: the match stops there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.runtime.kvstore.pool_io import page_block, restore_page
 from tinyserve_trt.runtime.pages import PagePool, PoolIntegrityError
+
+log = logging.getLogger("tinyserve.kvstore")
 
 
 class PrefixCache(ABC):
@@ -26,6 +37,8 @@ class PrefixCache(ABC):
 
     def __init__(self, pool: PagePool):
         self.pool = pool
+        # pages of the latest match by where they came from (``pool``, ``host``, ``disk``)
+        self.last_match_tiers: dict[str, int] = {}
 
     @abstractmethod
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
@@ -52,6 +65,10 @@ class PrefixCache(ABC):
     def check_integrity(self) -> None:
         """Raise PoolIntegrityError if the cache disagrees with the pool."""
 
+    def flush(self) -> int:
+        """Write cached pages the page store lacks (at close); how many. Nothing without a store."""
+        return 0
+
     @property
     def num_entries(self) -> int:
         return 0
@@ -67,11 +84,14 @@ def register_prefix_cache(name: str):
     return deco
 
 
-def make_prefix_cache(name: str, pool: PagePool) -> PrefixCache:
-    """The prefix cache registered as ``name`` over ``pool``; ValueError if unknown."""
+def make_prefix_cache(name: str, pool: PagePool, **options) -> PrefixCache:
+    """The prefix cache registered as ``name`` over ``pool`` (``options``: ``hash``'s
+    ``store``, ``write_through``); ValueError if unknown."""
     if name not in PREFIX_CACHES:
         raise ValueError(f"unknown prefix cache {name!r}; choose from {sorted(PREFIX_CACHES)}")
-    return PREFIX_CACHES[name](pool)
+    if options and name == "none":
+        raise ValueError("a page store needs prefix sharing (prefix cache 'hash')")
+    return PREFIX_CACHES[name](pool, **options)
 
 
 def compute_hash(token_ids: Sequence[int], parent: bytes | None) -> bytes:
@@ -113,11 +133,15 @@ class HashPrefixCache(PrefixCache):
     walking from the first page, of the prefix (up to a 128-bit collision of a parent).
     """
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, store=None, write_through: bool = False):
+        """``store``: a ``kvstore.PageStore`` of this pool's identity below the pool, or None;
+        ``write_through``: store every page when it is registered (shared stores: another
+        replica can use it at once), not only when the pool evicts it."""
         super().__init__(pool)
+        self.store, self.write_through = store, bool(write_through)
         self._page_by_hash: dict[bytes, int] = {}
         self._entry_by_page: dict[int, _Entry] = {}
-        pool.set_evict_callback(self._forget)
+        pool.set_evict_callback(self._evicted)
 
     @property
     def num_entries(self) -> int:
@@ -126,8 +150,8 @@ class HashPrefixCache(PrefixCache):
     def match(self, token_ids):
         ps = self.pool.page_size
         pages, hashes, parent = [], [], None
-        for start in range(0, len(token_ids) - ps + 1, ps):
-            chunk = tuple(token_ids[start:start + ps])
+        chunks = [tuple(token_ids[s:s + ps]) for s in range(0, len(token_ids) - ps + 1, ps)]
+        for chunk in chunks:
             h = compute_hash(chunk, parent)
             page = self._page_by_hash.get(h)
             if page is None:
@@ -140,7 +164,58 @@ class HashPrefixCache(PrefixCache):
             parent = h
         for page in pages:
             self.pool.incref(page)
+        self.last_match_tiers = {"pool": len(pages)} if pages else {}
+        if self.store is not None and len(pages) < len(chunks):
+            more, more_hashes, tiers = self._from_store(chunks[len(pages):], parent)
+            pages, hashes = pages + more, hashes + more_hashes
+            for tier, n in tiers.items():
+                self.last_match_tiers[tier] = self.last_match_tiers.get(tier, 0) + n
         return pages, hashes
+
+    def _from_store(self, chunks, parent):
+        """Continue a match in the store: (pages allocated, filled and registered, their hashes,
+        pages per tier). Reads the whole run first (one pass), then one allocate transaction."""
+        run = []
+        for chunk in chunks[:self.pool.num_available]:  # never more than the pool can take
+            h = compute_hash(chunk, parent)
+            if h in self._page_by_hash or not self.store.contains(h):
+                break
+            run.append((h, chunk, parent))
+            parent = h
+        if not run:
+            return [], [], {}
+        try:
+            got = self.store.get_many([h for h, _, _ in run])
+        except Exception as e:  # a store that fails costs the reuse, never the request
+            log.warning("kv store: read failed (%r); recomputing", e)
+            return [], [], {}
+        blocks = []
+        for (h, chunk, par), (block, tier) in zip(run, got):
+            if tuple(block.tokens.tolist()) != chunk or block.parent != par:
+                break  # a hash collision in the store: not our prefix
+            blocks.append((h, chunk, par, block, tier))
+        if not blocks:
+            return [], [], {}
+
+        def fill(new_pages):
+            for page, (_, _, _, block, _) in zip(new_pages, blocks):
+                restore_page(self.pool, page, block)
+
+        try:
+            new = self.pool.allocate(len(blocks), fill=fill)
+        except Exception as e:  # undone by the pool
+            log.warning("kv store: restoring %d pages failed (%r); recomputing", len(blocks), e)
+            return [], [], {}
+        tiers: dict[str, int] = {}
+        for page, (h, chunk, par, _, tier) in zip(new, blocks):
+            self._register(h, page, par, chunk)
+            tiers[tier] = tiers.get(tier, 0) + 1
+        return new, [b[0] for b in blocks], tiers
+
+    def _register(self, h: bytes, page: int, parent: bytes | None, chunk: tuple) -> None:
+        self._page_by_hash[h] = page
+        self._entry_by_page[page] = _Entry(h, parent, chunk)
+        self.pool.mark_cached(page)
 
     def insert(self, token_ids, pages, hashes):
         ps = self.pool.page_size
@@ -151,9 +226,9 @@ class HashPrefixCache(PrefixCache):
             h = compute_hash(chunk, parent)
             page = pages[i]
             if h not in self._page_by_hash and page not in self._entry_by_page:
-                self._page_by_hash[h] = page
-                self._entry_by_page[page] = _Entry(h, parent, chunk)
-                self.pool.mark_cached(page)
+                self._register(h, page, parent, chunk)
+                if self.write_through:
+                    self._store(page)
             hashes.append(h)
         return hashes
 
@@ -161,6 +236,31 @@ class HashPrefixCache(PrefixCache):
         if page in self._entry_by_page:
             self._forget(page)
             self.pool.unmark_cached(page)
+
+    def _evicted(self, page: int) -> None:
+        """The pool evicts ``page`` (its data still intact): to the store, then forgotten."""
+        if self.store is not None and not self.write_through:
+            self._store(page)
+        self._forget(page)
+
+    def _store(self, page: int) -> bool:
+        """Put cached ``page`` in the store. Never raises: the pool calls this mid-allocation."""
+        entry = self._entry_by_page[page]
+        try:
+            if self.store.contains(entry.hash):
+                return False
+            block = page_block(self.pool, page, entry.tokens, entry.parent)
+            return block is not None and self.store.put(entry.hash, block)
+        except Exception as e:
+            log.warning("kv store: page not stored (%r)", e)
+            return False
+
+    def flush(self) -> int:
+        if self.store is None:
+            return 0
+        n = sum(self._store(page) for page in list(self._entry_by_page))
+        drain = getattr(self.store, "drain", None)  # what sits in host memory goes down too
+        return n + (drain() if drain is not None else 0)
 
     def _forget(self, page: int) -> None:
         entry = self._entry_by_page.pop(page)

@@ -201,6 +201,8 @@ class Scheduler:
                 pages, hashes = self.prefix_cache.match(seq.token_ids[:seq.num_tokens - 1])
                 seq.pages, seq.page_hashes = pages, hashes
                 seq.num_cached_tokens = len(pages) * self.pool.page_size
+                if first:
+                    self._note_tiers(seq)
             n_new = min(seq.num_uncached_tokens, cfg.prefill_chunk, budget)
             try:
                 reserved = (n_new > 1) == wide and self._reserve(seq, n_new)
@@ -220,6 +222,17 @@ class Scheduler:
             rows.append((seq, n_new))
             budget -= n_new
         return rows
+
+    def _note_tiers(self, seq: Sequence) -> None:
+        """Where the pages of ``seq``'s latest match came from. Pages a previous match of it
+        restored from the store (before it had to wait) are now in the pool: still theirs."""
+        tiers = dict(self.prefix_cache.last_match_tiers)
+        for tier in ("host", "disk"):
+            moved = min(seq.stats.prefix_pages_by_tier.get(tier, 0), tiers.get("pool", 0))
+            if moved:
+                tiers[tier] = tiers.get(tier, 0) + moved
+                tiers["pool"] -= moved
+        seq.stats.prefix_pages_by_tier = {t: n for t, n in tiers.items() if n}
 
     def _fail(self, seq: Sequence, error: Exception, rows: list[tuple[Sequence, int]]
               ) -> tuple[list[tuple[Sequence, int]], int]:

@@ -40,12 +40,19 @@ class SequenceStats:
     finish_time: float | None = None
     prefix_pages_reused: int = 0   # pages matched in the prefix cache at first admission
     prefix_tokens_reused: int = 0  # tokens whose prefill was skipped thanks to them
+    prefix_pages_by_tier: dict = field(default_factory=dict)  # of those: {"pool"|"host"|"disk": pages}
     num_preemptions: int = 0
     pages_selected: list[float] = field(default_factory=list)  # per step, mean over KV heads
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def prefix_source(self) -> str:
+        """Where its reused prefix came from: the slowest tier that served a page of it
+        (``disk``, ``host``, ``pool``), or ``none`` (prefilled in full)."""
+        return next((t for t in ("disk", "host", "pool") if self.prefix_pages_by_tier.get(t)), "none")
 
 
 @dataclass(eq=False)

@@ -115,6 +115,7 @@ class ServerMetrics:
                        engine["token_budget"])
         lines += gauge("tinyserve_preemptions", "Sequences preempted for pages so far", engine["preemptions"])
         lines += kernel_lines(engine)
+        lines += _kv_store_lines(engine)
         lines += [f"# HELP tinyserve_engine_step_failures_total Engine steps that raised (their requests were "
                   f"failed, the engine went on)", "# TYPE tinyserve_engine_step_failures_total counter",
                   f"tinyserve_engine_step_failures_total {_num(engine.get('step_failures', 0))}"]
@@ -138,6 +139,32 @@ def kernel_lines(engine: dict) -> list[str]:
             + gauge("tinyserve_kernel_fallback", "1 when the engine fell back to a slower graph or decode kernel "
                     "than the package ships (the reason label of tinyserve_kernel_info says why)",
                     1 if engine.get("kernel_fallback") else 0))
+
+
+def _kv_store_lines(engine: dict) -> list[str]:
+    """Prefix pages reused by tier, the page store's bytes moved and size, TTFT by prefix source
+    (issue #33). Counters and sums only, so a fleet's merge (``ray_metrics``) adds them up."""
+    tiers = {(("tier", t),): engine.get(f"prefix_pages_{t}", 0) for t in ("pool", "host", "disk")}
+    lines = _counter("tinyserve_prefix_pages_reused_total", "Prompt pages whose prefill was skipped, by where "
+                     "they came from: the pool, or the page store's host memory or disk (--kv-cache-dir)", tiers)
+    moved = {(("tier", t), ("direction", d)): engine.get(f"kv_store_{t}_{k}", 0)
+             for t in ("host", "disk") for d, k in (("read", "hit_bytes"), ("written", "put_bytes"))}
+    lines += _counter("tinyserve_kv_store_bytes_total", "Bytes of KV pages read from / written to the page store",
+                      moved)
+    lines += gauge("tinyserve_kv_store_bytes", "Bytes the page store holds, by tier",
+                   {(("tier", t),): engine.get(f"kv_store_{t}_bytes", 0) for t in ("host", "disk")})
+    by_source = engine.get("ttft_by_prefix_source", {})
+    lines += _counter("tinyserve_ttft_by_prefix_source_seconds_sum", "Sum of engine-side TTFTs by where the "
+                      "prompt's prefix came from (none, pool, host, disk)",
+                      {(("source", s),): v["sum_s"] for s, v in by_source.items()})
+    lines += _counter("tinyserve_ttft_by_prefix_source_seconds_count", "Requests counted in the sum above",
+                      {(("source", s),): v["requests"] for s, v in by_source.items()})
+    return lines
+
+
+def _counter(name: str, help: str, values: dict[tuple, float]) -> list[str]:
+    return [f"# HELP {name} {help}", f"# TYPE {name} counter"] + [
+        f"{name}{_labels(k)} {_num(v)}" for k, v in values.items()]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
