@@ -148,3 +148,17 @@ def test_serve_replicas_share_the_kv_cache_dir_with_write_through(llama, monkeyp
     assert main(["serve", str(llama[1]), "--replicas", "2", "--kv-cache-dir", str(tmp_path)]) == 0
     # every replica gets the same directory and publishes its pages as it computes them
     assert seen["kv_cache_dir"] == str(tmp_path) and seen["kv_cache_write_through"] is True
+
+
+def test_generate_says_where_the_memory_went(llama, capsys):
+    """Weights, the KV pages the run held at most, and the rest (issue #31: peak = weights + KV pages
+    + a bounded workspace). 40 prompt tokens + 6 new on 4-token pages: 12 pages at most."""
+    import re
+
+    prompt = ",".join(str(5 + i % 200) for i in range(40))
+    assert main(["generate", str(llama[1]), "--prompt-ids", prompt, "--max-tokens", "6", "--ignore-eos",
+                 "--temperature", "0"]) == 0
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[memory:"))
+    m = re.search(r"KV pages [\d.]+ \((\d+) of (\d+) pages\)", line)
+    assert m and int(m.group(1)) == 12 and int(m.group(2)) >= 12, line
+    assert "weights" in line and "workspace" in line

@@ -228,6 +228,9 @@ def _generate(args) -> int:
         if s is not None and s.ttft is not None:
             rate = f", {s.tokens_per_s:.1f} tok/s" if s.tokens_per_s else ""
             print(f"[{s.output_tokens} tokens, ttft {s.ttft * 1e3:.1f} ms{rate}]", file=sys.stderr)
+        from tinyserve_trt.runtime.memory_report import memory_line
+
+        print(f"[{memory_line(llm.engine)}]", file=sys.stderr)
         report = llm.engine.kernel_report
         if report is not None and not report.fallback:  # a fallback was logged as a warning at start
             print(f"[{report.line()}]", file=sys.stderr)

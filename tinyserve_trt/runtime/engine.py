@@ -90,6 +90,7 @@ class Engine:
         self.sampler = Sampler(seed)
         self._sparse_layers = [i for i, layer in enumerate(package.layers) if layer.get("policy") != "dense"]
         self._observed_layers = self._sparse_layers or list(range(package.num_layers))  # hotness: selections
+        self.peak_pages_in_use = 0  # pages holding K/V at once, at most (memory_report.py)
         self._unsettled: ScheduledBatch | None = None  # scheduled, not yet handed to postprocess
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, prompt_tokens=0, prefix_tokens_reused=0,
                              pages_selected=0.0, pages_available=0, step_failures=0,
@@ -175,6 +176,7 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[Sequence]:
         out = self.backend.run(batch)
+        self.peak_pages_in_use = max(self.peak_pages_in_use, self.pool.num_pages - self.pool.num_free)
         sampled = self.sampler(out.logits, batch.seqs, batch.sample_mask)
         self._record(batch, out)
         if self.tiering:  # while the batch's page handles are still held
