@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve_trt.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION  # the one prompt text
+from tinyserve_trt.runtime.eval.passkey import FILLER, INSTRUCTION, NEEDLE, QUESTION  # the one prompt text
 
 from .decode_attention import SelectionSpec
 from .hf_harness import SparseAttentionHarness, use_harness

@@ -13,7 +13,7 @@ inside functions, against this table and for cycles)::
 
     ops          the op: schema, numpy reference, ONNX function     imports nothing of ours
     contracts    this package                                       ops
-    cuda         ctypes kernels, TensorRT + plugin loading           ops
+    cuda         ctypes kernels, TensorRT + plugin loading           ops, cpu (its per-user build cache)
     cpu          the native CPU decode kernel (ORT custom op build)  ops
     export       ONNX rewrite, package writing, engine build         ops, contracts, cuda, cpu, calibration
     runtime      pages, scheduler, backends, LLM, server             ops, contracts, cuda, cpu
@@ -29,7 +29,7 @@ Only plain Python and numpy are imported at this package's import.
 LAYERS = {
     "ops": (),
     "contracts": ("ops",),
-    "cuda": ("ops",),
+    "cuda": ("ops", "cpu"),  # the per-user native cache (cpu/native.py) holds the built plugin too
     "cpu": ("ops",),
     "export": ("ops", "contracts", "cuda", "cpu", "calibration"),
     "runtime": ("ops", "contracts", "cuda", "cpu"),

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--replica-gpus", type=float, default=rc.replica_gpus, help="replicas: GPUs reserved per replica")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(s, ec)
-    from tinyserve_trt.eval.cli import add_parser as add_eval
+    from tinyserve_trt.runtime.eval.cli import add_parser as add_eval
 
     add_eval(sub)
     return parser
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "eval":
-            from tinyserve_trt.eval.cli import run as run_eval
+            from tinyserve_trt.runtime.eval.cli import run as run_eval
 
             return run_eval(args)
     except (ValueError, RuntimeError, OSError) as e:  # PackageError is a ValueError

@@ -59,9 +59,9 @@ class _Bar:
 
 
 def run(args) -> int:
-    from tinyserve_trt.eval.passkey import build_prompt, passkey, random_passkey
-    from tinyserve_trt.eval.perplexity import perplexity
-    from tinyserve_trt.eval.report import passkey_table, perplexity_table
+    from tinyserve_trt.runtime.eval.passkey import build_prompt, passkey, random_passkey
+    from tinyserve_trt.runtime.eval.perplexity import perplexity
+    from tinyserve_trt.runtime.eval.report import passkey_table, perplexity_table
     from tinyserve_trt.runtime.llm import engine_from
     from tinyserve_trt.runtime.model_package import ModelPackage
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyserve_trt.eval.passkey import NEEDLE, QUESTION, build_prompt, passkey, random_passkey
-from tinyserve_trt.eval.perplexity import perplexity
+from tinyserve_trt.runtime.eval.passkey import NEEDLE, QUESTION, build_prompt, passkey, random_passkey
+from tinyserve_trt.runtime.eval.perplexity import perplexity
 from tinyserve_trt.runtime.llm import engine_from
 from tinyserve_trt.runtime.model_package import ModelPackage
 

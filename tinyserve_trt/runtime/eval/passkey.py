@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tinyserve_trt.eval.forcing import TeacherForcing
-from tinyserve_trt.eval.steps import run_requests
+from tinyserve_trt.runtime.eval.forcing import TeacherForcing
+from tinyserve_trt.runtime.eval.steps import run_requests
 from tinyserve_trt.runtime.sampling import SamplingParams
 
 INSTRUCTION = ("There is an important pass key hidden inside a lot of irrelevant text. "
