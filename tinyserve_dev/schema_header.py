@@ -1,7 +1,8 @@
 """Generate ``plugins/generated/qsa_schema.h`` from ``ops/schema.py`` (STYLE principle 7).
 
-The CUDA launcher and the TensorRT plugin include that header instead of
-spelling the op's name, attributes, defaults and enum values a second time;
+The CUDA launcher, the TensorRT plugin and the CPU node (its copy,
+``tinyserve_trt/cpu/csrc/qsa_schema.h``, the same text) include that header instead of
+spelling the op's name, input positions, attributes, defaults and enum values a second time;
 ``tests/kernels/test_schema_header.py`` re-renders it and fails if the
 committed copy is stale. Run ``python -m tinyserve_dev.schema_header``
 after editing the schema. Writes nothing unless asked.
@@ -14,7 +15,11 @@ from pathlib import Path
 
 from tinyserve_trt.ops import schema
 
-HEADER_PATH = Path(__file__).resolve().parents[1] / "plugins" / "generated" / "qsa_schema.h"
+ROOT = Path(__file__).resolve().parents[1]
+HEADER_PATH = ROOT / "plugins" / "generated" / "qsa_schema.h"
+# The same text where the CPU node's sources build from (shipped in the wheel; plugins/ is not).
+CPU_HEADER_PATH = ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_schema.h"
+HEADER_PATHS = (HEADER_PATH, CPU_HEADER_PATH)
 
 
 def _c_ident(s: str) -> str:
@@ -27,6 +32,10 @@ def _c_literal(a: schema.AttributeSpec) -> str:
     if a.type == "int":
         return str(int(a.default))
     return f'"{a.default}"'
+
+
+def _c_strings(names) -> str:
+    return "{" + ", ".join(f'"{x}"' for x in names) + "}"
 
 
 def render() -> str:
@@ -45,6 +54,11 @@ def render() -> str:
          "/* Input and output positions, in schema order. */"]
     L += [f"#define QSA_IN_{_c_ident(t.name)} {i}" for i, t in enumerate(schema.INPUTS)]
     L += [f"#define QSA_OUT_{_c_ident(t.name)} {i}" for i, t in enumerate(schema.OUTPUTS)]
+    L += [f"#define QSA_INPUT_NAMES {_c_strings(schema.INPUT_NAMES)}",
+          f"#define QSA_OUTPUT_NAMES {_c_strings(schema.OUTPUT_NAMES)}",
+          "/* The cold tier: QSA_NUM_COLD_INPUTS inputs from QSA_FIRST_COLD_INPUT, all given or all omitted. */",
+          f"#define QSA_FIRST_COLD_INPUT {schema.INPUT_NAMES.index(schema.COLD_INPUTS[0])}",
+          f"#define QSA_NUM_COLD_INPUTS {len(schema.COLD_INPUTS)}"]
     L += ["", "/* Enum values follow the order of schema.POLICIES / schema.GROUP_REDUCTIONS. */"]
     L += [f"#define QSA_POLICY_{_c_ident(p)} {i}" for i, p in enumerate(schema.POLICIES)]
     L += [f"#define QSA_NUM_POLICIES {len(schema.POLICIES)}"]
@@ -63,6 +77,8 @@ def render() -> str:
         n = _c_ident(a.name)
         L += [f"#define QSA_ATTR_{n}_INDEX {i}", f'#define QSA_ATTR_{n}_NAME "{a.name}"',
               f"#define QSA_ATTR_{n}_TYPE {kinds[a.type]}", f"#define QSA_ATTR_{n}_DEFAULT {_c_literal(a)}"]
+        if a.choices:  # the default as its enum value (QSA_POLICY_* ...): no string search in C
+            L.append(f"#define QSA_ATTR_{n}_DEFAULT_INDEX {a.choices.index(a.default)}")
         if a.min is not None:
             L.append(f"#define QSA_ATTR_{n}_MIN {_c_literal(schema.AttributeSpec(a.name, a.type, a.min, ''))}")
         if a.max is not None:
@@ -84,12 +100,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     text = render()
     if args.check:
-        ok = HEADER_PATH.exists() and HEADER_PATH.read_text() == text
-        print(f"{HEADER_PATH}: {'up to date' if ok else 'STALE'}")
-        return 0 if ok else 1
-    HEADER_PATH.parent.mkdir(parents=True, exist_ok=True)
-    HEADER_PATH.write_text(text)
-    print(f"wrote {HEADER_PATH}")
+        stale = [p for p in HEADER_PATHS if not p.exists() or p.read_text() != text]
+        for p in HEADER_PATHS:
+            print(f"{p}: {'STALE' if p in stale else 'up to date'}")
+        return 1 if stale else 0
+    for p in HEADER_PATHS:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p}")
     return 0
 
 
