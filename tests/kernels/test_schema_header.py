@@ -10,8 +10,9 @@ from .conftest import ROOT
 
 
 def test_generated_header_is_up_to_date():
-    for path in schema_header.HEADER_PATHS:  # the plugin/kernels' copy and the CPU node's (shipped)
-        assert path.read_text() == schema_header.render(), \
+    # the plugin/kernels' schema header, the CPU node's copy (shipped), the launch structs
+    for path, text in schema_header.generated().items():
+        assert path.read_text() == text, \
             f"{path.relative_to(ROOT)} is stale: run `python -m tinyserve_dev.schema_header`"
     assert schema_header.main(["--check"]) == 0
 
@@ -80,3 +81,17 @@ def test_policy_enum_values_match_schema_order():
         assert f"#define QSA_POLICY_{name.upper()} {i}" in text
     for i, name in enumerate(schema.GROUP_REDUCTIONS):
         assert f"#define QSA_GROUP_REDUCE_{name.upper()} {i}" in text
+
+
+def test_launch_structs_are_generated_from_the_ctypes_definition():
+    """qsa_launch.h types no struct itself; the ctypes mirror and the C structs share launch_abi."""
+    from tinyserve_trt.cuda import launch_abi, library
+
+    launch = _code([ROOT / "plugins" / "kernels" / "qsa_launch.h"])
+    assert "typedef struct" not in re.sub(r"/\*.*?\*/", "", launch, flags=re.S)
+    assert '#include "../generated/qsa_launch_structs.h"' in launch
+    text = schema_header.render_launch_structs()
+    for struct in launch_abi.STRUCTS:
+        cls = getattr(library, struct.name)
+        assert [n for n, _ in cls._fields_] == [f.name for f in struct.fields]
+        assert f"typedef struct {struct.name} {{" in text
