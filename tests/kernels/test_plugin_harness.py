@@ -95,15 +95,18 @@ def random_case(seed: int) -> dict:
     if two_level and not cold and seed % 2:  # a parser that drops skipped inputs: key_sub_bounds at 10
         names = [n for n in names if n]
     return {"seed": seed, "case": case, "attrs": attrs, "names": names, "wide": bool(rng.integers(0, 2)),
-            "routing": bool(rng.integers(0, 2)), "dtype": dtype}
+            "routing": bool(rng.integers(0, 2)), "dtype": dtype, "omit_defaults": seed % 4 == 1}
 
 
 def write_case(c: dict, d: Path) -> Path:
     """The harness's case file: every attribute a field (ints as int32 or int64, floats as
-    float32 or float64, as ONNX parser versions differ), then the inputs with their dims."""
+    float32 or float64, as ONNX parser versions differ; ``omit_defaults``: only those that differ
+    from the schema's default, which the plugin must then supply), then the inputs with their dims."""
     lines = []
     for a in schema.ATTRIBUTES:
         v = getattr(c["attrs"], a.name)
+        if c["omit_defaults"] and v == a.default:
+            continue
         if a.type == "int":
             lines.append(f"field {a.name} {'int64' if c['wide'] else 'int32'} {int(v)}")
         elif a.type == "float":
@@ -192,6 +195,7 @@ def test_cases_cover_the_interface(cases):
     assert any(c["case"]["query"].shape[2] > 1 for c in cases)  # prefill
     assert any(len(set(c["case"]["past_lens"].tolist())) > 1 for c in cases)  # ragged
     assert {len(c["names"]) for c in cases} == {10, 11, 14, 15}  # every input layout the plugin takes
+    assert any(c["omit_defaults"] for c in cases) and any(c["wide"] for c in cases)
 
 
 def test_plugin_through_ipluginv3_equals_reference(harness, cases, tmp_path):
