@@ -22,6 +22,9 @@ CPU_HEADER_PATH = ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_schema.h"
 HEADER_PATHS = (HEADER_PATH, CPU_HEADER_PATH)
 # The launch interface's structs (tinyserve_trt/cuda/launch_abi.py), included by qsa_launch.h.
 STRUCTS_PATH = ROOT / "plugins" / "generated" / "qsa_launch_structs.h"
+# The element math core (hand-written, once) and the CPU node's copy of it (shipped).
+MATH_PATH = ROOT / "plugins" / "kernels" / "qsa_math.h"
+CPU_MATH_PATH = ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_math.h"
 
 
 def _c_ident(s: str) -> str:
@@ -51,7 +54,8 @@ def render() -> str:
          f'#define QSA_PLUGIN_VERSION "{schema.PLUGIN_VERSION}"',
          f"#define QSA_NUM_INPUTS {len(schema.INPUTS)}",
          f"#define QSA_NUM_REQUIRED_INPUTS {schema.NUM_REQUIRED_INPUTS}",
-         f"#define QSA_NUM_TIERED_INPUTS {schema.NUM_TIERED_INPUTS} /* required + cold tier: a single-level node's most */",
+         f"#define QSA_NUM_TIERED_INPUTS {schema.NUM_TIERED_INPUTS} "
+         "/* required + cold tier: a single-level node's most */",
          f"#define QSA_NUM_OUTPUTS {len(schema.OUTPUTS)}", "",
          "/* Input and output positions, in schema order. */"]
     L += [f"#define QSA_IN_{_c_ident(t.name)} {i}" for i, t in enumerate(schema.INPUTS)]
@@ -109,9 +113,16 @@ def render_launch_structs() -> str:
         "#include <stdint.h>", "", launch_abi.render_c(), "#endif /* TINYSERVE_QSA_LAUNCH_STRUCTS_H */", ""])
 
 
+def render_cpu_math() -> str:
+    """The CPU node's copy of ``plugins/kernels/qsa_math.h``: the same text under a banner."""
+    return ("/* COPIED by `python -m tinyserve_dev.schema_header` from plugins/kernels/qsa_math.h (edit that one;\n"
+            " * tests/kernels/test_schema_header.py fails when this copy is stale). */\n" + MATH_PATH.read_text())
+
+
 def generated() -> dict[Path, str]:
-    """Every generated file and its text."""
-    return {**{p: render() for p in HEADER_PATHS}, STRUCTS_PATH: render_launch_structs()}
+    """Every generated (or copied) file and its text."""
+    return {**{p: render() for p in HEADER_PATHS}, STRUCTS_PATH: render_launch_structs(),
+            CPU_MATH_PATH: render_cpu_math()}
 
 
 def main(argv=None) -> int:

@@ -95,3 +95,19 @@ def test_launch_structs_are_generated_from_the_ctypes_definition():
         cls = getattr(library, struct.name)
         assert [n for n, _ in cls._fields_] == [f.name for f in struct.fields]
         assert f"typedef struct {struct.name} {{" in text
+
+
+def test_cold_and_bound_decode_exist_once_per_language():
+    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (CUDA kernels,
+    their emulation and the CPU node include it; the CPU node's copy is checked above): no other
+    C++ source extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
+    ops/fine_bounds.py."""
+    sources = [p for p in (*(ROOT / "plugins" / "kernels").iterdir(),
+                           *(ROOT / "tinyserve_trt" / "cpu" / "csrc").iterdir())
+               if p.suffix in (".h", ".cu", ".cuh", ".cpp") and p.name != "qsa_math.h"]
+    code = {p.name: re.sub(r"/\*.*?\*/", "", _code([p]), flags=re.S) for p in sources}  # no comments
+    for name, text in code.items():
+        for pattern in (r"&\s*15\b", r">>\s*4\b", r"1(\.0f?)?\s*/\s*(15|kLevels)", r"__f(mul|add|sub)_rn\([^)]*kInv"):
+            assert not re.search(pattern, text), f"{name} decodes itself ({pattern!r}): call qsa_math.h"
+    assert "qsa_math::" in code["qsa_common.cuh"] and "qsa_math::" in code["qsa_cold.h"]
+    assert "qsa_math::" in code["qsa_select_two_level.cu"] and "qsa_math::" in code["qsa_decode_math.h"]
