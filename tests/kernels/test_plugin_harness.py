@@ -203,6 +203,21 @@ def test_plugin_through_ipluginv3_equals_reference(harness, cases, tmp_path):
         check_case(harness, c, tmp_path / f"case{c['seed']}")
 
 
+@pytest.mark.parametrize("line", ["field sink_pages int32 -1", "field recent_pages int64 0",
+                                  "field policy char nope", "field candidate_share float32 1.5",
+                                  "field cold_format char int2", "field sub_page_size float32 4.5",
+                                  "field no_such_field int32 1", "field policy char window"])
+def test_bad_fields_are_refused_at_creation(harness, line, tmp_path):
+    """A field the schema does not allow (range, choice, type, name, or two-level with a policy that
+    has no sub-page bound) makes createPlugin return null with a logged reason: the build stops."""
+    c = random_case(2)  # two-level: sub_page_size 4 needs policy query_aware
+    path = write_case(c, tmp_path)
+    path.write_text(path.read_text() + line + "\n")  # a later field overrides the earlier one
+    r = subprocess.run([str(harness), str(path), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "createPlugin(kBUILD) refused the fields" in r.stderr, r.stderr
+    assert "plugin log: QueryAwareSparseAttention: " in r.stderr  # the reason, through TensorRT's logger
+
+
 def test_harness_builds_against_the_stand_in_headers(tmp_path):
     """CI's build (no TensorRT headers) stays possible when the real headers are in use above."""
     if trt_include() == HARNESS / "trt_standin":
