@@ -162,6 +162,9 @@ def check_case(exe: Path, c: dict, d: Path) -> None:
     Hkv, NP = case["key"].shape[1], case["page_table"].shape[1]
     assert out.shape == (B, H, S, D) and out.dtype == case["query"].dtype, f"case {seed}: output {out.shape}"
     assert sel.shape == (B, Hkv, NP), f"case {seed}: selected_pages {sel.shape}, want {(B, Hkv, NP)}"
+    # as expressions: the builder's symbols pass through (dynamic B, S, NP), static dims stay constants
+    symbolic = [line[line.index("symbolic") + 1:] for line in report["output"]]
+    assert symbolic == [["B", str(H), "S", str(D)], ["B", str(Hkv), "NP"]], f"case {seed}: {symbolic}"
     assert np.isin(sel, (0, 1)).all(), f"case {seed}: selected_pages entries never written"
     sel = sel.astype(bool)
     ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
