@@ -30,6 +30,11 @@
 #define QSA_IN_KEY_SUB_BOUNDS 14
 #define QSA_OUT_OUTPUT 0
 #define QSA_OUT_SELECTED_PAGES 1
+#define QSA_INPUT_NAMES {"query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale", "key_sub_bounds"}
+#define QSA_OUTPUT_NAMES {"output", "selected_pages"}
+/* The cold tier: QSA_NUM_COLD_INPUTS inputs from QSA_FIRST_COLD_INPUT, all given or all omitted. */
+#define QSA_FIRST_COLD_INPUT 10
+#define QSA_NUM_COLD_INPUTS 4
 
 /* Enum values follow the order of schema.POLICIES / schema.GROUP_REDUCTIONS. */
 #define QSA_POLICY_QUERY_AWARE 0
@@ -60,6 +65,7 @@
 #define QSA_ATTR_POLICY_NAME "policy"
 #define QSA_ATTR_POLICY_TYPE 2
 #define QSA_ATTR_POLICY_DEFAULT "query_aware"
+#define QSA_ATTR_POLICY_DEFAULT_INDEX 0
 #define QSA_ATTR_SINK_PAGES_INDEX 2
 #define QSA_ATTR_SINK_PAGES_NAME "sink_pages"
 #define QSA_ATTR_SINK_PAGES_TYPE 0
@@ -76,6 +82,7 @@
 #define QSA_ATTR_GROUP_REDUCE_NAME "group_reduce"
 #define QSA_ATTR_GROUP_REDUCE_TYPE 2
 #define QSA_ATTR_GROUP_REDUCE_DEFAULT "max"
+#define QSA_ATTR_GROUP_REDUCE_DEFAULT_INDEX 0
 #define QSA_ATTR_SUB_PAGE_SIZE_INDEX 5
 #define QSA_ATTR_SUB_PAGE_SIZE_NAME "sub_page_size"
 #define QSA_ATTR_SUB_PAGE_SIZE_TYPE 0
@@ -92,6 +99,7 @@
 #define QSA_ATTR_COLD_FORMAT_NAME "cold_format"
 #define QSA_ATTR_COLD_FORMAT_TYPE 2
 #define QSA_ATTR_COLD_FORMAT_DEFAULT "int8"
+#define QSA_ATTR_COLD_FORMAT_DEFAULT_INDEX 0
 
 /* X-macro over the attributes in schema order: X(IDENT, "name", type). */
 #define QSA_FOR_EACH_ATTRIBUTE(X) \

@@ -15,7 +15,7 @@ bool dims_ok(const QsaDims& d) {
 }
 
 bool attrs_ok(const QsaAttrs& a) {
-    return a.scale >= 0.f && a.policy >= 0 && a.policy < QSA_NUM_POLICIES && a.sink_pages >= QSA_ATTR_SINK_PAGES_MIN &&
+    return a.scale >= QSA_ATTR_SCALE_MIN && a.policy >= 0 && a.policy < QSA_NUM_POLICIES && a.sink_pages >= QSA_ATTR_SINK_PAGES_MIN &&
            a.sink_pages <= QSA_ATTR_SINK_PAGES_MAX && a.recent_pages >= QSA_ATTR_RECENT_PAGES_MIN &&
            a.recent_pages <= QSA_ATTR_RECENT_PAGES_MAX && a.group_reduce >= 0 &&
            a.group_reduce < QSA_NUM_GROUP_REDUCTIONS && a.sub_page_size >= QSA_ATTR_SUB_PAGE_SIZE_MIN &&

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "qsa_launch.h"
+#include "qsa_math.h"  // the element math (cold decode, sub-page bounds), shared with the CPU node
 
 // A block's dynamic shared memory. Under g++ (plugins/emulation) `extern` and
 // `static` cannot combine, so the emulator hands out the block's buffer instead.
@@ -111,10 +112,7 @@ __host__ __device__ inline ScaleView scale_view(const void* scale, int32_t token
 template <int CF>
 __device__ __forceinline__ float cold_value(const void* pool, size_t row, int D, int dd) {
     if constexpr (CF == kColdInt4) {
-        const int half = D >> 1;
-        const bool high = dd >= half;
-        const uint8_t b = static_cast<const uint8_t*>(pool)[row * half + (high ? dd - half : dd)];
-        return float(high ? b >> 4 : b & 15);
+        return qsa_math::int4_level(static_cast<const uint8_t*>(pool) + row * size_t(D >> 1), D, dd);
     } else {
         return float(static_cast<const int8_t*>(pool)[row * D + dd]);
     }
@@ -134,13 +132,11 @@ __device__ __forceinline__ float cold_v(const QsaForwardParams& p, const ScaleVi
                                         size_t row, int off, int D, int dd) {
     const float q = cold_value<CF>(p.value_cache_int8, row, D, dd);
     if constexpr (CF == kColdInt4) {
-        return __fadd_rn(__fmul_rn(q, vsv.at<CF>(page_head, off, dd)), vsv.min_at<CF>(page_head, off, dd));
+        return qsa_math::int4_value(q, vsv.at<CF>(page_head, off, dd), vsv.min_at<CF>(page_head, off, dd));
     } else {
-        return q * vsv.at<CF>(page_head, off, dd);
+        return qsa_math::int8_value(q, vsv.at<CF>(page_head, off, dd));
     }
 }
-
-constexpr float kInvLevels = 1.0f / 15.0f;  // fine_bounds.INV_LEVELS: float32(1/15)
 
 // Cold key of channel dd, row `row` (as cold_value), of physical page `page` and KV head h, as
 // float. INT8: q * scale. INT4 (format 3): the nibble q in [0, 15] between lo and hi,
@@ -161,15 +157,11 @@ __device__ __forceinline__ float cold_key(const QsaForwardParams& p, const Scale
             const int r = ps / sp;
             const uint8_t code = static_cast<const uint8_t*>(
                 p.key_sub_bounds)[((size_t(page) * p.dims.num_kv_heads + h) * r + off / sp) * D + dd];
-            const float pstep = __fmul_rn(__fsub_rn(hi, lo), kInvLevels);
-            const float sub_lo = __fadd_rn(lo, __fmul_rn(float(code & 15), pstep));
-            hi = __fsub_rn(hi, __fmul_rn(float(code >> 4), pstep));
-            lo = sub_lo;
+            qsa_math::sub_bounds(lo, hi, code, &lo, &hi);
         }
-        const float step = __fmul_rn(__fsub_rn(hi, lo), kInvLevels);
-        return fminf(__fadd_rn(lo, __fmul_rn(cold_value<CF>(p.key_cache_int8, row, D, dd), step)), hi);
+        return qsa_math::int4_key(cold_value<CF>(p.key_cache_int8, row, D, dd), lo, qsa_math::level_step(lo, hi), hi);
     } else {
-        return cold_value<CF>(p.key_cache_int8, row, D, dd) * ksv.at<CF>(page_head, off, dd);
+        return qsa_math::int8_value(cold_value<CF>(p.key_cache_int8, row, D, dd), ksv.at<CF>(page_head, off, dd));
     }
 }
 

@@ -2,8 +2,9 @@
  *
  * Plain C (no CUDA, no TensorRT types) so that three consumers share it:
  * the TensorRT plugin (plugins/tensorrt/), the Python harness via ctypes
- * (tinyserve_trt/cuda/library.py mirrors these structs; a CPU test compiles
- * this header with the host C compiler and checks every offset), and tests.
+ * (tinyserve_trt/cuda/library.py builds its structs from cuda/launch_abi.py, which
+ * also generates the C ones; a CPU test compiles this header with the host C
+ * compiler and checks every offset), and tests.
  *
  * Layouts (row-major, named dims as in tinyserve_trt/ops/schema.py):
  *   query [B, H, S, D]   key/value [B, Hkv, S, D]   output [B, H, S, D]
@@ -88,84 +89,9 @@ typedef enum QsaDtype { QSA_DTYPE_FLOAT32 = 0, QSA_DTYPE_FLOAT16 = 1 } QsaDtype;
 /* Upper bound of split-K partitions per (sequence, query head). */
 #define QSA_MAX_SPLITS 64
 
-typedef struct QsaDims {
-    int32_t batch;          /* B */
-    int32_t num_heads;      /* H */
-    int32_t num_kv_heads;   /* Hkv; H % Hkv == 0 */
-    int32_t new_tokens;     /* S; S == 1 is a decode step (selection applies) */
-    int32_t head_dim;       /* D <= QSA_MAX_HEAD_DIM */
-    int32_t num_pages;      /* P: hot pool pages */
-    int32_t page_size;      /* ps */
-    int32_t table_width;    /* NP */
-    int32_t num_meta_pages; /* Ptot: rows of key_min/key_max (>= P) */
-    int32_t sub_pages;      /* r: sub-pages per page in key_sub_bounds; 0 without it (sizes the workspace) */
-} QsaDims;
-
-typedef struct QsaAttrs {
-    float scale;          /* 0: 1/sqrt(D) */
-    int32_t policy;       /* QSA_POLICY_* */
-    int32_t sink_pages;
-    int32_t recent_pages;
-    int32_t group_reduce; /* QSA_GROUP_REDUCE_* */
-    int32_t sub_page_size; /* two-level sub-page tokens; 0 (or ps) = single-level */
-    float candidate_share; /* two-level: share of a sequence's pages kept as candidates, in [0, 1] */
-} QsaAttrs;
-
-/* Shape of the cold tier. num_pages is 0 when the cold pointers are NULL
- * (the rest is then not read). Only the forward call has one: append writes
- * hot pages only. */
-typedef struct QsaColdDims {
-    int32_t num_pages;            /* Pcold: pages of each cold pool (>= 1 with a cold tier) */
-    int32_t key_scale_tokens;     /* Tk: 1 or ps */
-    int32_t key_scale_channels;   /* Ck: 1 or D (int4: 1 or D / a power of two) */
-    int32_t value_scale_tokens;   /* Tv: 1 or ps */
-    int32_t value_scale_channels; /* Cv: as Ck (int4: 2C, scales then mins) */
-    int32_t format;               /* QSA_COLD_FORMAT_INT8 (0) or QSA_COLD_FORMAT_INT4 */
-} QsaColdDims;
-
-typedef struct QsaForwardParams {
-    QsaDims dims;
-    QsaAttrs attrs;
-    int32_t dtype;      /* QsaDtype of every float tensor */
-    int32_t num_splits; /* decode split-K partitions; 0 = choose from dims and the SM count */
-    int32_t selected_pages_elem_size; /* 1 (bool/uint8) or 4 (int32) */
-    QsaColdDims cold;   /* read only when the cold pointers are set */
-    const void* query;
-    const void* key;
-    const void* value;
-    const void* key_cache;
-    const void* value_cache;
-    const void* key_min;
-    const void* key_max;
-    const int32_t* page_table;
-    const int32_t* past_lens;
-    const int32_t* token_budget;
-    const void* key_cache_int8;   /* int8 [Pcold, Hkv, ps, D] (int4: uint8 [.., D/2]); NULL = no cold tier */
-    const void* value_cache_int8; /* as key_cache_int8 */
-    const void* key_scale;        /* float32 [Pcold, Hkv, Tk, Ck] (int4: float16) */
-    const void* value_scale;      /* float32 [Pcold, Hkv, Tv, Cv] (int4: float16) */
-    const void* key_sub_bounds;   /* uint8 [Ptot, Hkv, r, D]; read by two-level decode and (INT4) cold keys */
-    void* output;
-    void* selected_pages; /* may be NULL */
-    int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */
-} QsaForwardParams;
-
-/* Writes S new tokens' K/V into their page slots (slot = past_lens[b] + i,
- * page = page_table[b, slot / ps]) and recomputes key_min/key_max of every
- * page it touched from the page's valid keys. Does not change past_lens. */
-typedef struct QsaAppendParams {
-    QsaDims dims; /* num_heads and num_meta_pages are not read */
-    int32_t dtype;
-    const void* key;   /* [B, Hkv, S, D] */
-    const void* value; /* [B, Hkv, S, D] */
-    void* key_cache;
-    void* value_cache;
-    void* key_min;
-    void* key_max;
-    const int32_t* page_table;
-    const int32_t* past_lens;
-    int32_t* error_flags; /* QSA_FLAG_* bits, or NULL */
-} QsaAppendParams;
+/* QsaDims, QsaAttrs, QsaColdDims, QsaForwardParams, QsaAppendParams: generated from
+ * tinyserve_trt/cuda/launch_abi.py, which cuda/library.py builds its ctypes mirror from. */
+#include "../generated/qsa_launch_structs.h"
 
 /* Bytes of scratch qsa_forward needs for these dims; sized for the largest
  * split count it may choose, so a plugin can size it once from max dims. */

@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                 const int dd = lane + 32 * e;
                 pmin[e] = (ok && dd < D) ? to_f(kmin[page_head * D + dd]) : 0.f;
                 pmax[e] = (ok && dd < D) ? to_f(kmax[page_head * D + dd]) : 0.f;
-                step[e] = __fmul_rn(__fsub_rn(pmax[e], pmin[e]), kInvLevels);
+                step[e] = qsa_math::level_step(pmin[e], pmax[e]);
             }
             for (int j = 0; j < r; ++j) {
                 const uint8_t* row = codes + (page_head * r + j) * D;
@@ -127,9 +127,9 @@ __global__ void __launch_bounds__(kSelectThreads)
 #pragma unroll
                 for (int e = 0; e < kMaxEptMeta; ++e) {
                     const int dd = lane + 32 * e;
-                    const int code = (ok && dd < D) ? int(row[dd]) : 0;
-                    lo[e] = __fadd_rn(pmin[e], __fmul_rn(float(code & 15), step[e]));
-                    hi[e] = __fsub_rn(pmax[e], __fmul_rn(float(code >> 4), step[e]));
+                    const uint8_t code = (ok && dd < D) ? row[dd] : uint8_t(0);
+                    lo[e] = qsa_math::sub_lo(pmin[e], qsa_math::code_lo(code), step[e]);
+                    hi[e] = qsa_math::sub_hi(pmax[e], qsa_math::code_hi(code), step[e]);
                 }
                 const float s = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
                 if (lane == 0) fine[c * r + j] = ok ? s + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0

@@ -2,7 +2,6 @@
 // Names, types, ranges and defaults all come from the generated schema header.
 #include "QueryAwareSparseAttentionPlugin.h"
 
-#include <cstring>
 #include <exception>
 #include <string>
 
@@ -18,14 +17,10 @@ char const* const kColdFormatNames[] = QSA_COLD_FORMAT_NAMES;
 QsaAttrs defaultAttrs() {
     QsaAttrs a{};
     a.scale = QSA_ATTR_SCALE_DEFAULT;
-    a.policy = -1;
-    for (int i = 0; i < QSA_NUM_POLICIES; ++i)
-        if (std::strcmp(kPolicyNames[i], QSA_ATTR_POLICY_DEFAULT) == 0) a.policy = i;
+    a.policy = QSA_ATTR_POLICY_DEFAULT_INDEX;
     a.sink_pages = QSA_ATTR_SINK_PAGES_DEFAULT;
     a.recent_pages = QSA_ATTR_RECENT_PAGES_DEFAULT;
-    a.group_reduce = -1;
-    for (int i = 0; i < QSA_NUM_GROUP_REDUCTIONS; ++i)
-        if (std::strcmp(kGroupReduceNames[i], QSA_ATTR_GROUP_REDUCE_DEFAULT) == 0) a.group_reduce = i;
+    a.group_reduce = QSA_ATTR_GROUP_REDUCE_DEFAULT_INDEX;
     a.sub_page_size = QSA_ATTR_SUB_PAGE_SIZE_DEFAULT;
     a.candidate_share = QSA_ATTR_CANDIDATE_SHARE_DEFAULT;
     return a;
@@ -80,9 +75,7 @@ PluginFieldType fieldType(int schemaType) noexcept {
 bool parseFields(PluginFieldCollection const* fc, QsaAttrs& attrs, int32_t& coldFormat, std::string& error) noexcept {
     try {
         attrs = defaultAttrs();
-        coldFormat = -1;
-        for (int i = 0; i < QSA_NUM_COLD_FORMATS; ++i)
-            if (std::strcmp(kColdFormatNames[i], QSA_ATTR_COLD_FORMAT_DEFAULT) == 0) coldFormat = i;
+        coldFormat = QSA_ATTR_COLD_FORMAT_DEFAULT_INDEX;
         if (fc == nullptr) return true;
         for (int32_t i = 0; i < fc->nbFields; ++i) {
             PluginField const& f = fc->fields[i];

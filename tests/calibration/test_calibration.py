@@ -186,6 +186,56 @@ def test_replayed_selection_is_the_ops():
         np.testing.assert_array_equal(sel[i, 0, :, :n], ref[0])
 
 
+def _ref_selection(q, k, t, page_size, budget, attrs):
+    """The numpy reference op's ``selected_pages [Hkv, n]`` at decode position ``t`` of one layer
+    (``q [1, H, T, D]``, ``k [1, Hkv, T, D]``), its page metadata computed as a pool writes it."""
+    from tinyserve_trt.ops import sparse_attention_ref
+    from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+
+    ps, hkv, d = page_size, k.shape[1], k.shape[-1]
+    n = -(-t // ps)
+    pages = np.zeros((n * ps, hkv, d), np.float32)
+    pages[:t] = np.swapaxes(k[0, :, :t], 0, 1)
+    cache = np.transpose(pages.reshape(n, ps, hkv, d), (0, 2, 1, 3)).copy()  # [n, Hkv, ps, D]
+    kmin = np.stack([np.swapaxes(k[0, :, j * ps:min(t, (j + 1) * ps)], 0, 1).min(0) for j in range(n)])
+    kmax = np.stack([np.swapaxes(k[0, :, j * ps:min(t, (j + 1) * ps)], 0, 1).max(0) for j in range(n)])
+    sub = None
+    if attrs.sub_page_size not in (0, ps):
+        valid = np.minimum(ps, t - np.arange(n) * ps)
+        sub = pages_sub_bounds(cache, attrs.sub_page_size, kmin, kmax, valid)
+    _, ref = sparse_attention_ref(q[:, :, t:t + 1], k[:, :, t:t + 1], k[:, :, t:t + 1], cache, cache, kmin, kmax,
+                                  np.arange(n, dtype=np.int32)[None], np.array([t], np.int32),
+                                  np.array([budget], np.int32), key_sub_bounds=sub, attrs=attrs)
+    return ref[0]
+
+
+def test_replayed_two_level_selection_is_the_ops():
+    """Two-level selection (the export's default) keeps sub-pages, not the coarse top pages: the
+    replay must make the op's choice. Failed while calibration ran single-level selection."""
+    rng = np.random.default_rng(5)
+    ps, T = 16, 200
+    q = rng.standard_normal((1, H, T, D)).astype(np.float32)
+    k = rng.standard_normal((1, HKV, T, D)).astype(np.float32)
+    attrs = schema.OpAttributes(sink_pages=1, recent_pages=1, sub_page_size=4, candidate_share=0.5)
+    positions = list(range(60, T, 7))
+    sel = replay_selection(q, k, positions, ps, 2 * ps, attrs)
+    single = replay_selection(q, k, positions, ps, 2 * ps, schema.OpAttributes(sink_pages=1, recent_pages=1))
+    for i, t in enumerate(positions):
+        n = -(-t // ps)
+        np.testing.assert_array_equal(sel[i, 0, :, :n], _ref_selection(q, k, t, ps, 2 * ps, attrs), err_msg=f"t={t}")
+    assert not np.array_equal(sel, single)  # the case tells the two rules apart
+
+
+def test_replayed_selection_keeps_dense_layers_dense():
+    """A package's leading ``dense_layers`` run the dense policy: every page is selected."""
+    rng = np.random.default_rng(6)
+    T = 40
+    q = rng.standard_normal((2, H, T, D)).astype(np.float32)
+    k = rng.standard_normal((2, HKV, T, D)).astype(np.float32)
+    sel = replay_selection(q, k, [30, 39], PS, PS, schema.OpAttributes(), dense_layers=1)
+    assert sel[:, 0, :, :-(-30 // PS)].all() and not sel[:, 1].all()
+
+
 class ScaledLayerSource(FakeSource):
     """FakeSource whose layer ``loud`` has K and V scaled up 50x: its INT4 cold pages carry 50x the
     absolute quantization error of the others, so it dominates the logits' change."""

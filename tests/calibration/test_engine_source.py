@@ -73,6 +73,33 @@ def test_engine_kv_and_selections_match_the_hf_source(engine_source, hf_dir, lla
     assert 0 < a.selected_pages[:, 1].sum(axis=-1).max() <= 16 // 4  # the budget selects, not everything
 
 
+def test_two_level_package_selections_match_the_hf_replay(hf_dir, tmp_path_factory):
+    """A two-level package (page 8, sub-pages of 4): the op's selections in the engine equal the HF
+    source's replay with the package's sub-page size and dense layers (calibration observes the
+    selection the op makes; the replay ran single level before)."""
+    from tests.tiny_models import build_package
+    from tinyserve_trt.calibration.hf_source import HFSource
+    from tinyserve_trt.calibration.source import make_source
+
+    _, pkg = build_package("llama", tmp_path_factory.mktemp("two-level"), page_size=8, sub_page_size=4)
+    manifest = json.loads((pkg / "tinyserve.json").read_text())
+    assert (manifest["page_size"], manifest["sub_page_size"], manifest["dense_layers"]) == (8, 4, 1)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 250, 150)]  # 19 pages, 5 in the budget
+    src = make_source("engine", str(pkg), decode_steps=4, threads=1, token_budget=40)
+    try:
+        a = src.observe(prompt)
+        settings = src.op_settings()
+    finally:
+        src.close()
+    hf = HFSource(str(hf_dir), page_size=8, token_budget=40, decode_steps=4,
+                  sub_page_size=settings["sub_page_size"], dense_layers=settings["dense_layers"])
+    b = hf.observe(prompt)
+    assert a.selected_pages.shape == b.selected_pages.shape
+    np.testing.assert_array_equal(a.selected_pages, b.selected_pages)
+    single = HFSource(str(hf_dir), page_size=8, token_budget=40, decode_steps=4, dense_layers=1).observe(prompt)
+    assert not np.array_equal(single.selected_pages, b.selected_pages)  # the case tells the rules apart
+
+
 def test_next_token_logits_read_the_transformed_pool(engine_source, llama):
     """No transform: the logits the engine serves with (LLM's greedy second token after its first);
     an identity transform changes nothing; zeroing the values changes the logits (the pool's pages

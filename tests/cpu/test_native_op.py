@@ -231,8 +231,23 @@ def test_node_builder_refuses_what_the_kernel_cannot_run():
 
     with pytest.raises(ValueError, match="policy"):
         make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(policy="window"))
-    with pytest.raises(ValueError, match="takes 11 inputs"):
+    with pytest.raises(ValueError, match="takes 15 inputs"):  # key_sub_bounds at its schema position
         make_decode_node(list(input_names(False)), ["out"], schema.OpAttributes(sub_page_size=4))
+
+
+def test_node_inputs_sit_at_the_schema_positions():
+    """Optional inputs never shift: the native node, the op node and the generated header agree on
+    every position (version 1 had key_sub_bounds at 10 and the cold tier after it)."""
+    from tinyserve_trt.cpu.node import VERSION
+
+    assert VERSION == 2
+    for two_level in (False, True):
+        for cold in (False, True):
+            names = input_names(two_level, cold)
+            assert names == schema.node_input_names(cold_pages=cold, two_level=two_level)
+            for i, n in enumerate(names):
+                assert n in ("", schema.INPUT_NAMES[i])
+    assert input_names(True, False).index("key_sub_bounds") == schema.INPUT_NAMES.index("key_sub_bounds") == 14
 
 
 def test_shape_errors_are_one_line(rng):

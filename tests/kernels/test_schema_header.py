@@ -1,5 +1,6 @@
 """The C++ side reads the op definition from a header generated from schema.py (STYLE principle 7)."""
 
+import dataclasses
 import re
 
 from tinyserve_dev import schema_header
@@ -9,8 +10,50 @@ from .conftest import ROOT
 
 
 def test_generated_header_is_up_to_date():
-    assert schema_header.HEADER_PATH.read_text() == schema_header.render(), \
-        "plugins/generated/qsa_schema.h is stale: run `python -m tinyserve_dev.schema_header`"
+    # the plugin/kernels' schema header, the CPU node's copy (shipped), the launch structs
+    for path, text in schema_header.generated().items():
+        assert path.read_text() == text, \
+            f"{path.relative_to(ROOT)} is stale: run `python -m tinyserve_dev.schema_header`"
+    assert schema_header.main(["--check"]) == 0
+
+
+def test_moving_an_input_or_changing_a_default_changes_the_header(monkeypatch):
+    """The schema is the one place to edit: the header every C++ consumer includes follows it."""
+    before = schema_header.render()
+    inputs = list(schema.INPUTS)
+    sub = inputs.pop(schema.INPUT_NAMES.index("key_sub_bounds"))
+    inputs.insert(schema.NUM_REQUIRED_INPUTS, sub)  # version 1 of the CPU node's order
+    monkeypatch.setattr(schema, "INPUTS", tuple(inputs))
+    monkeypatch.setattr(schema, "INPUT_NAMES", tuple(t.name for t in inputs))
+    moved = schema_header.render()
+    assert "#define QSA_IN_KEY_SUB_BOUNDS 10\n" in moved and "#define QSA_IN_KEY_CACHE_INT8 11\n" in moved
+    assert "#define QSA_FIRST_COLD_INPUT 11\n" in moved
+    assert '"token_budget", "key_sub_bounds", "key_cache_int8"' in moved
+    monkeypatch.undo()
+    attrs = [dataclasses.replace(a, default=3) if a.name == "sink_pages" else a for a in schema.ATTRIBUTES]
+    monkeypatch.setattr(schema, "ATTRIBUTES", tuple(attrs))
+    changed = schema_header.render()
+    assert "#define QSA_ATTR_SINK_PAGES_DEFAULT 3\n" in changed and changed != before
+    monkeypatch.undo()
+    assert schema_header.render() == before
+
+
+def _code(paths) -> str:
+    return "\n".join(re.sub(r"//[^\n]*", "", p.read_text()) for p in paths)  # comments may name things
+
+
+def test_cpu_node_reads_positions_names_and_defaults_from_the_header():
+    """No C++ of the CPU node spells an input position, attribute name or default itself."""
+    csrc = ROOT / "tinyserve_trt" / "cpu" / "csrc"
+    src = _code(p for p in sorted(csrc.iterdir()) if p.suffix in (".h", ".cpp") and p.name != "qsa_schema.h"
+                and p.name != "qsa_append.cpp")  # the append kernel has its own (non-op) inputs
+    assert not re.findall(r"\bin\[\d+\]", src), "an input indexed by a number: use QSA_IN_*"
+    for a in schema.ATTRIBUTES:
+        assert f'"{a.name}"' not in src, f"{a.name!r} hard-coded in the CPU node; use QSA_ATTR_*_NAME"
+        assert f"QSA_ATTR_{a.name.upper()}_NAME" in src, f"the CPU node does not read attribute {a.name!r}"
+    for t in schema.INPUTS:
+        assert f'"{t.name}"' not in src, f"input name {t.name!r} hard-coded; use QSA_INPUT_NAMES"
+    assert "QSA_INPUT_NAMES" in src and "QSA_ATTR_SINK_PAGES_DEFAULT" in src
 
 
 def test_header_lists_every_attribute_in_schema_order():
@@ -38,3 +81,33 @@ def test_policy_enum_values_match_schema_order():
         assert f"#define QSA_POLICY_{name.upper()} {i}" in text
     for i, name in enumerate(schema.GROUP_REDUCTIONS):
         assert f"#define QSA_GROUP_REDUCE_{name.upper()} {i}" in text
+
+
+def test_launch_structs_are_generated_from_the_ctypes_definition():
+    """qsa_launch.h types no struct itself; the ctypes mirror and the C structs share launch_abi."""
+    from tinyserve_trt.cuda import launch_abi, library
+
+    launch = _code([ROOT / "plugins" / "kernels" / "qsa_launch.h"])
+    assert "typedef struct" not in re.sub(r"/\*.*?\*/", "", launch, flags=re.S)
+    assert '#include "../generated/qsa_launch_structs.h"' in launch
+    text = schema_header.render_launch_structs()
+    for struct in launch_abi.STRUCTS:
+        cls = getattr(library, struct.name)
+        assert [n for n, _ in cls._fields_] == [f.name for f in struct.fields]
+        assert f"typedef struct {struct.name} {{" in text
+
+
+def test_cold_and_bound_decode_exist_once_per_language():
+    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (CUDA kernels,
+    their emulation and the CPU node include it; the CPU node's copy is checked above): no other
+    C++ source extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
+    ops/fine_bounds.py."""
+    sources = [p for p in (*(ROOT / "plugins" / "kernels").iterdir(),
+                           *(ROOT / "tinyserve_trt" / "cpu" / "csrc").iterdir())
+               if p.suffix in (".h", ".cu", ".cuh", ".cpp") and p.name != "qsa_math.h"]
+    code = {p.name: re.sub(r"/\*.*?\*/", "", _code([p]), flags=re.S) for p in sources}  # no comments
+    for name, text in code.items():
+        for pattern in (r"&\s*15\b", r">>\s*4\b", r"1(\.0f?)?\s*/\s*(15|kLevels)", r"__f(mul|add|sub)_rn\([^)]*kInv"):
+            assert not re.search(pattern, text), f"{name} decodes itself ({pattern!r}): call qsa_math.h"
+    assert "qsa_math::" in code["qsa_common.cuh"] and "qsa_math::" in code["qsa_cold.h"]
+    assert "qsa_math::" in code["qsa_select_two_level.cu"] and "qsa_math::" in code["qsa_decode_math.h"]

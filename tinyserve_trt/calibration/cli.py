@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(fixed, decode_steps=cfg.decode_steps)
     if kind == "engine" and args.threads is not None:
         options["threads"] = args.threads
+    if kind == "hf":  # replayed selection: two-level and dense layers as the package's op would run
+        options.update(sub_page_size=cfg.sub_page_size, dense_layers=cfg.dense_layers)
     try:
         source = make_source(kind, args.model_dir, **options)
         # the op settings the source observes under (a package's are fixed at export)

@@ -1,8 +1,11 @@
 """Build ``tinyserve.cpu::QueryAwareSparseAttentionDecode`` nodes: the op's decode step, native.
 
-The node takes the schema's required inputs in schema order, then ``key_sub_bounds`` (two-level;
-"" when single-level with cold pages), then - with cold pages - the four cold inputs in schema order;
-its attributes are the schema's (``schema.OpAttributes``), ``cold_format`` only with cold pages.
+The node's inputs are the op's, at the op's positions (``schema.node_input_names``: the required
+ones, then the four cold inputs - "" when a two-level node has no cold pages - then
+``key_sub_bounds``); the C++ reads the positions from the generated ``csrc/qsa_schema.h``. Its
+attributes are the schema's (``schema.OpAttributes``), ``cold_format`` only with cold pages.
+``VERSION`` 2: version 1 put ``key_sub_bounds`` before the cold inputs (a package exported with
+it fails at session creation or its first decode step: re-export it).
 It runs only in an ORT session whose options went through ``native.register``. S must be 1:
 an exporter puts it in the decode branch of an ``If``, the function body in the other.
 """
@@ -12,17 +15,13 @@ from __future__ import annotations
 from ..ops import schema
 from .native import DOMAIN, OP_TYPE
 
-VERSION = 1
+VERSION = 2  # 2: the schema's input positions (1 had key_sub_bounds at 10, the cold tier after it)
 POLICIES = ("query_aware", "dense")  # the selection policies the kernel implements
 
 
 def input_names(two_level: bool, cold_pages: bool = False) -> tuple[str, ...]:
-    """The node's inputs: the schema's required ones, then ``key_sub_bounds`` when two-level, then
-    the cold inputs (``schema.COLD_INPUTS``) with cold pages."""
-    names = schema.INPUT_NAMES[:schema.NUM_REQUIRED_INPUTS]
-    if two_level or cold_pages:
-        names += schema.TWO_LEVEL_INPUTS if two_level else ("",)
-    return names + (schema.COLD_INPUTS if cold_pages else ())
+    """The node's inputs: the op's own (``schema.node_input_names``), "" for a skipped one."""
+    return schema.node_input_names(cold_pages=cold_pages, two_level=two_level)
 
 
 def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttributes | None = None,

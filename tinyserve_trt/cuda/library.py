@@ -1,8 +1,8 @@
 """ctypes view of ``libqsa_kernels.so`` (plugins/kernels/qsa_launch.h).
 
-The structs below mirror the C header field by field;
-``tests/kernels/test_launch_abi.py`` compiles the header with the host C
-compiler and checks every offset, so a change on one side fails on CPU.
+The structs below are built from ``launch_abi.py``, the definition the C header's
+structs are generated from; ``tests/kernels/test_launch_abi.py`` still compiles the
+header with the host C compiler and checks every offset.
 Loading the library needs no GPU; calling it does.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..ops import schema
+from . import launch_abi
 
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"  # a checkout's build
 # The same kernel sources built by g++ against plugins/emulation (host memory, no GPU).
@@ -30,42 +31,28 @@ POLICY_IDS = {name: i for i, name in enumerate(schema.POLICIES)}
 GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
 COLD_FORMAT_IDS = {name: i for i, name in enumerate(schema.COLD_FORMATS)}
 
+# ctypes mirrors of qsa_launch.h's structs, built from the definition the C ones are generated from
+# (launch_abi.py -> plugins/generated/qsa_launch_structs.h): no field is typed twice.
 _i32, _f32, _vp = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+_SCALARS = {"int32_t": _i32, "float": _f32}
+_STRUCTS: dict[str, type[ctypes.Structure]] = {}
 
 
-class QsaDims(ctypes.Structure):
-    _fields_ = [("batch", _i32), ("num_heads", _i32), ("num_kv_heads", _i32), ("new_tokens", _i32),
-                ("head_dim", _i32), ("num_pages", _i32), ("page_size", _i32), ("table_width", _i32),
-                ("num_meta_pages", _i32), ("sub_pages", _i32)]
+def _ctype(ctype: str):
+    if ctype.endswith("*"):
+        return ctypes.c_void_p
+    return _SCALARS.get(ctype) or _STRUCTS[ctype]
 
 
-class QsaAttrs(ctypes.Structure):
-    _fields_ = [("scale", _f32), ("policy", _i32), ("sink_pages", _i32), ("recent_pages", _i32),
-                ("group_reduce", _i32), ("sub_page_size", _i32), ("candidate_share", _f32)]
+for _s in launch_abi.STRUCTS:
+    _STRUCTS[_s.name] = type(_s.name, (ctypes.Structure,), {
+        "_fields_": [(f.name, _ctype(f.ctype)) for f in _s.fields], "__doc__": _s.doc, "__module__": __name__})
+QsaDims, QsaAttrs, QsaColdDims = _STRUCTS["QsaDims"], _STRUCTS["QsaAttrs"], _STRUCTS["QsaColdDims"]
+QsaForwardParams, QsaAppendParams = _STRUCTS["QsaForwardParams"], _STRUCTS["QsaAppendParams"]
 
-
-class QsaColdDims(ctypes.Structure):
-    _fields_ = [("num_pages", _i32), ("key_scale_tokens", _i32), ("key_scale_channels", _i32),
-                ("value_scale_tokens", _i32), ("value_scale_channels", _i32), ("format", _i32)]
-
-
-FORWARD_POINTERS = ("query", "key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table",
-                    "past_lens", "token_budget", "key_cache_int8", "value_cache_int8", "key_scale", "value_scale",
-                    "key_sub_bounds", "output", "selected_pages", "error_flags")
+FORWARD_POINTERS = launch_abi.pointer_fields(launch_abi.QSA_FORWARD_PARAMS)
 COLD_POINTERS = schema.COLD_INPUTS  # key_cache_int8, value_cache_int8, key_scale, value_scale
-
-
-class QsaForwardParams(ctypes.Structure):
-    _fields_ = [("dims", QsaDims), ("attrs", QsaAttrs), ("dtype", _i32), ("num_splits", _i32),
-                ("selected_pages_elem_size", _i32), ("cold", QsaColdDims)] + [(n, _vp) for n in FORWARD_POINTERS]
-
-
-APPEND_POINTERS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "page_table", "past_lens",
-                   "error_flags")
-
-
-class QsaAppendParams(ctypes.Structure):
-    _fields_ = [("dims", QsaDims), ("dtype", _i32)] + [(n, _vp) for n in APPEND_POINTERS]
+APPEND_POINTERS = launch_abi.pointer_fields(launch_abi.QSA_APPEND_PARAMS)
 
 
 class KernelError(RuntimeError):

@@ -46,7 +46,7 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
     Two-level (``attrs.sub_page_size`` not 0 or ps): ``selected_pages`` marks a
     page when any of its sub-pages is attended."""
     attrs = attrs or schema.OpAttributes()
-    policy = get_policy(attrs.policy)
+    get_policy(attrs.policy)  # an unregistered policy fails before any work
     B, H, S, D = query.shape
     Hkv = key.shape[1]
     if H % Hkv:
@@ -78,21 +78,10 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
             keys = np.concatenate([k for k, _ in kv])[:past] if kv else np.zeros((0, D))
             vals = np.concatenate([v for _, v in kv])[:past] if kv else np.zeros((0, D))
             q = query[b, h * G:(h + 1) * G].astype(np.float64)  # [G, S, D]
-            if S == 1 and policy.selects and n > 0:
-                per_head = policy.score_ref(q[:, 0], key_min[pages, h].astype(np.float64),
-                                            key_max[pages, h].astype(np.float64), keys,
-                                            key[b, h, 0].astype(np.float64), ps, scale)
-                coarse = reduce_group(per_head, attrs.group_reduce)
-                if sp == ps:
-                    keep = select_pages(coarse, int(token_budget[b]), ps, attrs.sink_pages, attrs.recent_pages)
-                else:
-                    lo, hi = fine_bounds.decode(key_sub_bounds[pages, h], key_min[pages, h], key_max[pages, h])
-                    fine = reduce_group(policy.score_ref(q[:, 0], lo.reshape(-1, D).astype(np.float64),
-                                                         hi.reshape(-1, D).astype(np.float64), keys,
-                                                         key[b, h, 0].astype(np.float64), sp, scale),
-                                        attrs.group_reduce)
-                    keep = select_sub_pages(coarse, fine, past, int(token_budget[b]), ps, sp,
-                                            attrs.candidate_share, attrs.sink_pages, attrs.recent_pages)
+            if S == 1:
+                keep = decode_keep(q[:, 0], key_min[pages, h], key_max[pages, h], keys, key[b, h, 0], past,
+                                   int(token_budget[b]), ps, attrs, scale,
+                                   None if sp == ps else key_sub_bounds[pages, h])
             else:
                 keep = np.ones(n * (ps // sp), dtype=bool)
             selected[b, h, :n] = keep.reshape(n, ps // sp).any(axis=1)
@@ -107,6 +96,35 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
                     p = np.exp(logits - logits.max())
                     out[b, h * G + g, s] = (p / p.sum()) @ v_all[:visible]
     return out.astype(query.dtype), selected
+
+
+def decode_keep(q, page_min, page_max, keys, new_key, past: int, budget: int, page_size: int,
+                attrs: schema.OpAttributes, scale: float, sub_codes=None) -> np.ndarray:
+    """The op's decode-step selection for one sequence and KV head: kept units ``[n * r]`` (bool;
+    pages, or with ``sub_codes`` sub-pages of ``attrs.sub_page_size`` tokens, ``r = ps / sp``).
+
+    q: ``[G, D]`` the group's queries; page_min/page_max: ``[n, D]`` the pages' ``key_min/key_max``;
+    keys: ``[past, D]`` the cached keys the op attends (dequantized); new_key: ``[D]``; sub_codes:
+    ``[n, r, D]`` the pages' ``key_sub_bounds`` (None: single level). The one definition: the
+    reference and calibration's replay (``calibration/selection.py``) call it. Does not modify inputs.
+    """
+    policy = get_policy(attrs.policy)
+    n = page_min.shape[0]
+    sp = page_size if sub_codes is None else attrs.sub_page_size
+    if not policy.selects or n == 0:
+        return np.ones(n * (page_size // sp), dtype=bool)
+    q, keys, new_key = q.astype(np.float64), keys.astype(np.float64), new_key.astype(np.float64)
+    per_head = policy.score_ref(q, page_min.astype(np.float64), page_max.astype(np.float64), keys, new_key,
+                                page_size, scale)
+    coarse = reduce_group(per_head, attrs.group_reduce)
+    if sub_codes is None:
+        return select_pages(coarse, budget, page_size, attrs.sink_pages, attrs.recent_pages)
+    D = page_min.shape[-1]
+    lo, hi = fine_bounds.decode(sub_codes, page_min, page_max)
+    fine = reduce_group(policy.score_ref(q, lo.reshape(-1, D).astype(np.float64), hi.reshape(-1, D).astype(np.float64),
+                                         keys, new_key, sp, scale), attrs.group_reduce)
+    return select_sub_pages(coarse, fine, past, budget, page_size, sp, attrs.candidate_share, attrs.sink_pages,
+                            attrs.recent_pages)
 
 
 def page_min_max(keys: np.ndarray, valid: int | None = None) -> tuple[np.ndarray, np.ndarray]:

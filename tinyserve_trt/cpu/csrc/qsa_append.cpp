@@ -17,10 +17,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "qsa_math.h"
+
 namespace {
 
-constexpr int kLevels = 15;                                  // fine_bounds.LEVELS
-const float kInvLevels = static_cast<float>(1.0 / kLevels);  // fine_bounds.INV_LEVELS
+constexpr int kLevels = 15;  // fine_bounds.LEVELS
 
 enum Status : int { kOk = 0, kBadPage = 1, kBadOffset = 2, kSharedPage = 3, kOutsidePage = 4 };
 
@@ -33,7 +34,7 @@ __attribute__((optimize("no-trapping-math")))
 void first_codes(const float* smin, const float* smax, const float* kmin, const float* kmax, int64_t D,
                         int32_t* lo, int32_t* hi) {
   for (int64_t d = 0; d < D; ++d) {
-    const float step = (kmax[d] - kmin[d]) * kInvLevels;
+    const float step = qsa_math::level_step(kmin[d], kmax[d]);
     const bool pos = step > 0;
     const double s = pos ? static_cast<double>(step) : 1.0;
     double lo_c = std::floor((static_cast<double>(smin[d]) - static_cast<double>(kmin[d])) / s);
@@ -52,12 +53,10 @@ void first_codes(const float* smin, const float* smax, const float* kmin, const 
 // float32 decode (each product and sum rounded once) lands inside [smin, smax]. The caller has
 // checked kmin <= smin and smax <= kmax, so code 0 (the page bound) always ends it.
 inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float kmax) {
-  const float step = (kmax - kmin) * kInvLevels;
-  for (;;) {
-    const float lo_prod = static_cast<float>(lo) * step;
-    const float hi_prod = static_cast<float>(hi) * step;
-    const bool bad_lo = kmin + lo_prod > smin && lo > 0;
-    const bool bad_hi = kmax - hi_prod < smax && hi > 0;
+  const float step = qsa_math::level_step(kmin, kmax);
+  for (;;) {  // the decode is qsa_math's (fine_bounds.decode), as the op's readers compute it
+    const bool bad_lo = qsa_math::sub_lo(kmin, static_cast<float>(lo), step) > smin && lo > 0;
+    const bool bad_hi = qsa_math::sub_hi(kmax, static_cast<float>(hi), step) < smax && hi > 0;
     if (!(bad_lo || bad_hi)) break;
     lo -= bad_lo;
     hi -= bad_hi;

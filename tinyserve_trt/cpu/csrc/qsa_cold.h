@@ -1,7 +1,8 @@
 // Cold (quantized) K/V rows of the CPU decode op, dequantized as ops/cold_codec.py does: the
-// same float32 operations in the same order (this file builds with -ffp-contract=off), so a
-// cold row equals ColdCodec.dequantize / dequantize_keys bit for bit. The loops run per channel
-// group and per nibble plane so that the compiler vectorizes them.
+// element math is qsa_math.h's (the CUDA kernels' too), the same float32 operations in the same
+// order (this file builds with -ffp-contract=off), so a cold row equals ColdCodec.dequantize /
+// dequantize_keys bit for bit. The loops run per channel group and per nibble plane so that the
+// compiler vectorizes them.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "qsa_math.h"
 #include "qsa_problem.h"
 
 namespace qsa {
@@ -32,14 +34,12 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16 -> binary32, exact (s
   return f;
 }
 
-constexpr float kInvLevels = static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
-
 // The INT4 levels of a packed row as floats: channel j from the low nibble of byte j, j + D/2
 // from the high one.
 inline void unpack_levels(const uint8_t* row, int64_t D, float* q) {
   const int64_t half = D / 2;
-  for (int64_t j = 0; j < half; ++j) q[j] = static_cast<float>(row[j] & 15);
-  for (int64_t j = 0; j < half; ++j) q[half + j] = static_cast<float>(row[j] >> 4);
+  for (int64_t j = 0; j < half; ++j) q[j] = qsa_math::int4_low(row[j]);
+  for (int64_t j = 0; j < half; ++j) q[half + j] = qsa_math::int4_high(row[j]);
 }
 
 // out[d] = float(q[d]) * scale[d / (D / cols)]
@@ -47,7 +47,7 @@ inline void int8_row(const int8_t* q, const float* scale, int64_t cols, int64_t 
   const int64_t per = D / cols;
   for (int64_t c = 0; c < cols; ++c) {
     const float s = scale[c];
-    for (int64_t d = c * per; d < (c + 1) * per; ++d) out[d] = static_cast<float>(q[d]) * s;
+    for (int64_t d = c * per; d < (c + 1) * per; ++d) out[d] = qsa_math::int8_value(static_cast<float>(q[d]), s);
   }
 }
 
@@ -81,19 +81,13 @@ class ColdRows {
     const int64_t per = D / c.v_cols;
     for (int64_t t = first; t < last; ++t, ck += D, cv += D) {
       unpack_levels(static_cast<const uint8_t*>(c.kq) + (page * p_.ps + t) * (D / 2), D, q_.data());
-      for (int64_t d = 0; d < D; ++d) {  // k' = min(lo + q * step, hi)
-        const float q_step = q_[d] * step_[d];
-        ck[d] = std::min(lo_[d] + q_step, hi_[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) ck[d] = qsa_math::int4_key(q_[d], lo_[d], step_[d], hi_[d]);
       unpack_levels(static_cast<const uint8_t*>(c.vq) + (page * p_.ps + t) * (D / 2), D, q_.data());
       const uint16_t* s = static_cast<const uint16_t*>(c.vs) + (page * c.v_rows + (c.v_rows == 1 ? 0 : t)) * 2 * c.v_cols;
       for (int64_t g = 0; g < 2 * c.v_cols; ++g) vs_[g] = half_to_float(s[g]);  // [scales | mins]
       for (int64_t g = 0; g < c.v_cols; ++g) {  // v' = q * scale + vmin
         const float scale = vs_[g], vmin = vs_[c.v_cols + g];
-        for (int64_t d = g * per; d < (g + 1) * per; ++d) {
-          const float scaled = q_[d] * scale;
-          cv[d] = scaled + vmin;
-        }
+        for (int64_t d = g * per; d < (g + 1) * per; ++d) cv[d] = qsa_math::int4_value(q_[d], scale, vmin);
       }
     }
   }
@@ -106,13 +100,9 @@ class ColdRows {
     lo_.assign(kmin, kmin + D), hi_.assign(kmax, kmax + D), step_.resize(D);
     if (p_.sub) {  // fine_bounds.decode
       const uint8_t* code = p_.sub + ((id * p_.Hkv + h) * p_.r + t / p_.sp) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const float fine = (kmax[d] - kmin[d]) * kInvLevels;
-        const float lo_step = static_cast<float>(code[d] & 15) * fine, hi_step = static_cast<float>(code[d] >> 4) * fine;
-        lo_[d] = kmin[d] + lo_step, hi_[d] = kmax[d] - hi_step;
-      }
+      for (int64_t d = 0; d < D; ++d) qsa_math::sub_bounds(kmin[d], kmax[d], code[d], &lo_[d], &hi_[d]);
     }
-    for (int64_t d = 0; d < D; ++d) step_[d] = (hi_[d] - lo_[d]) * kInvLevels;  // fine_bounds.level_step
+    for (int64_t d = 0; d < D; ++d) step_[d] = qsa_math::level_step(lo_[d], hi_[d]);
   }
 
   const Problem& p_;

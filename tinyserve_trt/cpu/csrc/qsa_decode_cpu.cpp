@@ -11,9 +11,11 @@
 //
 // Inputs (schema order): query [B,H,1,D], key/value [B,Hkv,1,D], key_cache/value_cache
 // [P,Hkv,ps,D], key_min/key_max [Pm,Hkv,D], page_table [B,NP] int32, past_lens [B] int32,
-// token_budget [B] int32, optional key_sub_bounds [Ps,Hkv,r,D] uint8 (two-level), then
-// optionally the four cold-page inputs (schema order: key_cache_int8, value_cache_int8, key_scale,
-// value_scale; attribute cold_format), whose element types depend on the format.
+// token_budget [B] int32, then optionally the four cold-page inputs (key_cache_int8,
+// value_cache_int8, key_scale, value_scale; attribute cold_format), whose element types depend on
+// the format, then optionally key_sub_bounds [Ps,Hkv,r,D] uint8 (two-level). Positions, attribute
+// names, defaults and ranges are the schema's, from the generated qsa_schema.h (an omitted
+// optional input never shifts the ones after it).
 // Outputs: output [B,H,1,D], optional selected_pages [B,Hkv,NP] bool.
 //
 // Build with -ffp-contract=off (tinyserve_trt/cpu/native.py does): the sub-page bound
@@ -87,28 +89,47 @@ bool read_string(const OrtApi* api, const OrtKernelInfo* info, const char* name,
   return true;
 }
 
+// A numeric attribute outside the schema's range -> its one-line error, else "".
+template <typename T>
+std::string out_of_range(const char* name, T v, double lo, double hi) {
+  if (v >= lo && v <= hi) return "";  // NaN fails both
+  return std::string(name) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
+         std::to_string(v);
+}
+
 OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
-  qsa::Attrs a;
-  read_attr(api, api->KernelInfoGetAttribute_float, info, "scale", &a.scale);
-  read_attr(api, api->KernelInfoGetAttribute_int64, info, "sink_pages", &a.sink_pages);
-  read_attr(api, api->KernelInfoGetAttribute_int64, info, "recent_pages", &a.recent_pages);
-  read_attr(api, api->KernelInfoGetAttribute_int64, info, "sub_page_size", &a.sub_page_size);
-  read_attr(api, api->KernelInfoGetAttribute_float, info, "candidate_share", &a.candidate_share);
-  std::string policy = "query_aware", reduce = "max", cold = "int8";
-  read_string(api, info, "policy", &policy);
-  read_string(api, info, "group_reduce", &reduce);
-  read_string(api, info, "cold_format", &cold);
-  if (cold != "int8" && cold != "int4") return error(api, "cold_format must be int8 or int4, got '" + cold + "'");
-  a.cold_int4 = cold == "int4";
-  if (policy != "query_aware" && policy != "dense")
+  qsa::Attrs a;  // the schema's defaults (qsa_problem.h reads them from qsa_schema.h)
+  read_attr(api, api->KernelInfoGetAttribute_float, info, QSA_ATTR_SCALE_NAME, &a.scale);
+  read_attr(api, api->KernelInfoGetAttribute_int64, info, QSA_ATTR_SINK_PAGES_NAME, &a.sink_pages);
+  read_attr(api, api->KernelInfoGetAttribute_int64, info, QSA_ATTR_RECENT_PAGES_NAME, &a.recent_pages);
+  read_attr(api, api->KernelInfoGetAttribute_int64, info, QSA_ATTR_SUB_PAGE_SIZE_NAME, &a.sub_page_size);
+  read_attr(api, api->KernelInfoGetAttribute_float, info, QSA_ATTR_CANDIDATE_SHARE_NAME, &a.candidate_share);
+  std::string policy = QSA_ATTR_POLICY_DEFAULT, reduce = QSA_ATTR_GROUP_REDUCE_DEFAULT,
+              cold = QSA_ATTR_COLD_FORMAT_DEFAULT;
+  read_string(api, info, QSA_ATTR_POLICY_NAME, &policy);
+  read_string(api, info, QSA_ATTR_GROUP_REDUCE_NAME, &reduce);
+  read_string(api, info, QSA_ATTR_COLD_FORMAT_NAME, &cold);
+  static const char* const kColdFormats[] = QSA_COLD_FORMAT_NAMES;
+  static const char* const kPolicies[] = QSA_POLICY_NAMES;
+  static const char* const kReductions[] = QSA_GROUP_REDUCE_NAMES;
+  if (cold != kColdFormats[QSA_COLD_FORMAT_INT8] && cold != kColdFormats[QSA_COLD_FORMAT_INT4])
+    return error(api, "cold_format must be int8 or int4, got '" + cold + "'");
+  a.cold_int4 = cold == kColdFormats[QSA_COLD_FORMAT_INT4];
+  if (policy != kPolicies[QSA_POLICY_QUERY_AWARE] && policy != kPolicies[QSA_POLICY_DENSE])
     return error(api, "policy '" + policy + "' is not supported (query_aware, dense)");
-  if (reduce != "max" && reduce != "sum") return error(api, "group_reduce must be max or sum, got '" + reduce + "'");
-  if (!(a.scale >= 0.0f)) return error(api, "scale must be >= 0");
-  if (a.sink_pages < 0 || a.recent_pages < 1) return error(api, "sink_pages must be >= 0 and recent_pages >= 1");
-  if (a.sub_page_size < 0) return error(api, "sub_page_size must be >= 0");
-  if (!(a.candidate_share >= 0.0f && a.candidate_share <= 1.0f)) return error(api, "candidate_share must be in [0, 1]");
-  a.dense = policy == "dense";
-  a.reduce_sum = reduce == "sum";
+  if (reduce != kReductions[QSA_GROUP_REDUCE_MAX] && reduce != kReductions[QSA_GROUP_REDUCE_SUM])
+    return error(api, "group_reduce must be max or sum, got '" + reduce + "'");
+  for (const std::string& e :
+       {out_of_range(QSA_ATTR_SCALE_NAME, a.scale, QSA_ATTR_SCALE_MIN, INFINITY),
+        out_of_range(QSA_ATTR_SINK_PAGES_NAME, a.sink_pages, QSA_ATTR_SINK_PAGES_MIN, QSA_ATTR_SINK_PAGES_MAX),
+        out_of_range(QSA_ATTR_RECENT_PAGES_NAME, a.recent_pages, QSA_ATTR_RECENT_PAGES_MIN, QSA_ATTR_RECENT_PAGES_MAX),
+        out_of_range(QSA_ATTR_SUB_PAGE_SIZE_NAME, a.sub_page_size, QSA_ATTR_SUB_PAGE_SIZE_MIN,
+                     QSA_ATTR_SUB_PAGE_SIZE_MAX),
+        out_of_range(QSA_ATTR_CANDIDATE_SHARE_NAME, a.candidate_share, QSA_ATTR_CANDIDATE_SHARE_MIN,
+                     QSA_ATTR_CANDIDATE_SHARE_MAX)})
+    if (!e.empty()) return error(api, e);
+  a.dense = policy == kPolicies[QSA_POLICY_DENSE];
+  a.reduce_sum = reduce == kReductions[QSA_GROUP_REDUCE_SUM];
   if (a.dense && a.sub_page_size > 0) return error(api, "sub_page_size > 0 (two-level) needs policy query_aware");
   *kernel = new Kernel{api, a};
   return nullptr;
@@ -232,7 +253,11 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) {
 const char* op_name(const OrtCustomOp*) { return kOpName; }
 const char* op_provider(const OrtCustomOp*) { return nullptr; }
 int input_type(const OrtCustomOp*, size_t i) {  // the cold inputs: any type (checked against cold_format)
-  return i < 7 ? ORT_ELEM_FLOAT : i < 10 ? ORT_ELEM_INT32 : i == 10 ? ORT_ELEM_UINT8 : ORT_ELEM_UNDEFINED;
+  switch (i) {
+    case QSA_IN_PAGE_TABLE: case QSA_IN_PAST_LENS: case QSA_IN_TOKEN_BUDGET: return ORT_ELEM_INT32;
+    case QSA_IN_KEY_SUB_BOUNDS: return ORT_ELEM_UINT8;
+    default: return i < kNumRequired ? ORT_ELEM_FLOAT : ORT_ELEM_UNDEFINED;
+  }
 }
 size_t input_count(const OrtCustomOp*) { return kNumInputs; }
 int output_type(const OrtCustomOp*, size_t i) { return i == 0 ? ORT_ELEM_FLOAT : ORT_ELEM_BOOL; }

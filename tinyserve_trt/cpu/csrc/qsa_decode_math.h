@@ -172,7 +172,6 @@ class HeadStep {
   // Sub-page scores of the candidate pages' written, not forced sub-pages (into s_.cand).
   void fine_scores(int64_t written) {
     const int64_t D = p_.D, r = p_.r;
-    const float inv_levels = static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
     s_.fine.resize(n_ * r), s_.lo.resize(D), s_.hi.resize(D), s_.step.resize(D);
     s_.cand.clear();
     int64_t ahead = 0;  // the candidate page whose codes are being prefetched
@@ -186,7 +185,7 @@ class HeadStep {
       }
       const float *kmin = meta(p_.kmin, i), *kmax = meta(p_.kmax, i);
       // fine_bounds.decode: each product and sum rounds once (this file builds with -ffp-contract=off)
-      for (int64_t d = 0; d < D; ++d) s_.step[d] = (kmax[d] - kmin[d]) * inv_levels;
+      for (int64_t d = 0; d < D; ++d) s_.step[d] = qsa_math::level_step(kmin[d], kmax[d]);
       const uint8_t* codes = p_.sub + (pages_[i] * p_.Hkv + h_) * r * D;
       const int64_t nsub = std::min(r, written - i * r);
 #ifdef __AVX2__
@@ -200,10 +199,8 @@ class HeadStep {
         const uint8_t* c = codes + j * D;
         float s = 0.0f;
         for (int64_t d = 0; d < D; ++d) {
-          float lo_step = static_cast<float>(c[d] & 15) * s_.step[d];
-          float hi_step = static_cast<float>(c[d] >> 4) * s_.step[d];
-          s_.lo[d] = kmin[d] + lo_step;
-          s_.hi[d] = kmax[d] - hi_step;
+          s_.lo[d] = qsa_math::sub_lo(kmin[d], qsa_math::code_lo(c[d]), s_.step[d]);
+          s_.hi[d] = qsa_math::sub_hi(kmax[d], qsa_math::code_hi(c[d]), s_.step[d]);
         }
         for (int64_t g = 0; g < p_.G; ++g)
           s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
@@ -222,15 +219,14 @@ class HeadStep {
   // float32 rounding of the sums.
   void page_fine_scores(const float* kmin, const float* kmax, const uint8_t* codes, int64_t nsub, float* out) {
     const int64_t D = p_.D, C = D / kW;
-    const vf inv_levels = vf{} + static_cast<float>(1.0 / 15.0);  // fine_bounds.INV_LEVELS
     vf step[kMaxChunks], lo_c[kW][kMaxChunks], hi_c[kW][kMaxChunks];
-    for (int64_t c = 0; c < C; ++c) step[c] = (vload(kmax + c * kW) - vload(kmin + c * kW)) * inv_levels;
+    for (int64_t c = 0; c < C; ++c) step[c] = qsa_math::level_step(vload(kmin + c * kW), vload(kmax + c * kW));
     for (int64_t j = 0; j < nsub; ++j)
       for (int64_t c = 0; c < C; ++c) {
         // one vpmovzxbd (a generic vector conversion of 8 bytes compiled to 8 scalar inserts)
         const vi ci = vi(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * D + c * kW))));
-        lo_c[j][c] = __builtin_convertvector(ci & 15, vf);
-        hi_c[j][c] = __builtin_convertvector(ci >> 4, vf);
+        lo_c[j][c] = __builtin_convertvector(qsa_math::nibble_lo(ci), vf);
+        hi_c[j][c] = __builtin_convertvector(qsa_math::nibble_hi(ci), vf);
       }
     vf best = {};
     for (int64_t g = 0; g < p_.G; ++g) {

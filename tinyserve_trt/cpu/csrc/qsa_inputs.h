@@ -10,10 +10,14 @@
 
 #include "ort_abi.h"
 #include "qsa_problem.h"
+#include "qsa_schema.h"
 
 namespace qsa_inputs {
 
-constexpr size_t kNumInputs = 15, kNumRequired = 10, kFirstCold = 11;
+// Input positions are the schema's (qsa_schema.h, generated from ops/schema.py): optional inputs
+// never shift - the cold tier at QSA_FIRST_COLD_INPUT.., key_sub_bounds at QSA_IN_KEY_SUB_BOUNDS.
+constexpr size_t kNumInputs = QSA_NUM_INPUTS, kNumRequired = QSA_NUM_REQUIRED_INPUTS,
+                 kFirstCold = QSA_FIRST_COLD_INPUT, kEndCold = QSA_FIRST_COLD_INPUT + QSA_NUM_COLD_INPUTS;
 
 struct Tensor {
   const void* data = nullptr;
@@ -28,33 +32,30 @@ inline std::string shape_str(const std::vector<int64_t>& s) {
   return r + "]";
 }
 
-inline const char* const kInputNames[kNumInputs] = {"query", "key", "value", "key_cache", "value_cache", "key_min",
-                                             "key_max", "page_table", "past_lens", "token_budget",
-                                             "key_sub_bounds", "key_cache_int8", "value_cache_int8", "key_scale",
-                                             "value_scale"};
+inline const char* const kInputNames[kNumInputs] = QSA_INPUT_NAMES;
 
-// The cold inputs (11-14): all four or none, element types and shapes as ops/cold_codec.py
+// The cold inputs: all four or none, element types and shapes as ops/cold_codec.py
 // stores them; fills p->cold. Returns a one-line error, or "".
 inline std::string check_cold(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p) {
   int given = 0;
-  for (size_t i = kFirstCold; i < kNumInputs; ++i) given += in[i].data != nullptr;
+  for (size_t i = kFirstCold; i < kEndCold; ++i) given += in[i].data != nullptr;
   if (given == 0) return "";
   if (given != 4) return "cold pages need all of key_cache_int8, value_cache_int8, key_scale, value_scale";
   const bool int4 = a.cold_int4;
   const int q_type = int4 ? ORT_ELEM_UINT8 : ORT_ELEM_INT8, s_type = int4 ? ORT_ELEM_FLOAT16 : ORT_ELEM_FLOAT;
   const char* fmt = int4 ? "int4" : "int8";
-  for (size_t i = kFirstCold; i < kNumInputs; ++i) {
-    const int want = i < kFirstCold + 2 ? q_type : s_type;
+  for (size_t i = kFirstCold; i < kEndCold; ++i) {
+    const int want = i == QSA_IN_KEY_CACHE_INT8 || i == QSA_IN_VALUE_CACHE_INT8 ? q_type : s_type;
     if (in[i].type != want)
       return std::string(kInputNames[i]) + " has element type " + std::to_string(in[i].type) + ", cold_format " + fmt +
              " stores " + std::to_string(want);
     if (in[i].shape.size() != 4) return std::string(kInputNames[i]) + " must have rank 4, got " + shape_str(in[i].shape);
   }
   qsa::Cold& c = p->cold;
-  c.Pc = in[11].shape[0];
+  c.Pc = in[QSA_IN_KEY_CACHE_INT8].shape[0];
   if (int4 && p->D % 2) return "int4 cold pages need an even head dim, got " + std::to_string(p->D);
   const int64_t width = int4 ? p->D / 2 : p->D;
-  for (size_t i : {kFirstCold, kFirstCold + 1}) {
+  for (size_t i : {QSA_IN_KEY_CACHE_INT8, QSA_IN_VALUE_CACHE_INT8}) {
     const std::vector<int64_t> dims{c.Pc, p->Hkv, p->ps, width};
     if (in[i].shape != dims)
       return std::string(kInputNames[i]) + " has shape " + shape_str(in[i].shape) + ", expected " + shape_str(dims);
@@ -70,13 +71,25 @@ inline std::string check_cold(const Tensor* in, const qsa::Attrs& a, qsa::Proble
     return "";
   };
   std::string e;
-  if (!int4 && !(e = scale_dims(13, &c.k_rows, &c.k_cols, false)).empty()) return e;
-  if (int4 && (in[13].shape[0] != c.Pc || in[13].shape[1] != p->Hkv))
-    return "key_scale has shape " + shape_str(in[13].shape) + ", expected [" + std::to_string(c.Pc) + "," +
+  const Tensor& ks = in[QSA_IN_KEY_SCALE];
+  if (!int4 && !(e = scale_dims(QSA_IN_KEY_SCALE, &c.k_rows, &c.k_cols, false)).empty()) return e;
+  if (int4 && (ks.shape[0] != c.Pc || ks.shape[1] != p->Hkv))
+    return "key_scale has shape " + shape_str(ks.shape) + ", expected [" + std::to_string(c.Pc) + "," +
            std::to_string(p->Hkv) + ",1,1]";
-  if (!(e = scale_dims(14, &c.v_rows, &c.v_cols, int4)).empty()) return e;
-  c.kq = in[11].data, c.vq = in[12].data, c.ks = in[13].data, c.vs = in[14].data;
+  if (!(e = scale_dims(QSA_IN_VALUE_SCALE, &c.v_rows, &c.v_cols, int4)).empty()) return e;
+  c.kq = in[QSA_IN_KEY_CACHE_INT8].data, c.vq = in[QSA_IN_VALUE_CACHE_INT8].data, c.ks = ks.data,
+  c.vs = in[QSA_IN_VALUE_SCALE].data;
   return "";
+}
+
+// Rank of required input i (schema position).
+inline size_t required_rank(size_t i) {
+  switch (i) {
+    case QSA_IN_KEY_MIN: case QSA_IN_KEY_MAX: return 3;
+    case QSA_IN_PAGE_TABLE: return 2;
+    case QSA_IN_PAST_LENS: case QSA_IN_TOKEN_BUDGET: return 1;
+    default: return 4;  // query, key, value, key_cache, value_cache
+  }
 }
 
 // Checks every shape and index the math reads; returns a one-line error, or "" when valid.
@@ -85,29 +98,30 @@ inline std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p)
     if (in[i].shape == dims) return "";
     return std::string(kInputNames[i]) + " has shape " + shape_str(in[i].shape) + ", expected " + shape_str(dims);
   };
-  for (int i = 0; i < 10; ++i) {
-    static const size_t rank[10] = {4, 4, 4, 4, 4, 3, 3, 2, 1, 1};
-    if (in[i].shape.size() != rank[i])
-      return std::string(kInputNames[i]) + " must have rank " + std::to_string(rank[i]) + ", got " +
+  for (size_t i = 0; i < kNumRequired; ++i) {
+    const size_t rank = required_rank(i);
+    if (in[i].shape.size() != rank)
+      return std::string(kInputNames[i]) + " must have rank " + std::to_string(rank) + ", got " +
              shape_str(in[i].shape);
   }
-  const auto& q = in[0].shape;
+  const auto& q = in[QSA_IN_QUERY].shape;
   if (q[2] != 1) return "decode only (S=" + std::to_string(q[2]) + ")";
-  p->B = q[0], p->H = q[1], p->D = q[3], p->Hkv = in[1].shape[1];
-  p->P = in[3].shape[0], p->ps = in[3].shape[2], p->Pm = in[5].shape[0], p->NP = in[7].shape[1];
+  p->B = q[0], p->H = q[1], p->D = q[3], p->Hkv = in[QSA_IN_KEY].shape[1];
+  p->P = in[QSA_IN_KEY_CACHE].shape[0], p->ps = in[QSA_IN_KEY_CACHE].shape[2];
+  p->Pm = in[QSA_IN_KEY_MIN].shape[0], p->NP = in[QSA_IN_PAGE_TABLE].shape[1];
   if (p->Hkv < 1 || p->H % p->Hkv) return "query heads " + std::to_string(p->H) + " not a multiple of KV heads " +
                                          std::to_string(p->Hkv);
   if (p->ps < 1 || p->D < 1) return "page size and head dim must be >= 1";
   p->G = p->H / p->Hkv;
   std::string e;
-  for (int i : {1, 2})
+  for (int i : {QSA_IN_KEY, QSA_IN_VALUE})
     if (!(e = want(i, {p->B, p->Hkv, 1, p->D})).empty()) return e;
-  for (int i : {3, 4})
+  for (int i : {QSA_IN_KEY_CACHE, QSA_IN_VALUE_CACHE})
     if (!(e = want(i, {p->P, p->Hkv, p->ps, p->D})).empty()) return e;
-  for (int i : {5, 6})
+  for (int i : {QSA_IN_KEY_MIN, QSA_IN_KEY_MAX})
     if (!(e = want(i, {p->Pm, p->Hkv, p->D})).empty()) return e;
-  if (!(e = want(7, {p->B, p->NP})).empty()) return e;
-  for (int i : {8, 9})
+  if (!(e = want(QSA_IN_PAGE_TABLE, {p->B, p->NP})).empty()) return e;
+  for (int i : {QSA_IN_PAST_LENS, QSA_IN_TOKEN_BUDGET})
     if (!(e = want(i, {p->B})).empty()) return e;
   if (!(e = check_cold(in, a, p)).empty()) return e;
   int64_t id_limit = std::min(p->P + p->cold.Pc, p->Pm);
@@ -116,19 +130,20 @@ inline std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p)
   if (p->sp != p->ps) {
     if (p->ps % p->sp)
       return "sub_page_size " + std::to_string(p->sp) + " must divide the page size " + std::to_string(p->ps);
-    if (!in[10].data) return "two-level selection (sub_page_size " + std::to_string(p->sp) + ") needs key_sub_bounds";
-    const auto& s = in[10].shape;
+    if (!in[QSA_IN_KEY_SUB_BOUNDS].data) return "two-level selection (sub_page_size " + std::to_string(p->sp) + ") needs key_sub_bounds";
+    const auto& s = in[QSA_IN_KEY_SUB_BOUNDS].shape;
     if (s.size() != 4 || s[1] != p->Hkv || s[2] != p->r || s[3] != p->D)
       return "key_sub_bounds has shape " + shape_str(s) + ", expected [Ps," + std::to_string(p->Hkv) + "," +
              std::to_string(p->r) + "," + std::to_string(p->D) + "]";
     id_limit = std::min(id_limit, s[0]);
-    p->sub = static_cast<const uint8_t*>(in[10].data);
+    p->sub = static_cast<const uint8_t*>(in[QSA_IN_KEY_SUB_BOUNDS].data);
   }
-  p->q = static_cast<const float*>(in[0].data), p->k = static_cast<const float*>(in[1].data);
-  p->v = static_cast<const float*>(in[2].data), p->kc = static_cast<const float*>(in[3].data);
-  p->vc = static_cast<const float*>(in[4].data), p->kmin = static_cast<const float*>(in[5].data);
-  p->kmax = static_cast<const float*>(in[6].data), p->table = static_cast<const int32_t*>(in[7].data);
-  p->past = static_cast<const int32_t*>(in[8].data), p->budget = static_cast<const int32_t*>(in[9].data);
+  auto f32 = [&](int i) { return static_cast<const float*>(in[i].data); };
+  auto i32 = [&](int i) { return static_cast<const int32_t*>(in[i].data); };
+  p->q = f32(QSA_IN_QUERY), p->k = f32(QSA_IN_KEY), p->v = f32(QSA_IN_VALUE);
+  p->kc = f32(QSA_IN_KEY_CACHE), p->vc = f32(QSA_IN_VALUE_CACHE);
+  p->kmin = f32(QSA_IN_KEY_MIN), p->kmax = f32(QSA_IN_KEY_MAX);
+  p->table = i32(QSA_IN_PAGE_TABLE), p->past = i32(QSA_IN_PAST_LENS), p->budget = i32(QSA_IN_TOKEN_BUDGET);
   for (int64_t b = 0; b < p->B; ++b) {
     int64_t past = p->past[b];
     if (past < 0) return "past_lens[" + std::to_string(b) + "] is negative";

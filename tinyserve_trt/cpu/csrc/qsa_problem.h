@@ -4,13 +4,19 @@
 
 #include <cstdint>
 
+#include "qsa_schema.h"
+
 namespace qsa {
 
-struct Attrs {  // defaults: schema.ATTRIBUTES
-  float scale = 0.0f;
-  int64_t sink_pages = 1, recent_pages = 1, sub_page_size = 0;
-  float candidate_share = 0.5f;
-  bool dense = false, reduce_sum = false, cold_int4 = false;  // cold_int4: cold_format "int4"
+struct Attrs {  // defaults: schema.ATTRIBUTES, through the generated header
+  float scale = QSA_ATTR_SCALE_DEFAULT;
+  int64_t sink_pages = QSA_ATTR_SINK_PAGES_DEFAULT, recent_pages = QSA_ATTR_RECENT_PAGES_DEFAULT,
+          sub_page_size = QSA_ATTR_SUB_PAGE_SIZE_DEFAULT;
+  float candidate_share = QSA_ATTR_CANDIDATE_SHARE_DEFAULT;
+  // dense / reduce_sum / cold_int4: policy "dense", group_reduce "sum", cold_format "int4"
+  bool dense = QSA_ATTR_POLICY_DEFAULT_INDEX == QSA_POLICY_DENSE,
+       reduce_sum = QSA_ATTR_GROUP_REDUCE_DEFAULT_INDEX == QSA_GROUP_REDUCE_SUM,
+       cold_int4 = QSA_ATTR_COLD_FORMAT_DEFAULT_INDEX == QSA_COLD_FORMAT_INT4;
 };
 
 // The cold page pools (page ids P .. P+Pc-1; ops/cold_codec.py), absent when Pc == 0. INT8: int8
