@@ -85,3 +85,12 @@ def test_the_engine_reports_the_prebuilt_kernel(llama, prebuilt, no_compiler, mo
     llm = LLM(pkg, max_batch=2, require_native=True)  # no fallback: the prebuilt kernel is native
     report = llm.engine.kernel_report
     assert report.decode_kernel == "native_cpu" and report.library == str(prebuilt / native.prebuilt_name())
+
+
+def test_abi_version_follows_the_node_version():
+    """The prebuilt library's file name carries the node's version: a wheel built before the
+    node's inputs moved (version 1: key_sub_bounds at 10) is never picked up by a version-2 runtime."""
+    from tinyserve_trt.cpu import native, node
+
+    assert native.ABI_VERSION == node.VERSION
+    assert f"abi{node.VERSION}." in native.prebuilt_name()

@@ -172,3 +172,37 @@ def test_metrics_carry_the_report_as_an_info_gauge():
     assert got["tinyserve_kernel_fallback"] == 1
     del engine["kernel_decode"]  # an engine without a report: no kernel series
     assert not any(k.startswith("tinyserve_kernel") for k in parse_metrics(ServerMetrics().render(engine, 0, 0, 0)))
+
+
+def test_a_package_with_an_older_native_node_decodes_on_the_function_and_says_re_export(llama, tmp_path):
+    """A package exported before the node's inputs moved (tinyserve.cpu version 1: key_sub_bounds at
+    10) must not reach this runtime's version-2 kernel, which reads inputs at the schema's positions:
+    before, its first decode step failed ("cold pages need all of key_cache_int8, ..."). It now loads
+    the portable model, says why, and decodes the same ids."""
+    import shutil
+
+    import onnx
+
+    from tinyserve_trt.cpu import node
+    from tinyserve_trt.runtime.llm import LLM
+
+    src, pkg, manifest = llama
+    if not _ort_graph_is_native(manifest):
+        pytest.skip("the fixture package's ORT graph does not call the native node")
+    old = tmp_path / "old-pkg"
+    shutil.copytree(pkg, old)
+    graph = old / manifest["ort_optimized"]["file"]
+    model = onnx.load(str(graph), load_external_data=False)
+    for op in model.opset_import:
+        if op.domain == node.DOMAIN:
+            op.version = node.VERSION - 1
+    onnx.save(model, str(graph))
+    want = LLM(pkg, max_batch=1).generate(prompt_token_ids=[[5, 6, 7, 8, 9]], params=GREEDY)[0].outputs[0].token_ids
+    llm = LLM(old, max_batch=1)
+    stats = llm.stats()
+    assert stats["kernel_decode"] == "onnx_function" and stats["kernel_fallback"] is True
+    assert "re-export" in stats["kernel_reason"] and f"version {node.VERSION - 1}" in stats["kernel_reason"]
+    got = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9]], params=GREEDY)[0].outputs[0].token_ids
+    assert got == want
+    with pytest.raises(NativeRequired, match="re-export"):
+        LLM(old, max_batch=1, require_native=True)

@@ -48,7 +48,7 @@ ENV_DISABLE = "TINYSERVE_NATIVE"
 # of the architecture (no AVX2 / FMA: the generic paths tests/cpu/test_native_portable.py checks), its
 # C ABI version in the file name. Bump ABI_VERSION when the node's inputs, attributes or domain, or an
 # exported function (SYMBOLS), change: a library of another version is then not picked up.
-ABI_VERSION = 1
+ABI_VERSION = 2  # = cpu/node.VERSION (2: the schema's input positions); test_native_prebuilt holds them equal
 PREBUILT_DIR_NAME = "prebuilt"
 PREBUILT_DIR = Path(__file__).resolve().parent / PREBUILT_DIR_NAME
 PREBUILT_MARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}

@@ -161,7 +161,14 @@ class OrtBackend(Backend):
             self._report = KernelReport("ort", "cpu", graph, "onnx_function", reason=export_note(spec))
             return path
         from tinyserve_trt.cpu import native
+        from tinyserve_trt.cpu.node import VERSION
 
+        found = _domain_version(path, opt.native)
+        if found is not None and found != VERSION:  # its node reads inputs at other positions
+            self._report = self._portable(f"{graph} calls the native node version {found}, this runtime's is "
+                                          f"{VERSION}: loading the portable model (re-export the package for the "
+                                          "native kernel)")
+            return self.package.model_path
         try:  # the kernel runs its parallel work on this session's intra-op pool
             lib = native.register(so, self._native_arch)
             self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(lib))
@@ -290,6 +297,14 @@ class OrtBackend(Backend):
         self._binding = None
         self._pool_values = {}
         self.session = None
+
+
+def _domain_version(path, domain: str) -> int | None:
+    """The opset version of ``domain`` the graph at ``path`` imports (its nodes only are read)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next((op.version for op in model.opset_import if op.domain == domain), None)
 
 
 def _buffers(storage) -> tuple:
