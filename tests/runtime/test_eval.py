@@ -111,3 +111,19 @@ def test_cli_writes_the_tables(llama, tmp_path, capsys):
                      "--budgets", "8", "--passkey", "--depths", "0.5", "--seeds", "0", "--out", str(out)]) == 0
     table = out.read_text()
     assert "| dense | " in table and "| 8 | " in table and "Passkey retrieval (1 prompts)" in table
+
+
+def test_a_forced_eos_does_not_end_the_answer(llama):
+    """The question's template tail holds the end-of-turn token (SmolLM2's <|im_end|> is its EOS): fed
+    as given, it must not finish the request before the answer. Before, every passkey answer on
+    SmolLM2 was '' (0/3 at 8K, dense too)."""
+    from tinyserve_trt.runtime.eval.passkey import PasskeyPrompt
+
+    src, pkg = llama
+    package = ModelPackage.load(pkg)
+    eos = package.eos_token_ids[0]
+    prompt = PasskeyPrompt(list(range(10, 60)), [40, eos, 41, 42], "1", 0.5)
+    rows = passkey(_engine(pkg, 1), prompt, [])
+    want = original_greedy(src, package.manifest["source_io"], prompt.prompt_ids + prompt.question_ids, 10)
+    want = want[:next((i for i, t in enumerate(want) if t in set(package.eos_token_ids)), len(want))]
+    assert want and rows[0].answer == package.decode(want).strip()

@@ -82,14 +82,17 @@ def passkey(engine, prompt: PasskeyPrompt, budgets, seed: int = 0, progress=None
         for b in modes:
             rid = f"passkey-{b}"
             forcing.force(rid, prompt.question_ids)
-            requests[rid] = (prompt.prompt_ids, SamplingParams(temperature=0, token_budget=b,
+            # ignore_eos: the question's template tail holds the end-of-turn token; the answer is cut at EOS below
+            requests[rid] = (prompt.prompt_ids, SamplingParams(temperature=0, token_budget=b, ignore_eos=True,
                                                                max_tokens=len(prompt.question_ids) + ANSWER_TOKENS))
         outputs = run_requests(engine, requests, progress)
     finally:
         forcing.close()
     rows = []
     for b in modes:
-        answer = engine.package.decode(outputs[f"passkey-{b}"][len(prompt.question_ids):])
+        ids = outputs[f"passkey-{b}"][len(prompt.question_ids):]
+        stop = set(engine.package.eos_token_ids)
+        answer = engine.package.decode(ids[:next((i for i, t in enumerate(ids) if t in stop), len(ids))])
         digits = "".join(ch for ch in answer if ch.isdigit())
         rows.append(PasskeyRow(prompt.depth, seed, len(prompt.prompt_ids) + len(prompt.question_ids), b,
                                answer.strip(), prompt.passkey in digits))
