@@ -157,6 +157,29 @@ def test_a_replica_started_first_reads_what_another_writes_later(llama, referenc
     second.close()
 
 
+def test_a_replica_started_second_answers_a_warm_prefix_from_the_shared_store(llama, reference, tmp_path):
+    """Two replicas on one --kv-cache-dir, the second started after the first served a prompt (and
+    still running): the second's first request with that prompt reads its prefix from disk - no
+    prefill - and decodes the ids a recomputation gives."""
+    _, pkg, manifest = llama
+    ps = prompts(1)
+    first = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path), kv_cache_write_through=True)
+    assert run(first, ps) == expected(reference, ps)
+    first.engine.store.wait()  # published (another process: its writer thread lags a few ms)
+    second = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path), kv_cache_write_through=True)
+    seq = second.engine.add_request("warm", ps[0], GREEDY)
+    while second.engine.has_unfinished():
+        second.engine.step()
+    assert seq.output_token_ids == expected(reference, ps)[0]
+    assert seq.stats.prefix_source == "disk" and seq.stats.prefix_pages_by_tier == {"disk": 10}
+    s = second.stats()
+    assert s["prefix_pages_disk"] == 10 and s["prefill_tokens"] == 0
+    assert set(s["ttft_by_prefix_source"]) == {"disk"} and s["ttft_by_prefix_source"]["disk"]["requests"] == 1
+    assert first.stats()["ttft_by_prefix_source"].keys() == {"none"}  # the first one computed it
+    second.close()
+    first.close()
+
+
 def test_two_engines_racing_on_one_directory_serve_only_sound_pages(llama, reference, tmp_path):
     _, pkg, manifest = llama
     ps = prompts(4)

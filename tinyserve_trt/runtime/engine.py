@@ -224,6 +224,7 @@ class Engine:
         """Pool use, prefix hit rate and decode page-selection rate so far, and what runs
         (``kernel_*``: the kernel report)."""
         c, pool = self.counters, self.pool
+        prefetcher = getattr(self.scheduler.prefix_cache, "prefetcher", None)
         in_use = len(pool.in_use_pages())
         return dict(
             steps=c["steps"], prefill_tokens=c["prefill_tokens"], decode_tokens=c["decode_tokens"],
@@ -240,6 +241,7 @@ class Engine:
                                              p50_ms=statistics.median(t) * 1e3, mean_ms=statistics.fmean(t) * 1e3)
                                    for src, t in self._ttfts.items()},
             **({f"kv_store_{k}": v for k, v in self.store.stats().items()} if self.store else {}),
+            **({f"kv_{k}": v for k, v in prefetcher.stats().items()} if prefetcher else {}),
             **(self.tiering.stats() if self.tiering else {}),
             **(self.backend.transfer.stats() if getattr(self.backend, "transfer", None) else {}),
             **(self.kernel_report.stats() if self.kernel_report else {}),
@@ -249,6 +251,7 @@ class Engine:
         """Write the cached prefix pages to the page store (they survive a restart), then close."""
         try:
             if self.store is not None:
+                self.scheduler.prefix_cache.close()  # no prefetch reads once the store closes
                 self.scheduler.prefix_cache.flush()
                 self.store.close()
         finally:

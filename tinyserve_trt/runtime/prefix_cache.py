@@ -14,6 +14,11 @@ writes the cached ones at close), and a match continues the chain in the store w
 pool's pages end: the run of stored pages is read in one pass, then allocated and filled in
 one ``allocate(fill=...)`` transaction and registered like computed pages - so the prefill
 skips them. A store that fails costs only the reuse: the match stops there.
+
+Prefetch (``kvstore/prefetch.py``): :meth:`PrefixCache.prefetch` (the scheduler calls it when a
+request is queued) starts reading, on a background thread, the stored pages a match would read
+now; :meth:`PrefixCache.match` given that handle takes the pages read and only copies them into
+the pool (reading synchronously what the prefetch did not get).
 """
 
 from __future__ import annotations
@@ -41,13 +46,25 @@ class PrefixCache(ABC):
         self.last_match_tiers: dict[str, int] = {}
 
     @abstractmethod
-    def match(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def match(self, token_ids: Sequence[int], prefetch=None) -> tuple[list[int], list[bytes]]:
         """Pages holding the longest cached run of full pages that prefixes ``token_ids``.
 
         Returns (pages, chain hashes), one per matched page; each page is incref'd
         for the caller, who owns those references. Reads only whole pages of
-        ``token_ids`` (a trailing partial page never matches).
+        ``token_ids`` (a trailing partial page never matches). ``prefetch``: the handle
+        :meth:`prefetch` gave for these ``token_ids`` (taken here: do not drop it after).
         """
+
+    def prefetch(self, token_ids: Sequence[int]):
+        """Start reading, in the background, the stored pages a :meth:`match` of ``token_ids``
+        would read now; a handle for ``match`` (or :meth:`drop_prefetch`), or None when there is
+        nothing to read. Changes nothing in the pool. None by default (no store)."""
+
+    def drop_prefetch(self, prefetch) -> None:
+        """Forget a :meth:`prefetch` handle that no match will take (its request left)."""
+
+    def close(self) -> None:
+        """Stop background work (the prefetcher) before the store below closes."""
 
     @abstractmethod
     def insert(self, token_ids: Sequence[int], pages: Sequence[int], hashes: Sequence[bytes]) -> list[bytes]:
@@ -114,7 +131,7 @@ class _Entry:
 class NoPrefixCache(PrefixCache):
     """Sharing off: nothing matches, nothing is kept."""
 
-    def match(self, token_ids):
+    def match(self, token_ids, prefetch=None):
         return [], []
 
     def insert(self, token_ids, pages, hashes):
@@ -133,12 +150,19 @@ class HashPrefixCache(PrefixCache):
     walking from the first page, of the prefix (up to a 128-bit collision of a parent).
     """
 
-    def __init__(self, pool: PagePool, store=None, write_through: bool = False):
+    def __init__(self, pool: PagePool, store=None, write_through: bool = False, prefetch: bool = True):
         """``store``: a ``kvstore.PageStore`` of this pool's identity below the pool, or None;
         ``write_through``: store every page when it is registered (shared stores: another
-        replica can use it at once), not only when the pool evicts it."""
+        replica can use it at once), not only when the pool evicts it; ``prefetch``: read a
+        queued request's stored pages on a background thread (``kvstore.prefetch``), at most
+        a pool's worth held."""
         super().__init__(pool)
         self.store, self.write_through = store, bool(write_through)
+        self.prefetcher = None
+        if store is not None and prefetch:
+            from tinyserve_trt.runtime.kvstore.prefetch import Prefetcher
+
+            self.prefetcher = Prefetcher(store, max_pages=pool.num_pages)
         self._page_by_hash: dict[bytes, int] = {}
         self._entry_by_page: dict[int, _Entry] = {}
         pool.set_evict_callback(self._evicted)
@@ -147,10 +171,13 @@ class HashPrefixCache(PrefixCache):
     def num_entries(self) -> int:
         return len(self._page_by_hash)
 
-    def match(self, token_ids):
+    def _chunks(self, token_ids) -> list[tuple]:
         ps = self.pool.page_size
+        return [tuple(token_ids[s:s + ps]) for s in range(0, len(token_ids) - ps + 1, ps)]
+
+    def _pool_run(self, chunks) -> tuple[list[int], list[bytes], bytes | None]:
+        """The leading pages of ``chunks`` cached in the pool, their hashes, the last hash."""
         pages, hashes, parent = [], [], None
-        chunks = [tuple(token_ids[s:s + ps]) for s in range(0, len(token_ids) - ps + 1, ps)]
         for chunk in chunks:
             h = compute_hash(chunk, parent)
             page = self._page_by_hash.get(h)
@@ -162,33 +189,67 @@ class HashPrefixCache(PrefixCache):
             pages.append(page)
             hashes.append(h)
             parent = h
+        return pages, hashes, parent
+
+    def prefetch(self, token_ids):
+        if self.prefetcher is None:
+            return None
+        chunks = self._chunks(token_ids)
+        pages, _, parent = self._pool_run(chunks)
+        wanted = []
+        for chunk in chunks[len(pages):]:
+            parent = compute_hash(chunk, parent)
+            wanted.append(parent)
+        return self.prefetcher.submit(wanted)  # the worker checks which the store holds
+
+    def drop_prefetch(self, prefetch):
+        if prefetch is not None and self.prefetcher is not None:
+            self.prefetcher.drop(prefetch)
+
+    def close(self):
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def match(self, token_ids, prefetch=None):
+        chunks = self._chunks(token_ids)
+        pages, hashes, parent = self._pool_run(chunks)
         for page in pages:
             self.pool.incref(page)
         self.last_match_tiers = {"pool": len(pages)} if pages else {}
+        prefetched = self.prefetcher.take(prefetch) if prefetch is not None and self.prefetcher else {}
         if self.store is not None and len(pages) < len(chunks):
-            more, more_hashes, tiers = self._from_store(chunks[len(pages):], parent)
+            more, more_hashes, tiers = self._from_store(chunks[len(pages):], parent, prefetched)
             pages, hashes = pages + more, hashes + more_hashes
             for tier, n in tiers.items():
                 self.last_match_tiers[tier] = self.last_match_tiers.get(tier, 0) + n
         return pages, hashes
 
-    def _from_store(self, chunks, parent):
+    def _from_store(self, chunks, parent, prefetched=None):
         """Continue a match in the store: (pages allocated, filled and registered, their hashes,
-        pages per tier). Reads the whole run first (one pass), then one allocate transaction."""
+        pages per tier). Reads the whole run first (one pass; ``prefetched``: pages by hash a
+        prefetch already read, used as they are), then one allocate transaction."""
+        prefetched = prefetched or {}
         run = []
         for chunk in chunks[:self.pool.num_available]:  # never more than the pool can take
             h = compute_hash(chunk, parent)
-            if h in self._page_by_hash or not self.store.contains(h):
+            if h in self._page_by_hash or not (h in prefetched or self.store.contains(h)):
                 break
             run.append((h, chunk, parent))
             parent = h
         if not run:
             return [], [], {}
-        try:
-            got = self.store.get_many([h for h, _, _ in run])
-        except Exception as e:  # a store that fails costs the reuse, never the request
-            log.warning("kv store: read failed (%r); recomputing", e)
-            return [], [], {}
+        got = []
+        for h, _, _ in run:  # the prefetched lead of the run
+            if h not in prefetched:
+                break
+            got.append(prefetched[h])
+        if len(got) < len(run):
+            try:
+                got += self.store.get_many([h for h, _, _ in run[len(got):]])
+            except Exception as e:  # a store that fails costs the reuse, never the request
+                log.warning("kv store: read failed (%r); recomputing", e)
+                if not got:
+                    return [], [], {}
         blocks = []
         for (h, chunk, par), (block, tier) in zip(run, got):
             if tuple(block.tokens.tolist()) != chunk or block.parent != par:

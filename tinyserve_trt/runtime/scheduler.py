@@ -11,6 +11,8 @@ progresses. Requests are checked at ``add`` to fit the pool alone, so no request
 ever dropped and the pool running dry never raises. A page operation that raises
 (a storage failing a copy-on-write) is undone by the pool and fails only the request
 that needed it: its sequences finish with ``FinishReason.ERROR`` (``take_failed``).
+A queued request's stored prefix pages (a page store below the prefix cache) are read in the
+background while it waits (``PrefixCache.prefetch``); its admission takes them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Scheduler:
         self._last_wide: bool | None = None  # kind of the last non-empty batch
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished with an error, not yet taken (take_failed)
+        self._prefetches: dict[tuple[str, int], object] = {}  # queued, not yet admitted: store reads
 
     # ---- requests -----------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> Sequence:
@@ -72,6 +75,9 @@ class Scheduler:
         seq.stats.arrival_time = self.clock()
         self._requests[request_id] = [seq]
         self.waiting.append(seq)
+        handle = self.prefix_cache.prefetch(seq.token_ids[:seq.num_tokens - 1])  # what admission matches
+        if handle is not None:
+            self._prefetches[(request_id, seq.index)] = handle
         return seq
 
     def cancel(self, request_id: str) -> bool:
@@ -91,6 +97,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.prefix_cache.drop_prefetch(self._prefetches.pop((seq.request_id, seq.index), None))
         else:
             self.running.remove(seq)
         self._release(seq)
@@ -198,7 +205,9 @@ class Scheduler:
             seq = self.waiting[0]
             first = seq.stats.first_scheduled_time is None
             if not seq.pages:
-                pages, hashes = self.prefix_cache.match(seq.token_ids[:seq.num_tokens - 1])
+                pages, hashes = self.prefix_cache.match(seq.token_ids[:seq.num_tokens - 1],
+                                                        prefetch=self._prefetches.pop((seq.request_id, seq.index),
+                                                                                      None))
                 seq.pages, seq.page_hashes = pages, hashes
                 seq.num_cached_tokens = len(pages) * self.pool.page_size
                 if first:

@@ -42,6 +42,11 @@ demotion or :meth:`refresh_sub_bounds` (after the append kernel wrote a step:
 ``PagePool.note_device_writes``) changes a page; a copy copies them. Until the
 append kernel encodes them itself, that round trip is the price of two-level on
 a GPU.
+
+Page store (``runtime/kvstore``, issue #33): :meth:`read_block` / :meth:`write_block` move one
+page, every layer, between the device and host arrays, each role gathered into one ``[L, ...]``
+tensor and copied once (``store_copies.StoreCopies``: pinned staging buffers and a side stream
+on a GPU; synchronous copies on the CPU stand-ins the tests use).
 """
 
 from __future__ import annotations
@@ -230,6 +235,7 @@ class DevicePages(KVStorage):
             tuple(torch.from_numpy(s[layer]).to(device) for s in host.static_scales)
             for layer in range(pool.num_layers)]
         self._pending: list[tuple[int, int]] = []  # queued demotions (hot physical id, cold physical id)
+        self._store_copies = None  # the page store's staging buffers and side stream, on first use
 
     def _on_stream(self):
         return self._torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -388,3 +394,76 @@ class DevicePages(KVStorage):
                 self._refresh_minmax(t, meta, keys, full)
             q, s = quantize_pages(torch, t["value_cache"][hot], codec, "v", vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s
+
+    # ---- page store (runtime/kvstore) ------------------------------------------------
+    _BLOCK_ROLES = (("k", "key_cache"), ("v", "value_cache"), ("key_min", "key_min"), ("key_max", "key_max"),
+                    ("sub", "key_sub_bounds"))
+
+    def read_block(self, page: int) -> dict:
+        """Physical ``page``, every layer, as host arrays (copies; ``store_copies``): a cold page
+        dequantized as :meth:`copy_page` makes it hot (INT4 keys: min/max and codes of the
+        dequantized keys), as ``HostKVStorage.read_block``. Waits for the copies."""
+        self.check_range("exported", page, 0, self.num_hot + self.num_cold)
+        self.flush()
+        torch = self._torch
+
+        def gather():  # on the copies' stream
+            per_layer = [self._page_of(layer, t, page) for layer, t in enumerate(self.layers)]
+            return {name: torch.stack([parts[i] for parts in per_layer])
+                    for i, (name, _) in enumerate(self._BLOCK_ROLES) if per_layer[0][i] is not None}
+
+        out = self._copies().to_host(gather)
+        out.setdefault("sub", None)
+        return out
+
+    def write_block(self, page: int, block) -> None:
+        """A :meth:`read_block` of the same geometry into hot physical ``page`` (every layer);
+        ValueError for another shape. On a GPU the compute stream's next work waits for the
+        copies; the host does not."""
+        self.check_range("imported", page, 0, self.num_hot)
+        if (block.sub is not None) != bool(self.sub_page_size):
+            raise ValueError("the block's sub-page bounds do not match this storage's")
+        arrays, like = {}, {}
+        for name, role in self._BLOCK_ROLES:
+            arr = getattr(block, name)
+            if arr is None:
+                continue
+            like[name] = self.layers[0][role]
+            want = (self.num_layers, *like[name].shape[1:])
+            if tuple(np.shape(arr)) != want:
+                raise ValueError(f"block {name} is {tuple(np.shape(arr))}, this storage's pages are {want}")
+            arrays[name] = arr
+        self.flush()  # a queued demotion may still read this slot's previous page
+        roles = dict(self._BLOCK_ROLES)
+
+        def scatter(name, dev):  # on the copies' stream: dev [L, ...]
+            for layer, t in enumerate(self.layers):
+                t[roles[name]][page].copy_(dev[layer])
+
+        self._copies().to_device(arrays, like, scatter)
+
+    def _page_of(self, layer: int, t: dict, page: int) -> tuple:
+        """``(k, v, key_min, key_max, sub)`` of physical ``page`` in ``layer`` as hot-page device
+        tensors (``sub`` None without sub-page bounds); a cold page dequantized (as :meth:`_copy`)."""
+        sub = t["key_sub_bounds"][page] if self.sub_page_size else None
+        if page < self.num_hot:
+            return t["key_cache"][page], t["value_cache"][page], t["key_min"][page], t["key_max"][page], sub
+        c, codec = page - self.num_hot, self.codecs[layer]
+        k = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
+                            self.dtype, codec, self._codes(layer, t, page))
+        v = dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c], self.dtype, codec)
+        kmin, kmax = t["key_min"][page], t["key_max"][page]
+        if codec.keys_on_bounds:  # a hot page's metadata is exact: of these keys
+            kmin, kmax = k.amin(dim=1), k.amax(dim=1)
+            if sub is not None:
+                codes = pages_sub_bounds(k.cpu().numpy()[None], self.sub_page_size, kmin.cpu().numpy()[None],
+                                         kmax.cpu().numpy()[None], np.array([self.page_size]))[0]
+                sub = self._torch.from_numpy(codes).to(self.device)
+        return k, v, kmin, kmax, sub
+
+    def _copies(self):
+        if self._store_copies is None:
+            from tinyserve_trt.runtime.backends.store_copies import StoreCopies
+
+            self._store_copies = StoreCopies(self._torch, self.device, self.stream)
+        return self._store_copies

@@ -6,6 +6,7 @@ reuse     ReuseIndex: hit counts with recency decay, the eviction order of a tie
 base      PageStore ABC + PAGE_STORES registry + make_page_store
 host      HostPageStore: entries in memory, demoted to a lower store past its budget
 disk      DiskPageStore: one file per entry, atomic publish, verified reads, shareable
+prefetch  Prefetcher: a queued request's stored pages read on a background thread before admission
 
 The prefix cache (``runtime/prefix_cache.py``) writes pages the pool evicts here and
 continues a match from here once the pool's pages run out.

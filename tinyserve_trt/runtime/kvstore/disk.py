@@ -148,7 +148,8 @@ class DiskPageStore(PageStore):
         for h in hashes:
             block = self._read(h)
             if block is None:
-                self.counters["misses"] += 1
+                with self._lock:
+                    self.counters["misses"] += 1
                 break
             out.append((block, self.tier))
         return out
@@ -160,7 +161,9 @@ class DiskPageStore(PageStore):
                 self.counters["hits"] += 1
                 self.counters["hit_bytes"] += pending.nbytes
                 return pending
-            return self._read_file(page_hash) if self.contains(page_hash) else None
+            if not self.contains(page_hash):
+                return None
+        return self._read_file(page_hash)  # the I/O and the checksum outside the lock (a prefetch's)
 
     def _read_file(self, page_hash: bytes) -> PageBlock | None:
         path = self.path(page_hash)
@@ -168,7 +171,8 @@ class DiskPageStore(PageStore):
             with open(path, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:  # evicted by another process since
-            self._index.remove(page_hash)
+            with self._lock:
+                self._index.remove(page_hash)
             return None
         except OSError as e:
             log.warning("kv store: cannot read %s (%s); not served", path, e)
@@ -176,15 +180,17 @@ class DiskPageStore(PageStore):
         try:
             block = decode(raw, page_hash, self.identity)
         except BadEntry as e:
-            self._drop(page_hash, str(e))
+            with self._lock:
+                self._drop(page_hash, str(e))
             return None
-        self._index.hit(page_hash)
         try:
             os.utime(path)  # its recency survives a restart
         except OSError:
             pass
-        self.counters["hits"] += 1
-        self.counters["hit_bytes"] += len(raw)
+        with self._lock:
+            self._index.hit(page_hash)
+            self.counters["hits"] += 1
+            self.counters["hit_bytes"] += len(raw)
         return block
 
     # ---- writes -----------------------------------------------------------------

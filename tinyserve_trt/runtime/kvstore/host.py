@@ -5,11 +5,14 @@ lowest-reuse entries (``reuse.ReuseIndex``) leave: into ``lower`` (a ``DiskPageS
 when there is one, else dropped. A read that misses here continues in ``lower``; pages
 read from there are not copied back (they go into the pool, which is where they are used).
 Entries here were built by this process from its own pool: they are trusted, not re-verified.
+Thread-safe: the engine's thread puts while the prefetcher's (``prefetch.py``) reads; a read from
+``lower`` runs outside this store's lock, so a disk read never holds up an eviction's put.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from tinyserve_trt.runtime.kvstore.base import PageStore
@@ -35,6 +38,7 @@ class HostPageStore(PageStore):
         self.max_bytes, self.lower = max_bytes, lower
         self._blocks: dict[bytes, PageBlock] = {}
         self._index = ReuseIndex(half_life_s, **({"clock": clock} if clock else {}))
+        self._lock = threading.RLock()  # entries, index and counters
 
     @property
     def nbytes(self) -> int:
@@ -45,35 +49,54 @@ class HostPageStore(PageStore):
         return len(self._blocks)
 
     def contains(self, page_hash: bytes) -> bool:
-        return page_hash in self._blocks or (self.lower is not None and self.lower.contains(page_hash))
+        with self._lock:
+            if page_hash in self._blocks:
+                return True
+        return self.lower is not None and self.lower.contains(page_hash)
 
     def get_many(self, hashes: Sequence[bytes]) -> list[tuple[PageBlock, str]]:
         out: list[tuple[PageBlock, str]] = []
         below: list[bytes] = []  # a run of hashes not here, read from ``lower`` in one pass
         for h in [*hashes, None]:
-            if below and (h is None or h in self._blocks):
-                got = self.lower.get_many(below) if self.lower is not None else []
+            if below and (h is None or self._has(h)):
+                got = self.lower.get_many(below)  # outside the lock: disk I/O
                 out += got
                 if len(got) < len(below):
                     return out
                 below = []
             if h is None:
                 break
-            if h not in self._blocks:
+            block = self._hit(h)  # None also when demoted since _has: then it is below
+            if block is None:
                 if self.lower is None:
-                    self.counters["misses"] += 1
+                    with self._lock:
+                        self.counters["misses"] += 1
                     return out
                 below.append(h)
                 continue
-            self._index.hit(h)
-            block = self._blocks[h]
-            self.counters["hits"] += 1
-            self.counters["hit_bytes"] += block.nbytes
             out.append((block, self.tier))
         return out
 
+    def _has(self, page_hash: bytes) -> bool:
+        with self._lock:
+            return page_hash in self._blocks
+
+    def _hit(self, page_hash: bytes) -> PageBlock | None:
+        """The entry of ``page_hash`` here (counted as a hit), or None."""
+        with self._lock:
+            block = self._blocks.get(page_hash)
+            if block is not None:
+                self._index.hit(page_hash)
+                self.counters["hits"] += 1
+                self.counters["hit_bytes"] += block.nbytes
+            return block
+
     def put(self, page_hash: bytes, block: PageBlock) -> bool:
         check_block(block, self.identity)
+        with self._lock:
+            return self._put(page_hash, block)
+
+    def _put(self, page_hash: bytes, block: PageBlock) -> bool:
         if page_hash in self._blocks:
             self._index.hit(page_hash)
             return False
@@ -102,8 +125,8 @@ class HostPageStore(PageStore):
         returns how many were written there."""
         if self.lower is None:
             return 0
-        n = sum(bool(self.lower.put(h, b)) for h, b in self._blocks.items())
-        return n
+        with self._lock:
+            return sum(bool(self.lower.put(h, b)) for h, b in self._blocks.items())
 
     def stats(self) -> dict:
         return {**super().stats(), **(self.lower.stats() if self.lower is not None else {})}
