@@ -288,6 +288,27 @@ class Oracle(SelectionPolicy):
         return page_mass
 
 
+@register
+class KeySpread(SelectionPolicy):
+    """A query-blind baseline: the pages whose keys spread most, ``sum_d (max_d - min_d)``.
+    No native kernel implements it (no ``native_id``): the op runs as its ONNX function."""
+
+    name = "key_spread"
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        spread = (key_max.astype(np.float64) - key_min.astype(np.float64)).sum(-1)
+        return np.broadcast_to(spread, (q.shape[0], key_min.shape[0]))
+
+    def score_onnx(self, ctx):
+        b = ctx.builder
+        kmin_t, kmax_t = ctx.key_minmax_T()  # [B, Hkv, D, NP]
+        return b.op("ReduceSum", b.op("Sub", kmax_t, kmin_t), b.const([2], np.int64, "ax"), keepdims=1)
+
+    def score_torch(self, q, key_min, key_max, page_mass):
+        spread = (key_max - key_min).sum(-1)  # [Hkv, NP]
+        return spread[:, None, None, :].expand(*q.shape[:3], key_min.shape[1])
+
+
 def reduce_group(scores: np.ndarray, how: str) -> np.ndarray:
     """Combine per-head scores ``[G, n]`` into one per KV head ``[n]``."""
     if how == "max":
