@@ -199,7 +199,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         **two_level_fields(plans, config), extra=dict(extra_manifest or {}),
     )
 
-    figure = None
+    figure = plan = None  # plan: the validated OrtGraphPlan of model.ort.onnx (None: not validated)
     if config.validate:
         t0 = time.perf_counter()
         runs = 3 if config.backend == "trt" else 4 + bool(config.native_decode)  # sessions, about
@@ -213,12 +213,12 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
             from .ort_validation import validate_ort_graph
 
-            ort = validate_ort_graph(proto, manifest.to_dict(), tolerance,
-                                     lambda graph: (_validate(reference, graph, manifest.to_dict()), bar.advance())[0],
-                                     bar.note, native=config.native_decode,
-                                     weights_dir=stage.path)
-            validation.update(model_max_abs_logit_diff=figure, **ort)
-            figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
+            plan, figures = validate_ort_graph(
+                proto, manifest.to_dict(), tolerance,
+                lambda graph: (_validate(reference, graph, manifest.to_dict()), bar.advance())[0],
+                bar.note, native=config.native_decode, weights_dir=stage.path)
+            validation.update(model_max_abs_logit_diff=figure, **figures)
+            figure = validation["max_abs_logit_diff"] = max(figure, figures["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
             fmt = describe_format(cold_tier.cold_format, cold_tier.int8_layers).upper()
             validation["pages"] = f"all hot (the cold-tier inputs hold one unused page per layer, {fmt})"
@@ -232,7 +232,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     t0 = time.perf_counter()
     outdir = stage.outdir
     bar.start("package", f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""))
-    finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config)
+    finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config, plan)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
@@ -298,33 +298,35 @@ def _with_calibration(finalize, artifact: CalibrationArtifact):
     return both
 
 
-def _ort_graph_saver(config: ExportConfig):
+def _ort_graph_saver(config: ExportConfig, plan=None):
     """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
-    file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions,
-    opset and native decode kernel are the validated ones (``ort_validation.py``); unvalidated,
-    the fusions, the raised opset (the source's when the conversion fails) and the kernel
-    when ``config.native_decode`` and it builds."""
+    file (``ort_graph.py``): the runtime starts ~3x faster from it. It is built as ``plan`` says
+    (the validated ``OrtGraphPlan``, ``ort_validation.py``); unvalidated, as :func:`unvalidated_plan`."""
     def finalize(tmp: Path, manifest: Manifest) -> Manifest:
-        return _save_ort_graph(tmp, manifest, config.native_decode)
+        return _save_ort_graph(tmp, manifest, config.native_decode, plan)
 
     return finalize
 
 
-def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True) -> Manifest:
+def unvalidated_plan(native: bool):
+    """The plan of an unvalidated ORT graph: the preferred one - raised opset, contrib fusions, the
+    native decode node when ``native`` and it builds here."""
+    from ..contracts.ort_plan import OrtGraphPlan
     from ..cpu import native as cpu_native
-    from .native_decode import not_native_note
-    from .ort_graph import save_optimized_graph
+    from ..cpu.node import VERSION
+    from .native_decode import NATIVE_DOMAIN, not_native_note
     from .ort_opset import ORT_OPSET
 
-    validation = manifest.validation or {}
-    contrib = validation.get("ort_contrib_ops", True)  # False: they failed validation
-    unavailable = cpu_native.available() if native and "ort_native" not in validation else None
-    wanted = validation.get("ort_native", native and unavailable is None)
-    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET), wanted)
-    if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
-        record = replace(record, opset_note=validation["ort_opset_note"])
-    if record.native is None:
-        record = replace(record, native_note=not_native_note(native, validation, unavailable))
+    unavailable = cpu_native.available() if native else None
+    if native and unavailable is None:
+        return OrtGraphPlan(ORT_OPSET, True, native_domain=NATIVE_DOMAIN, native_version=VERSION)
+    return OrtGraphPlan(ORT_OPSET, True, native_why=not_native_note(native, unavailable))
+
+
+def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True, plan=None) -> Manifest:
+    from .ort_graph import save_optimized_graph
+
+    record = save_optimized_graph(tmp, plan if plan is not None else unvalidated_plan(native))
     return replace(manifest, ort_optimized=record)
 
 
