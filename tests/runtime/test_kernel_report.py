@@ -219,7 +219,7 @@ def test_a_plan_recording_an_older_native_node_loads_the_portable_model(llama, t
     from tinyserve_trt.cpu import node
     from tinyserve_trt.runtime.llm import LLM
 
-    src, pkg, manifest = llama
+    _, pkg, manifest = llama
     if not _ort_graph_is_native(manifest):
         pytest.skip("the fixture package's ORT graph does not call the native node")
     assert manifest["ort_optimized"]["plan"]["native_version"] == node.VERSION

@@ -76,17 +76,17 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
                  overwrite: bool = False, quiet: bool = False, extra_manifest: dict | None = None,
                  int8_pick=None) -> ExportReport:
     """``int8_pick``: the sensitivity pass's ``calibration.int8_pick.Int8Pick`` when
-    ``config.runs_int8_pass()``; None runs it first (``auto_int8.py``)."""
+    ``config.runs_int8_pass()``; None runs it as a stage over the written package, before it is
+    swapped in (``auto_int8.py``: the export writes every layer INT4, the stage retypes the picked ones)."""
     source, outdir = Path(source), Path(outdir)
     check_output(outdir, overwrite, (source,))  # before minutes of work; nothing touched yet
     config, context_from = resolve_max_context(config, source)
-    if config.runs_int8_pass() and int8_pick is None:
-        from .auto_int8 import export_with_int8_pass
+    int8_stage = config.runs_int8_pass() and int8_pick is None
+    if int8_stage:
+        from .auto_int8 import WRITING
 
-        _load_calibration(config)  # a bad artifact fails before minutes of work
-        report = export_with_int8_pass(source, outdir, config, overwrite, quiet, extra_manifest,
-                                       lambda msg: _progress(msg, quiet))
-        return replace(report, max_context_from=context_from)
+        _progress(WRITING, quiet)
+        config = replace(config, int8_layers="none")  # the stage sets int8_layers and where they came from
     times = {}
     if config.backend == "trt":  # fail before minutes of work, not after
         from .trt_build import require_tensorrt
@@ -94,12 +94,12 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         require_tensorrt()
     artifact = _load_calibration(config)
     with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
-        report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times)
+        report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times, int8_stage)
     return replace(report, max_context=config.max_context, max_context_from=context_from)
 
 
 def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, extra_manifest, int8_pick,
-            times: dict) -> ExportReport:
+            times: dict, int8_stage: bool = False) -> ExportReport:
     """load -> match -> probe -> rewrite, then :func:`_validate_and_write` into ``stage``."""
     t0 = time.perf_counter()
     bar = Progress(quiet)
@@ -151,7 +151,8 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     times["rewrite"] = time.perf_counter() - t0
     done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
                       "float16" if dtype == ir.DataType.FLOAT16 else "float32", reference)
-    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar)
+    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar,
+                               int8_stage and (lambda msg: _progress(msg, quiet)))
 
 
 @dataclass
@@ -171,9 +172,10 @@ class _Rewritten:
 
 
 def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
-                        extra_manifest, times: dict, bar: Progress) -> ExportReport:
+                        extra_manifest, times: dict, bar: Progress, int8_stage=None) -> ExportReport:
     """Write the rewritten model into ``stage`` (its weights streamed from the source's files), check
-    and validate it there, then finish and swap in the package."""
+    and validate it there, then finish and swap in the package. ``int8_stage``: a progress callable
+    when the INT8-layer stage (``auto_int8.py``) runs on the staged package before it is finished."""
     proto, plans, dims, counts, cold_tier = done.proto, done.plans, done.dims, done.counts, done.cold_tier
     t0 = time.perf_counter()
     bar.start("write", "writing model.onnx and model.onnx.data", total=weight_bytes(proto), unit="B")
@@ -233,12 +235,16 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     outdir = stage.outdir
     bar.start("package", f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""))
     finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config, plan)
+    if int8_stage:
+        from .auto_int8 import int8_stage as stage_hook
+
+        finalize = stage_hook(finalize, int8_stage, times)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
     bar.end()
-    times["write"] += time.perf_counter() - t0
-    ort_graph = written.ort_optimized
+    times["write"] += time.perf_counter() - t0 - times.get("int8 layers", 0.0)
+    ort_graph, cold_tier = written.ort_optimized, written.cold_tier
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
