@@ -30,7 +30,7 @@ def test_the_schema_takes_the_policy_from_the_registry_and_the_header_does_not_c
     assert POLICY not in node.POLICIES and POLICY not in library.CUDA_POLICIES
     with pytest.raises(ValueError, match="no native id"):
         library.make_attrs(schema.OpAttributes(policy=POLICY))
-    with pytest.raises(ValueError, match="implements policies"):
+    with pytest.raises(ValueError, match="does not implement policy"):
         node.make_decode_node([""] * 10, ["o"], schema.OpAttributes(policy=POLICY))
 
 

@@ -31,7 +31,7 @@ def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttr
 
     attrs = attrs or schema.OpAttributes()
     if attrs.policy not in POLICIES:
-        raise ValueError(f"{OP_TYPE} implements policies {POLICIES}, not {attrs.policy!r}")
+        raise ValueError(f"{OP_TYPE} does not implement policy {attrs.policy!r} (it implements {POLICIES})")
     want = len(input_names(attrs.two_level, cold_pages))
     if len(inputs) != want:
         raise ValueError(f"{OP_TYPE} with sub_page_size={attrs.sub_page_size}{' and cold pages' if cold_pages else ''} "
