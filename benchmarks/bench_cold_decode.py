@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     package = ModelPackage.load(args.model)
     if package.cold_tier is None:
         ap.error(f"{args.model} has no cold tier (export it with --cold-pages)")
-    if not (package.manifest.get("ort_optimized") or {}).get("native"):
+    opt = package.spec.ort_optimized
+    if opt is None or not opt.native:
         ap.error(f"{args.model}'s model.ort.onnx does not decode on the native kernel (re-export it)")
     reason = native.available()
     if reason:

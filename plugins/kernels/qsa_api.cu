@@ -33,9 +33,10 @@ bool two_level_ok(const QsaForwardParams& p) {
            p.attrs.policy == QSA_POLICY_QUERY_AWARE;
 }
 
-// Selection policies a decode step implements, by schema id (plugins/generated/qsa_schema.h).
-// Any other id, including one the schema gains later, is refused instead of run as another policy.
-static_assert(QSA_NUM_POLICIES == 4, "schema.POLICIES changed: implement the new policy in qsa_select.cu and here");
+// Selection policies a decode step implements, by schema id (plugins/generated/qsa_schema.h): those
+// with "cuda" in native_kernels (ops/policies.py; tests/kernels/test_schema_header.py checks the two agree).
+// Any other id, including one a policy gains later, is refused instead of run as another policy.
+static_assert(QSA_NUM_POLICIES == 4, "a policy gained a native_id: implement it in qsa_select.cu and here");
 bool decode_policy_implemented(int32_t policy) {
     switch (policy) {
         case QSA_POLICY_QUERY_AWARE:

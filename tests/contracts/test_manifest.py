@@ -9,6 +9,7 @@ import pytest
 
 from tinyserve_trt.contracts.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, ColdTier, Manifest,
                                               OrtOptimized, PackageError, PackageIO)
+from tinyserve_trt.contracts.ort_plan import OrtGraphPlan
 from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
 LAYER = {r: f"{r}.0" for r in ("key_cache", "value_cache", "key_min", "key_max", "new_key", "new_value")}
@@ -34,8 +35,8 @@ def test_round_trip_keeps_every_field_and_unknown_keys(tmp_path):
     cold = ColdTier(k_granularity="channel", v_granularity="token", hot_fraction=0.5, sink_pages=1,
                     recent_pages=2, decay=0.9, calibration={"file": "calibration.json"})
     io = PackageIO(manifest().io.inputs, {"logits": "logits"}, [{**LAYER, **COLD}])
-    m = manifest(io=io, cold_tier=cold, ort_optimized=OrtOptimized(file="model.ort.onnx", onnxruntime="1.0", opset=17,
-                                                                opset_note="kept at opset 17: why"),
+    plan = OrtGraphPlan(17, False, "tinyserve.cpu", 2, opset_why="kept at opset 17: why", fusions_why="rounding")
+    m = manifest(io=io, cold_tier=cold, ort_optimized=OrtOptimized(file="model.ort.onnx", onnxruntime="1.0", plan=plan),
                  engine={"file": "model.plan", "max_batch": 8}, eos_token_id=[2, 3])
     (tmp_path / "model.onnx").write_bytes(b"")
     m.save(tmp_path)

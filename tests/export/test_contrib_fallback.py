@@ -28,12 +28,13 @@ def _contrib_ops(path) -> set[str]:
 def _export(export_fixture, tmp_path):
     src = export_fixture("llama", "legacy_eager") / "model.onnx"
     export_model(src, tmp_path / "pkg", ExportConfig(page_size=4, dense_layers=1), quiet=True)
-    return tmp_path / "pkg", json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())["validation"]
+    manifest = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())
+    return tmp_path / "pkg", {**manifest["validation"], "plan": manifest["ort_optimized"]["plan"]}
 
 
 def test_contrib_fusions_are_kept_when_they_validate(export_fixture, tmp_path):
     pkg, validation = _export(export_fixture, tmp_path)
-    assert validation["ort_contrib_ops"] is True
+    assert validation["plan"]["contrib_fusions"] is True and validation["plan"]["fusions_why"] is None
     assert _contrib_ops(pkg / ORT_GRAPH_FILE)  # the tiny LLaMA's rotaries at least
 
 
@@ -47,6 +48,7 @@ def test_contrib_fusions_that_fail_validation_are_dropped(export_fixture, tmp_pa
 
     monkeypatch.setattr(pipeline, "_validate", rounding_past_tolerance)
     pkg, validation = _export(export_fixture, tmp_path)
-    assert validation["ort_contrib_ops"] is False
+    assert validation["plan"]["contrib_fusions"] is False
+    assert validation["plan"]["fusions_why"].startswith("ORT contrib fusions give max |logit diff| ")
     assert validation["max_abs_logit_diff"] <= validation["tolerance"]
     assert _contrib_ops(pkg / ORT_GRAPH_FILE) == set()

@@ -102,7 +102,7 @@ def test_failed_replacement_keeps_the_old_package(capsys, tmp_path, export_fixtu
     def boom(tmp, manifest):
         raise OSError("disk full")
 
-    monkeypatch.setattr("tinyserve_trt.export.pipeline._ort_graph_saver", lambda config: boom)
+    monkeypatch.setattr("tinyserve_trt.export.pipeline._ort_graph_saver", lambda config, plan=None: boom)
     got, _, err = run(capsys, src, "-o", out, "-q", "--force")
     assert got != 0 and one_line(err)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -104,8 +104,9 @@ def test_export_records_the_kernel_and_its_graph_equals_the_function_graph(expor
     from tinyserve_trt.export.validate import paged_logits, sparse_lengths
 
     pkg, manifest = _export(export_fixture, tmp_path)
-    assert manifest["ort_optimized"]["native"] == NATIVE_DOMAIN
-    assert manifest["validation"]["ort_native"] is True
+    plan = manifest["ort_optimized"]["plan"]
+    assert (plan["native_domain"], plan["native_version"], plan["native_why"]) == (NATIVE_DOMAIN, 2, None)
+    assert "ort_native" not in manifest["validation"]  # the choice is the typed plan; validation holds figures
     assert manifest["validation"]["ort_native_check"].startswith("dense max |logit diff| ")
     assert _switches(onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph)
     import onnxruntime as ort
@@ -114,7 +115,7 @@ def test_export_records_the_kernel_and_its_graph_equals_the_function_graph(expor
     ps = manifest["page_size"]
     got = {}
     for native in (False, True):
-        graph = prepared_graph(proto, opset=manifest["ort_optimized"]["opset"], native=native)
+        graph = prepared_graph(proto, opset=manifest["ort_optimized"]["plan"]["opset"], native=native)
         sess = ort.InferenceSession(graph.SerializeToString(), session_options(graph),
                                     providers=["CPUExecutionProvider"])
         got[native] = {b: paged_logits(sess, manifest, b, sparse_lengths(ps)) for b in (0, 3 * ps)}
@@ -129,9 +130,10 @@ def test_export_records_the_kernel_and_its_graph_equals_the_function_graph(expor
 def test_opting_out_and_a_missing_kernel_keep_the_function(export_fixture, tmp_path, monkeypatch):
     pkg, manifest = _export(export_fixture, tmp_path, "off", ExportConfig(page_size=8, sub_page_size=4,
                                                                           dense_layers=1, native_decode=False))
-    assert manifest["ort_optimized"]["native"] is None and "ort_native" not in manifest["validation"]
+    plan = manifest["ort_optimized"]["plan"]
+    assert plan["native_domain"] is None and "ort_native_check" not in manifest["validation"]
     # the export's reason is recorded, and the runtime's kernel report (issue #32) says it
-    assert manifest["ort_optimized"]["native_note"] == "package exported with --no-native-decode"
+    assert plan["native_why"] == "package exported with --no-native-decode"
     from tinyserve_trt import LLM
 
     report = LLM(pkg, max_batch=1).engine.kernel_report
@@ -139,9 +141,9 @@ def test_opting_out_and_a_missing_kernel_keep_the_function(export_fixture, tmp_p
     assert report.reason == "package exported with --no-native-decode"
     monkeypatch.setenv("TINYSERVE_NATIVE", "0")
     pkg, manifest = _export(export_fixture, tmp_path, "missing")
-    assert manifest["ort_optimized"]["native"] is None and manifest["validation"]["ort_native"] is False
+    assert manifest["ort_optimized"]["plan"]["native_domain"] is None
     assert manifest["validation"]["ort_native_check"].startswith("skipped: ")
-    assert "TINYSERVE_NATIVE=0" in manifest["ort_optimized"]["native_note"]
+    assert "TINYSERVE_NATIVE=0" in manifest["ort_optimized"]["plan"]["native_why"]
 
 
 @needs_native
@@ -173,7 +175,7 @@ def test_cold_page_packages_decode_on_the_kernel_as_on_the_function(export_fixtu
     config = ExportConfig(page_size=8, sub_page_size=4, dense_layers=1, cold_pages=True, cold_format=cold_format,
                           int8_layers="none" if cold_format == "int4" else None)
     pkg, manifest = _export(export_fixture, tmp_path, f"cold-{cold_format}", config)
-    assert manifest["ort_optimized"]["native"] == NATIVE_DOMAIN and manifest["validation"]["ort_native"] is True
+    assert manifest["ort_optimized"]["plan"]["native_domain"] == NATIVE_DOMAIN
     graph = onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph
     natives = [_branches(n)["then_branch"].node[0] for n in _switches(graph)]
     assert len(natives) == manifest["num_layers"]

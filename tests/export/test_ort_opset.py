@@ -71,8 +71,10 @@ def test_ort_graph_is_raised_and_the_fine_score_is_blocked_dequantize(export_fix
     portable = onnx.load(str(pkg / MODEL_FILE), load_external_data=False)
     graph = onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False)
     assert onnx_opset(portable) == manifest["source"]["opset"] == 17  # what TensorRT parses is untouched
-    assert onnx_opset(graph) == manifest["ort_optimized"]["opset"] == manifest["validation"]["ort_opset"] == ORT_OPSET
-    assert manifest["ort_optimized"]["opset_note"] is None and "ort_opset_note" not in manifest["validation"]
+    plan = manifest["ort_optimized"]["plan"]
+    assert onnx_opset(graph) == plan["opset"] == ORT_OPSET and plan["opset_why"] is None
+    # the choices are the typed plan (contracts/ort_plan.py); validation holds only what was measured
+    assert not {"ort_opset", "ort_opset_note", "ort_contrib_ops", "ort_native"} & set(manifest["validation"])
     assert manifest["validation"]["ort_opset_sparse_check"].startswith("max |logit diff| ")
     assert _blocked_dequantize(graph.graph) == 2  # code*step and hi*step of the one two-level layer
     assert _ops(graph.graph, inside_if=True)["Floor"] == 0  # the opset-17 form's hi = Floor(code / 16)
@@ -108,9 +110,9 @@ def test_failed_conversion_keeps_the_source_opset_with_a_note(export_fixture, tm
     monkeypatch.setattr(onnx.version_converter, "convert_version", refuse)
     report, pkg, manifest = _export(export_fixture, tmp_path)
     graph = onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False)
-    note = manifest["ort_optimized"]["opset_note"]
-    assert onnx_opset(graph) == manifest["ort_optimized"]["opset"] == manifest["validation"]["ort_opset"] == 17
-    assert note == manifest["validation"]["ort_opset_note"] == report.ort_opset_note
+    note = manifest["ort_optimized"]["plan"]["opset_why"]
+    assert onnx_opset(graph) == manifest["ort_optimized"]["plan"]["opset"] == 17
+    assert note == report.ort_opset_note
     assert note.startswith(f"model.ort.onnx kept at ai.onnx opset 17 (not {ORT_OPSET}): OpsetRaiseError: ")
     assert "no adapter for Foo 17 -> 18" in note and "\n" not in note
     assert manifest["validation"]["max_abs_logit_diff"] <= manifest["validation"]["tolerance"]
@@ -128,9 +130,8 @@ def test_raised_graph_failing_validation_keeps_the_source_opset(export_fixture, 
     monkeypatch.setattr(pipeline, "_validate", raised_rounds_badly)
     _, pkg, manifest = _export(export_fixture, tmp_path)
     validation = manifest["validation"]
-    assert validation["ort_opset"] == manifest["ort_optimized"]["opset"] == 17
-    assert "its max |logit diff| 1 > 0.0001" in validation["ort_opset_note"]
-    assert validation["ort_opset_note"] == manifest["ort_optimized"]["opset_note"]
+    assert manifest["ort_optimized"]["plan"]["opset"] == 17
+    assert "its max |logit diff| 1 > 0.0001" in manifest["ort_optimized"]["plan"]["opset_why"]
     assert validation["max_abs_logit_diff"] <= validation["tolerance"]
     assert onnx_opset(onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False)) == 17
 
@@ -140,8 +141,8 @@ def test_unvalidated_export_falls_back_when_conversion_fails(export_fixture, tmp
                         lambda model, target: (_ for _ in ()).throw(ValueError("bad graph")))
     _, pkg, manifest = _export(export_fixture, tmp_path, config=ExportConfig(page_size=8, sub_page_size=4,
                                                                               dense_layers=1, validate=False))
-    assert manifest["ort_optimized"]["opset"] == 17 and manifest.get("validation") is None
-    assert manifest["ort_optimized"]["opset_note"].endswith("17 -> 21 failed: ValueError: bad graph")
+    assert manifest["ort_optimized"]["plan"]["opset"] == 17 and manifest.get("validation") is None
+    assert manifest["ort_optimized"]["plan"]["opset_why"].endswith("17 -> 21 failed: ValueError: bad graph")
 
 
 def test_raise_opset_leaves_new_enough_models_and_its_input_alone(monkeypatch):

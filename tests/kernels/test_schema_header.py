@@ -75,12 +75,42 @@ def test_plugin_fields_come_from_the_header_only():
         assert literal not in src.replace("QueryAwareSparseAttentionPlugin", "")
 
 
-def test_policy_enum_values_match_schema_order():
+def test_policy_enum_values_are_the_registry_native_ids():
+    """The header's policy ids are the registry's native_ids; a policy without one is not in it."""
+    from tinyserve_trt.ops import policies
+
     text = schema_header.render()
-    for i, name in enumerate(schema.POLICIES):
-        assert f"#define QSA_POLICY_{name.upper()} {i}" in text
+    for name in schema.POLICIES:
+        if name in schema.POLICY_IDS:
+            assert f"#define QSA_POLICY_{name.upper()} {schema.POLICY_IDS[name]}\n" in text
+        else:
+            assert f"QSA_POLICY_{name.upper()} " not in text and f'"{name}"' not in text
+    assert f"#define QSA_NUM_POLICIES {len(schema.POLICY_IDS)}\n" in text
+    assert schema.POLICY_IDS == policies.native_ids()
     for i, name in enumerate(schema.GROUP_REDUCTIONS):
         assert f"#define QSA_GROUP_REDUCE_{name.upper()} {i}" in text
+
+
+def _policy_cases(src: str, pattern: str) -> set[str]:
+    return {m.lower() for m in re.findall(pattern, src)}
+
+
+def test_native_kernels_implement_exactly_the_registry_policies():
+    """qsa_api.cu's decode switch and the CPU node's policy check accept exactly the policies whose
+    ``native_kernels`` name them: a registry that claims a kernel the C lacks (or the reverse) fails."""
+    from tinyserve_trt.cpu import node
+    from tinyserve_trt.cuda import library
+    from tinyserve_trt.ops import policies
+
+    api = _code([ROOT / "plugins" / "kernels" / "qsa_api.cu"])
+    switch = api[api.index("bool decode_policy_implemented"):]
+    switch = switch[:switch.index("}")]
+    assert _policy_cases(switch, r"case QSA_POLICY_(\w+):") == set(policies.implemented_by("cuda"))
+    cpu = _code([ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_decode_cpu.cpp"])
+    check = cpu[cpu.index("if (policy != kPolicies"):]
+    check = check[:check.index(")\n")]
+    assert _policy_cases(check, r"kPolicies\[QSA_POLICY_(\w+)\]") == set(policies.implemented_by("cpu"))
+    assert node.POLICIES == policies.implemented_by("cpu") and library.CUDA_POLICIES == policies.implemented_by("cuda")
 
 
 def test_launch_structs_are_generated_from_the_ctypes_definition():

@@ -7,8 +7,24 @@ from tinyserve_trt.ops import registered, schema
 from tinyserve_trt.ops.node import make_node, make_op_model, node_attributes
 
 
-def test_policy_registry_matches_schema():
-    assert set(registered()) == set(schema.POLICIES)
+def test_policy_registry_is_the_schema_source():
+    from tinyserve_trt.ops import policies
+
+    assert schema.POLICIES == registered() and schema.attribute("policy").choices == registered()
+    assert schema.TWO_LEVEL_POLICIES == policies.two_level() == ("query_aware",)
+    assert schema.POLICY_IDS == policies.native_ids()
+
+
+@pytest.mark.parametrize("attrs", [dict(name="query_aware"), dict(name="x", native_id=0),
+                                   dict(name="x", native_kernels=("cpu",)),
+                                   dict(name="x", native_id=99, native_kernels=("gpu",))])
+def test_register_refuses_a_repeated_name_or_id_or_a_kernel_without_id(attrs):
+    from tinyserve_trt.ops import policies
+
+    cls = type("Bad", (policies.Window,), attrs)
+    with pytest.raises(ValueError):
+        policies.register(cls)
+    assert "x" not in registered()
 
 
 def test_node_carries_schema_and_plugin_attributes():

@@ -38,8 +38,10 @@ def no_compiler(monkeypatch, tmp_path):
 def _ort_graph_is_native(manifest) -> bool:
     import onnxruntime as ort
 
-    opt = manifest.get("ort_optimized") or {}
-    return opt.get("onnxruntime") == ort.__version__ and bool(opt.get("native"))
+    from tinyserve_trt.contracts.manifest import Manifest
+
+    opt = Manifest.from_dict(manifest).ort_optimized
+    return opt is not None and opt.onnxruntime == ort.__version__ and bool(opt.native)
 
 
 # ---- the record ------------------------------------------------------------------
@@ -206,3 +208,25 @@ def test_a_package_with_an_older_native_node_decodes_on_the_function_and_says_re
     assert got == want
     with pytest.raises(NativeRequired, match="re-export"):
         LLM(old, max_batch=1, require_native=True)
+
+
+def test_a_plan_recording_an_older_native_node_loads_the_portable_model(llama, tmp_path):
+    """The manifest's typed plan records the native node's version (``ort_optimized.plan.native_version``);
+    one this runtime does not run is refused as the graph's own opset import is."""
+    import shutil
+
+    from tinyserve_trt.contracts.manifest import MANIFEST_FILE
+    from tinyserve_trt.cpu import node
+    from tinyserve_trt.runtime.llm import LLM
+
+    _, pkg, manifest = llama
+    if not _ort_graph_is_native(manifest):
+        pytest.skip("the fixture package's ORT graph does not call the native node")
+    assert manifest["ort_optimized"]["plan"]["native_version"] == node.VERSION
+    old = tmp_path / "old-plan"
+    shutil.copytree(pkg, old)
+    data = json.loads((old / MANIFEST_FILE).read_text())
+    data["ort_optimized"]["plan"]["native_version"] = node.VERSION - 1
+    (old / MANIFEST_FILE).write_text(json.dumps(data))
+    stats = LLM(old, max_batch=1).stats()
+    assert stats["kernel_decode"] == "onnx_function" and f"version {node.VERSION - 1}" in stats["kernel_reason"]

@@ -2,6 +2,8 @@
 
 ``manifest``     the package manifest ``tinyserve.json`` (typed, versioned, validated) and the
                  package's file names; ``manifest_fields`` its per-field type and range checks
+``ort_plan``     ``OrtGraphPlan``: how ``model.ort.onnx`` was made (opset, contrib fusions, native
+                 decode node) and why - the manifest's ``ort_optimized.plan``
 ``package_paths`` ``PackageError`` and ``resolve_inside``: every file a package names stays inside it
 ``cold_tier``    ``TierConfig`` / ``HotnessConfig``: the INT8 cold tier and which pages stay hot
 ``calibration``  ``CalibrationArtifact``: what ``tinyserve-calibrate`` writes, the exporter

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tinyserve_trt.contracts import manifest_fields as checks
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
+from tinyserve_trt.contracts.ort_plan import OrtGraphPlan
 from tinyserve_trt.contracts.package_paths import PackageError, check_name, resolve_inside
 from tinyserve_trt.ops.cold_codec import INT4_FORMAT_VERSION
 
@@ -143,12 +144,9 @@ class OrtOptimized:
     """ONNX Runtime's optimized graph (``export.ort_graph``): valid for this ORT version and
     the CPU EP only. ``weights``: the file its shared initializers point into;
     ``shared_bytes`` / ``own_bytes``: weight bytes read from there / from its own data file.
-    ``opset``: its ai.onnx opset (the exporter raises it past the source's, ``export.ort_opset``);
-    ``opset_note``: why it kept an older one (None when raised or already new enough).
-    ``native``: the domain of the native CPU decode kernel the graph calls (``export.native_decode``;
-    the runtime registers ``tinyserve_trt.cpu``'s library, or loads the portable model without it);
-    ``native_note``: when ``native`` is None, why the export left the op's function to decode
-    (``--no-native-decode``, no compiler, out of tolerance): the runtime's kernel report says it."""
+    ``plan``: how it was made - opset, contrib fusions, the native decode node - and why
+    (``contracts.ort_plan.OrtGraphPlan``: one typed record; ``opset``, ``native`` and the notes
+    below read it)."""
 
     file: str
     onnxruntime: str
@@ -156,23 +154,47 @@ class OrtOptimized:
     weights: str | None = None
     shared_bytes: int = 0
     own_bytes: int = 0
-    opset: int | None = None  # None: a package from before the field
-    opset_note: str | None = None
-    native: str | None = None  # the custom-op domain whose library every session must register (or None)
-    native_note: str | None = None  # why not native (None: native, or a package from before the note)
+    plan: OrtGraphPlan = field(default_factory=lambda: OrtGraphPlan(None))
 
     def __post_init__(self):
         check_name(self.file, "ort_optimized.file")
         if self.weights is not None:
             check_name(self.weights, "ort_optimized.weights")
         checks.check_ort_optimized(self)
-        for name in ("native", "native_note"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise PackageError(f"ort_optimized.{name} must be a string or null, got {value!r}")
-        if self.opset is not None and (not isinstance(self.opset, int) or isinstance(self.opset, bool)
-                                       or self.opset < 1):
-            raise PackageError(f"ort_optimized.opset must be a positive int, got {self.opset!r}")
+        if not isinstance(self.plan, OrtGraphPlan):
+            raise PackageError(f"ort_optimized.plan must be an OrtGraphPlan, got {self.plan!r}")
+
+    @property
+    def opset(self) -> int | None:
+        """ai.onnx opset of the graph (None: a package from before it was recorded)."""
+        return self.plan.opset
+
+    @property
+    def opset_note(self) -> str | None:
+        """Why the graph kept an older opset (None when raised or already new enough)."""
+        return self.plan.opset_why
+
+    @property
+    def native(self) -> str | None:
+        """The domain of the native CPU decode node the graph calls (``export.native_decode``; the
+        runtime registers ``tinyserve_trt.cpu``'s library, or loads the portable model without it)."""
+        return self.plan.native_domain
+
+    @property
+    def native_note(self) -> str | None:
+        """When ``native`` is None, why the export left the op's function to decode
+        (``--no-native-decode``, no compiler, a policy it lacks, out of tolerance)."""
+        return self.plan.native_why
+
+    @classmethod
+    def from_dict(cls, opt, validation: dict | None = None) -> OrtOptimized:
+        """``ort_optimized`` of the JSON; a package from before ``plan`` gets it from the old fields
+        (``OrtGraphPlan.from_legacy``, which also reads the manifest's ``validation``)."""
+        if not isinstance(opt, dict) or "file" not in opt or "onnxruntime" not in opt:
+            raise PackageError("ort_optimized must hold 'file' and 'onnxruntime'")
+        plan = OrtGraphPlan.from_dict(opt["plan"]) if "plan" in opt else OrtGraphPlan.from_legacy(opt, validation)
+        names = {f.name for f in fields(cls)} - {"plan"}
+        return cls(**{k: v for k, v in opt.items() if k in names}, plan=plan)
 
 
 @dataclass(frozen=True)
@@ -288,11 +310,7 @@ class Manifest:
                 raise PackageError(_old_int4(1))  # written before the version: symmetric INT4 keys
             kw["cold_tier"] = ColdTier(**{k: v for k, v in cold.items() if k in {f.name for f in fields(ColdTier)}})
         if kw.get("ort_optimized") is not None:
-            opt = kw["ort_optimized"]
-            names = {f.name for f in fields(OrtOptimized)}
-            if not isinstance(opt, dict) or "file" not in opt or "onnxruntime" not in opt:
-                raise PackageError("ort_optimized must hold 'file' and 'onnxruntime'")
-            kw["ort_optimized"] = OrtOptimized(**{k: v for k, v in opt.items() if k in names})
+            kw["ort_optimized"] = OrtOptimized.from_dict(kw["ort_optimized"], kw.get("validation"))
         kw = {k: v for k, v in kw.items() if v is not None or k in INT_FIELDS}
         return cls(io=PackageIO(io.get("inputs"), io.get("outputs", {}), io.get("layers")), extra=data, **kw)
 

@@ -120,7 +120,6 @@ def check_ort_optimized(opt) -> None:
         value = getattr(opt, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise PackageError(f"ort_optimized.{name} must be an int >= 0, got {value!r}")
-    check_optional("ort_optimized.opset_note", opt.opset_note, str, "a string")
 
 
 def check_cold_tier_types(tier) -> None:

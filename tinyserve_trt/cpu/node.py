@@ -12,11 +12,11 @@ an exporter puts it in the decode branch of an ``If``, the function body in the 
 
 from __future__ import annotations
 
-from ..ops import schema
+from ..ops import policies, schema
 from .native import DOMAIN, OP_TYPE
 
 VERSION = 2  # 2: the schema's input positions (1 had key_sub_bounds at 10, the cold tier after it)
-POLICIES = ("query_aware", "dense")  # the selection policies the kernel implements
+POLICIES = policies.implemented_by("cpu")  # the selection policies the kernel implements (csrc refuses others)
 
 
 def input_names(two_level: bool, cold_pages: bool = False) -> tuple[str, ...]:
@@ -31,7 +31,7 @@ def make_decode_node(inputs: list[str], outputs: list[str], attrs: schema.OpAttr
 
     attrs = attrs or schema.OpAttributes()
     if attrs.policy not in POLICIES:
-        raise ValueError(f"{OP_TYPE} supports policy query_aware or dense, got {attrs.policy!r}")
+        raise ValueError(f"{OP_TYPE} does not implement policy {attrs.policy!r} (it implements {POLICIES})")
     want = len(input_names(attrs.two_level, cold_pages))
     if len(inputs) != want:
         raise ValueError(f"{OP_TYPE} with sub_page_size={attrs.sub_page_size}{' and cold pages' if cold_pages else ''} "

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..ops import schema
+from ..ops import policies, schema
 from . import launch_abi
 
 DEFAULT_LIB = Path(__file__).resolve().parents[2] / "build" / "plugins" / "libqsa_kernels.so"  # a checkout's build
@@ -27,7 +27,8 @@ STATUS_NAMES = {0: "ok", 1: "invalid argument", 2: "unsupported", 3: "workspace 
 # Bits the kernels set in ``error_flags`` (qsa_launch.h QSA_FLAG_*) and the status each stands for.
 FLAG_STATUS = {1: 5, 2: 6}
 DTYPES = {"float32": 0, "float16": 1}
-POLICY_IDS = {name: i for i, name in enumerate(schema.POLICIES)}
+POLICY_IDS = schema.POLICY_IDS  # the generated header's QSA_POLICY_*: only the policies C knows
+CUDA_POLICIES = policies.implemented_by("cuda")  # qsa_api.cu's policy_supported; the others are refused
 GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
 COLD_FORMAT_IDS = {name: i for i, name in enumerate(schema.COLD_FORMATS)}
 
@@ -230,6 +231,11 @@ def forward_params(shapes: Mapping[str, Sequence[int] | None], pointers: Mapping
 
 
 def make_attrs(attrs: schema.OpAttributes) -> QsaAttrs:
+    """The launch attributes; ValueError for a policy without a C id (``POLICY_IDS``). A policy with
+    an id outside ``CUDA_POLICIES`` is packed: the C API refuses its decode step (QSA_UNSUPPORTED)."""
+    if attrs.policy not in POLICY_IDS:
+        raise ValueError(f"policy {attrs.policy!r} has no native id (the CUDA kernels know {tuple(POLICY_IDS)}; "
+                         "the op's ONNX function runs it)")
     return QsaAttrs(float(attrs.scale), POLICY_IDS[attrs.policy], attrs.sink_pages, attrs.recent_pages,
                     GROUP_REDUCE_IDS[attrs.group_reduce], attrs.sub_page_size, float(attrs.candidate_share))
 

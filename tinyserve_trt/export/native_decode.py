@@ -18,7 +18,7 @@ The per-step bookkeeping (page counts, masks, the dense switch inputs) stays in 
 main graph, merged across layers as without the kernel, so prefill runs what it ran
 before. ``model.onnx`` and its TensorRT plugin node are untouched. The graph then needs
 the custom-op library in every session that loads it (:func:`session_options`;
-``OrtOptimized.native``: the runtime loads ``model.onnx`` when it cannot build it).
+``OrtGraphPlan.native_domain``: the runtime loads ``model.onnx`` when it cannot build it).
 Does not read external data.
 """
 
@@ -70,21 +70,18 @@ def unsupported(model: onnx.ModelProto) -> str | None:
     return None if None in reasons else reasons[0]
 
 
-def not_native_note(native: bool, validation: dict, unavailable: str | None) -> str:
-    """Why ``model.ort.onnx`` decodes on the op's function (recorded as ``ort_optimized.native_note``,
-    read by the runtime's kernel report and the export's summary). ``native``: the export asked for
-    the kernel (``ExportConfig.native_decode``); ``validation``: the manifest's (``ort_native_check``);
-    ``unavailable``: why the kernel could not be built, when the export did not validate."""
+def not_native_note(native: bool, unavailable: str | None, model: onnx.ModelProto | None = None) -> str:
+    """Why an unvalidated ``model.ort.onnx`` decodes on the op's function (``OrtGraphPlan.native_why``,
+    read by the runtime's kernel report and the export's summary; a validated one's says it
+    itself, ``ort_validation.py``). ``native``: the export asked for the kernel
+    (``ExportConfig.native_decode``); ``unavailable``: why the kernel could not be built; ``model``:
+    the portable model, to name why no layer of it can use the kernel."""
     if not native:
         return "package exported with --no-native-decode"
-    check = validation.get("ort_native_check") or ""
-    if check.startswith(("skipped: ", "failed: ")):
-        return f"the native kernel was not used at export ({check})"
-    if check:
-        return f"the native kernel was out of tolerance at export ({check})"
     if unavailable:
         return f"the native kernel was unavailable at export ({unavailable})"
-    return "no layer of the model can decode on the native kernel"
+    reason = unsupported(model) if model is not None else None
+    return "no layer of the model can decode on the native kernel" + (f" ({reason})" if reason else "")
 
 
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

@@ -26,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from ..contracts.manifest import MODEL_DATA_FILE, MODEL_FILE, ORT_GRAPH_FILE, OrtOptimized
+from ..contracts.ort_plan import OrtGraphPlan
 
 LEVEL = "extended"  # not "all": no CPU-specific layouts in a file other machines may load
 PREPARED_FILE = ".model.ort-prepared.onnx"
@@ -109,19 +111,22 @@ def _weights_by_content(package: Path) -> dict[tuple[str, int], tuple[str, int, 
     return out
 
 
-def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | None = None,
-                         native: bool = False) -> OrtOptimized:
+def save_optimized_graph(package: Path, plan: OrtGraphPlan) -> OrtOptimized:
     """Write ``model.ort.onnx`` (+ a ``model.ort.onnx.data`` only for initializers ORT made)
-    into the ``package`` directory, which already holds ``model.onnx``; returns its record.
-    ``contrib_ops``, ``opset``, ``native``: as :func:`prepared_graph`; when the opset raise fails the
-    graph keeps the source's opset and the record says why (``opset_note``)."""
+    into the ``package`` directory, which already holds ``model.onnx``, as ``plan`` says
+    (its opset, contrib fusions, native decode node: :func:`prepared_graph`); returns its record,
+    whose plan is the graph as built: the opset it has (the source's, with ``opset_why``, when the
+    raise fails; a newer source's as is) and the native node only where a layer took it (else
+    ``native_why`` says why none did)."""
     import onnx
     import onnxruntime as ort
 
-    from .native_decode import NATIVE_DOMAIN, session_options, uses_native
-    from .ort_opset import OpsetRaiseError, opset_note
+    from ..cpu.node import VERSION
     from ..ops.node import onnx_opset
+    from .native_decode import NATIVE_DOMAIN, not_native_note, session_options, uses_native
+    from .ort_opset import OpsetRaiseError, opset_note
 
+    contrib_ops, opset, native = plan.contrib_fusions, plan.opset, plan.native
     package = Path(package)
     with tempfile.TemporaryDirectory(prefix=".ort-graph.", dir=package) as tmp:
         tmp = Path(tmp)
@@ -135,12 +140,18 @@ def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | N
         # across layers; written beside model.onnx so its weights resolve to the same file.
         prepared = package / PREPARED_FILE
         source = onnx.load(str(package / MODEL_FILE), load_external_data=False)
-        note = None
+        note = plan.opset_why
         try:
             graph = prepared_graph(source, contrib_ops, opset, native)
         except OpsetRaiseError as e:
             note = opset_note(onnx_opset(source), str(e))
             graph = prepared_graph(source, contrib_ops, native=native)
+        built = replace(plan, opset=onnx_opset(graph), opset_why=note)
+        if native and not uses_native(graph):
+            built = replace(built, native_domain=None, native_version=None,
+                            native_why=not_native_note(True, None, source))
+        elif native:
+            built = replace(built, native_domain=NATIVE_DOMAIN, native_version=VERSION)
         if uses_native(graph):
             from ..cpu import native as cpu_native
 
@@ -180,6 +191,4 @@ def save_optimized_graph(package: Path, contrib_ops: bool = True, opset: int | N
             os.remove(own)
         onnx.save_model(optimized, str(package / ORT_GRAPH_FILE))
     return OrtOptimized(file=ORT_GRAPH_FILE, onnxruntime=ort.__version__, level=LEVEL,
-                        shared_bytes=shared, own_bytes=own_bytes, weights=MODEL_DATA_FILE,
-                        opset=onnx_opset(optimized), opset_note=note,
-                        native=NATIVE_DOMAIN if uses_native(optimized) else None)
+                        shared_bytes=shared, own_bytes=own_bytes, weights=MODEL_DATA_FILE, plan=built)

@@ -76,17 +76,17 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
                  overwrite: bool = False, quiet: bool = False, extra_manifest: dict | None = None,
                  int8_pick=None) -> ExportReport:
     """``int8_pick``: the sensitivity pass's ``calibration.int8_pick.Int8Pick`` when
-    ``config.runs_int8_pass()``; None runs it first (``auto_int8.py``)."""
+    ``config.runs_int8_pass()``; None runs it as a stage over the written package, before it is
+    swapped in (``auto_int8.py``: the export writes every layer INT4, the stage retypes the picked ones)."""
     source, outdir = Path(source), Path(outdir)
     check_output(outdir, overwrite, (source,))  # before minutes of work; nothing touched yet
     config, context_from = resolve_max_context(config, source)
-    if config.runs_int8_pass() and int8_pick is None:
-        from .auto_int8 import export_with_int8_pass
+    int8_stage = config.runs_int8_pass() and int8_pick is None
+    if int8_stage:
+        from .auto_int8 import WRITING
 
-        _load_calibration(config)  # a bad artifact fails before minutes of work
-        report = export_with_int8_pass(source, outdir, config, overwrite, quiet, extra_manifest,
-                                       lambda msg: _progress(msg, quiet))
-        return replace(report, max_context_from=context_from)
+        _progress(WRITING, quiet)
+        config = replace(config, int8_layers="none")  # the stage sets int8_layers and where they came from
     times = {}
     if config.backend == "trt":  # fail before minutes of work, not after
         from .trt_build import require_tensorrt
@@ -94,12 +94,12 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         require_tensorrt()
     artifact = _load_calibration(config)
     with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
-        report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times)
+        report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times, int8_stage)
     return replace(report, max_context=config.max_context, max_context_from=context_from)
 
 
 def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, extra_manifest, int8_pick,
-            times: dict) -> ExportReport:
+            times: dict, int8_stage: bool = False) -> ExportReport:
     """load -> match -> probe -> rewrite, then :func:`_validate_and_write` into ``stage``."""
     t0 = time.perf_counter()
     bar = Progress(quiet)
@@ -151,7 +151,8 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     times["rewrite"] = time.perf_counter() - t0
     done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
                       "float16" if dtype == ir.DataType.FLOAT16 else "float32", reference)
-    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar)
+    return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar,
+                               int8_stage and (lambda msg: _progress(msg, quiet)))
 
 
 @dataclass
@@ -171,9 +172,10 @@ class _Rewritten:
 
 
 def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: _Rewritten, config: ExportConfig, artifact,
-                        extra_manifest, times: dict, bar: Progress) -> ExportReport:
+                        extra_manifest, times: dict, bar: Progress, int8_stage=None) -> ExportReport:
     """Write the rewritten model into ``stage`` (its weights streamed from the source's files), check
-    and validate it there, then finish and swap in the package."""
+    and validate it there, then finish and swap in the package. ``int8_stage``: a progress callable
+    when the INT8-layer stage (``auto_int8.py``) runs on the staged package before it is finished."""
     proto, plans, dims, counts, cold_tier = done.proto, done.plans, done.dims, done.counts, done.cold_tier
     t0 = time.perf_counter()
     bar.start("write", "writing model.onnx and model.onnx.data", total=weight_bytes(proto), unit="B")
@@ -199,7 +201,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         **two_level_fields(plans, config), extra=dict(extra_manifest or {}),
     )
 
-    figure = None
+    figure = plan = None  # plan: the validated OrtGraphPlan of model.ort.onnx (None: not validated)
     if config.validate:
         t0 = time.perf_counter()
         runs = 3 if config.backend == "trt" else 4 + bool(config.native_decode)  # sessions, about
@@ -213,12 +215,12 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         if config.backend != "trt":  # the CPU runtime loads model.ort.onnx, made from this graph
             from .ort_validation import validate_ort_graph
 
-            ort = validate_ort_graph(proto, manifest.to_dict(), tolerance,
-                                     lambda graph: (_validate(reference, graph, manifest.to_dict()), bar.advance())[0],
-                                     bar.note, native=config.native_decode,
-                                     weights_dir=stage.path)
-            validation.update(model_max_abs_logit_diff=figure, **ort)
-            figure = validation["max_abs_logit_diff"] = max(figure, ort["ort_graph_max_abs_logit_diff"])  # checked
+            plan, figures = validate_ort_graph(
+                proto, manifest.to_dict(), tolerance,
+                lambda graph: (_validate(reference, graph, manifest.to_dict()), bar.advance())[0],
+                bar.note, native=config.native_decode, weights_dir=stage.path)
+            validation.update(model_max_abs_logit_diff=figure, **figures)
+            figure = validation["max_abs_logit_diff"] = max(figure, figures["ort_graph_max_abs_logit_diff"])  # checked
         if cold_tier:  # the cold path itself is checked by tests/ops (vs the reference) and tests/runtime
             fmt = describe_format(cold_tier.cold_format, cold_tier.int8_layers).upper()
             validation["pages"] = f"all hot (the cold-tier inputs hold one unused page per layer, {fmt})"
@@ -232,13 +234,17 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     t0 = time.perf_counter()
     outdir = stage.outdir
     bar.start("package", f"writing {outdir}" + (" and building the TensorRT engine" if config.backend == "trt" else ""))
-    finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config)
+    finalize = _build_trt_engine(config) if config.backend == "trt" else _ort_graph_saver(config, plan)
+    if int8_stage:
+        from .auto_int8 import int8_stage as stage_hook
+
+        finalize = stage_hook(finalize, int8_stage, times)
     if artifact is not None:
         finalize = _with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
     bar.end()
-    times["write"] += time.perf_counter() - t0
-    ort_graph = written.ort_optimized
+    times["write"] += time.perf_counter() - t0 - times.get("int8 layers", 0.0)
+    ort_graph, cold_tier = written.ort_optimized, written.cold_tier
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
@@ -298,33 +304,35 @@ def _with_calibration(finalize, artifact: CalibrationArtifact):
     return both
 
 
-def _ort_graph_saver(config: ExportConfig):
+def _ort_graph_saver(config: ExportConfig, plan=None):
     """Save ONNX Runtime's optimized graph next to the portable model, sharing its weights
-    file (``ort_graph.py``): the runtime starts ~3x faster from it. Its contrib fusions,
-    opset and native decode kernel are the validated ones (``ort_validation.py``); unvalidated,
-    the fusions, the raised opset (the source's when the conversion fails) and the kernel
-    when ``config.native_decode`` and it builds."""
+    file (``ort_graph.py``): the runtime starts ~3x faster from it. It is built as ``plan`` says
+    (the validated ``OrtGraphPlan``, ``ort_validation.py``); unvalidated, as :func:`unvalidated_plan`."""
     def finalize(tmp: Path, manifest: Manifest) -> Manifest:
-        return _save_ort_graph(tmp, manifest, config.native_decode)
+        return _save_ort_graph(tmp, manifest, config.native_decode, plan)
 
     return finalize
 
 
-def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True) -> Manifest:
+def unvalidated_plan(native: bool):
+    """The plan of an unvalidated ORT graph: the preferred one - raised opset, contrib fusions, the
+    native decode node when ``native`` and it builds here."""
+    from ..contracts.ort_plan import OrtGraphPlan
     from ..cpu import native as cpu_native
-    from .native_decode import not_native_note
-    from .ort_graph import save_optimized_graph
+    from ..cpu.node import VERSION
+    from .native_decode import NATIVE_DOMAIN, not_native_note
     from .ort_opset import ORT_OPSET
 
-    validation = manifest.validation or {}
-    contrib = validation.get("ort_contrib_ops", True)  # False: they failed validation
-    unavailable = cpu_native.available() if native and "ort_native" not in validation else None
-    wanted = validation.get("ort_native", native and unavailable is None)
-    record = save_optimized_graph(tmp, contrib, validation.get("ort_opset", ORT_OPSET), wanted)
-    if record.opset_note is None and validation.get("ort_opset_note"):  # the raised graph failed validation
-        record = replace(record, opset_note=validation["ort_opset_note"])
-    if record.native is None:
-        record = replace(record, native_note=not_native_note(native, validation, unavailable))
+    unavailable = cpu_native.available() if native else None
+    if native and unavailable is None:
+        return OrtGraphPlan(ORT_OPSET, True, native_domain=NATIVE_DOMAIN, native_version=VERSION)
+    return OrtGraphPlan(ORT_OPSET, True, native_why=not_native_note(native, unavailable))
+
+
+def _save_ort_graph(tmp: Path, manifest: Manifest, native: bool = True, plan=None) -> Manifest:
+    from .ort_graph import save_optimized_graph
+
+    record = save_optimized_graph(tmp, plan if plan is not None else unvalidated_plan(native))
     return replace(manifest, ort_optimized=record)
 
 

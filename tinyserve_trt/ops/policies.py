@@ -1,4 +1,4 @@
-"""Page selection policies: an ABC, a registry, and the four policies.
+"""Page selection policies: an ABC, a registry, and the policies - the one list of them.
 
 A policy scores a sequence's pages for one decode step, per query head; the
 op combines a GQA group's heads (``group_reduce``), forces sinks and recent
@@ -7,6 +7,15 @@ class is the one definition of its score, written three ways side by side: in
 numpy (the reference), as ONNX nodes (the function body) and in torch for
 every query position at once (``tinyserve_dev.evaluation``). Consumers pick a
 policy through this registry (``get_policy``, ``selecting``), never by name.
+
+The registry is the single source of the policy names: ``schema.POLICIES`` (the op's
+``policy`` attribute choices), ``schema.TWO_LEVEL_POLICIES`` and the generated C header's
+``QSA_POLICY_*`` ids (``schema.POLICY_IDS``: only policies with a ``native_id``) are read from
+it. A policy's ``native_kernels`` says which native kernels implement its score (``cpu``: the
+ORT CPU node, ``cuda``: the CUDA kernels / TensorRT plugin); the others refuse it and the op
+runs as its ONNX function there (the runtime's kernel report says why). Adding a policy is a
+class here (no ``native_id``: the header does not change), its test, and ``docs/op.md``'s
+regenerated table (``python -m tinyserve_dev.doc_tables docs/op.md``).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import schema
+NATIVE_KERNELS = ("cpu", "cuda")  # the native implementations a policy may name in ``native_kernels``
 
 
 @dataclass
@@ -41,6 +50,8 @@ class SelectionPolicy(ABC):
     name: str = ""
     selects: bool = True  # False: every page is kept (dense)
     reads_attention_mass: bool = False  # True: the score needs the dense attention (oracle)
+    native_id: int | None = None  # its QSA_POLICY_* value in the generated C header; None: C knows it not
+    native_kernels: tuple[str, ...] = ()  # NATIVE_KERNELS implementing it (each needs a native_id)
 
     @abstractmethod
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size: int, scale: float) -> np.ndarray:
@@ -64,7 +75,7 @@ class SelectionPolicy(ABC):
         scores of a group (the op's ``group_reduce``) on the G*S axis of ``x``. ``dims``: optional
         ``[1]``/``[2]`` int64 values ``bh`` (B, Hkv), ``k1``, ``r``, ``d``, ``gs`` (G*S) computed per step
         outside the layer (else read from the codes' and queries' shapes, per layer).
-        Only the policies in ``schema.TWO_LEVEL_POLICIES`` define it."""
+        Only the policies in ``schema.TWO_LEVEL_POLICIES`` (:func:`two_level`) define it."""
         raise ValueError(f"policy {self.name!r} has no two-level (sub-page) score")
 
     @abstractmethod
@@ -81,6 +92,15 @@ _REGISTRY: dict[str, SelectionPolicy] = {}
 
 
 def register(cls):
+    """Add ``cls`` (one instance) to the registry; ValueError on a repeated name or C id, or a native
+    kernel without an id (the C code could not be told the policy)."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"policy name {cls.name!r} is empty or registered twice")
+    if cls.native_id is not None and cls.native_id in native_ids().values():
+        raise ValueError(f"policy {cls.name!r}: native_id {cls.native_id} is taken")
+    if any(k not in NATIVE_KERNELS for k in cls.native_kernels) or (cls.native_kernels and cls.native_id is None):
+        raise ValueError(f"policy {cls.name!r}: native_kernels {cls.native_kernels} must be from {NATIVE_KERNELS} "
+                         "and need a native_id")
     _REGISTRY[cls.name] = cls()
     return cls
 
@@ -96,6 +116,24 @@ def registered() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def native_ids() -> dict[str, int]:
+    """name -> the ``QSA_POLICY_*`` id of every policy the C code knows (``native_id`` set)."""
+    return {name: p.native_id for name, p in _REGISTRY.items() if p.native_id is not None}
+
+
+def implemented_by(kernel: str) -> tuple[str, ...]:
+    """Names of the policies native ``kernel`` (``NATIVE_KERNELS``) implements; it refuses the others."""
+    if kernel not in NATIVE_KERNELS:
+        raise ValueError(f"kernel must be one of {NATIVE_KERNELS}, got {kernel!r}")
+    return tuple(name for name, p in _REGISTRY.items() if kernel in p.native_kernels)
+
+
+def two_level() -> tuple[str, ...]:
+    """Names of the policies with a two-level (sub-page) score (``sub_page_score_onnx`` defined)."""
+    return tuple(name for name, p in _REGISTRY.items()
+                 if type(p).sub_page_score_onnx is not SelectionPolicy.sub_page_score_onnx)
+
+
 def selecting() -> tuple[str, ...]:
     """Names of the policies that select pages (all but ``dense``), e.g. a CLI's choices."""
     return tuple(name for name, policy in _REGISTRY.items() if policy.selects)
@@ -106,6 +144,8 @@ class QueryAware(SelectionPolicy):
     """Quest: ``sum_i max(q_i * min_i, q_i * max_i)``, an upper bound of q.k in the page."""
 
     name = "query_aware"
+    native_id = 0
+    native_kernels = ("cpu", "cuda")
 
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
         return np.maximum(q[:, None, :] * key_min[None], q[:, None, :] * key_max[None]).sum(-1)
@@ -188,6 +228,8 @@ class Window(SelectionPolicy):
     """StreamingLLM-style: sinks plus the most recent pages (score = page position)."""
 
     name = "window"
+    native_id = 1
+    native_kernels = ("cuda",)
 
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
         return np.broadcast_to(np.arange(key_min.shape[0], dtype=np.float64), (q.shape[0], key_min.shape[0]))
@@ -207,6 +249,8 @@ class Dense(SelectionPolicy):
 
     name = "dense"
     selects = False
+    native_id = 2
+    native_kernels = ("cpu", "cuda")
 
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
         return np.zeros((q.shape[0], key_min.shape[0]))
@@ -224,6 +268,7 @@ class Oracle(SelectionPolicy):
 
     name = "oracle"
     reads_attention_mass = True
+    native_id = 3  # the CUDA API knows the id and refuses it (it needs the dense scores)
 
     def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
         n = key_min.shape[0]
@@ -243,8 +288,25 @@ class Oracle(SelectionPolicy):
         return page_mass
 
 
-if set(registered()) != set(schema.POLICIES):  # the schema is the contract; fail at import if they drift
-    raise RuntimeError(f"policy registry {registered()} does not match schema.POLICIES {schema.POLICIES}")
+@register
+class KeySpread(SelectionPolicy):
+    """A query-blind baseline: the pages whose keys spread most, ``sum_d (max_d - min_d)``.
+    No native kernel implements it (no ``native_id``): the op runs as its ONNX function."""
+
+    name = "key_spread"
+
+    def score_ref(self, q, key_min, key_max, keys, new_key, page_size, scale):
+        spread = (key_max.astype(np.float64) - key_min.astype(np.float64)).sum(-1)
+        return np.broadcast_to(spread, (q.shape[0], key_min.shape[0]))
+
+    def score_onnx(self, ctx):
+        b = ctx.builder
+        kmin_t, kmax_t = ctx.key_minmax_T()  # [B, Hkv, D, NP]
+        return b.op("ReduceSum", b.op("Sub", kmax_t, kmin_t), b.const([2], np.int64, "ax"), keepdims=1)
+
+    def score_torch(self, q, key_min, key_max, page_mass):
+        spread = (key_max - key_min).sum(-1)  # [Hkv, NP]
+        return spread[:, None, None, :].expand(*q.shape[:3], key_min.shape[1])
 
 
 def reduce_group(scores: np.ndarray, how: str) -> np.ndarray:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import policies as _policies
+
 DOMAIN = "tinyserve"
 OP_TYPE = "QueryAwareSparseAttention"
 VERSION = 1
@@ -106,9 +108,10 @@ OUTPUTS: tuple[TensorSpec, ...] = (
                optional=True),
 )
 
-# Registered selection policies (ops/policies.py implements each; a test checks
-# the registry and this tuple agree).
-POLICIES = ("query_aware", "window", "dense", "oracle")
+# Selection policies: the registry's (ops/policies.py defines each, once). POLICY_IDS: the
+# QSA_POLICY_* ids of the generated C header, only for the policies the C code knows.
+POLICIES = _policies.registered()
+POLICY_IDS = _policies.native_ids()
 GROUP_REDUCTIONS = ("max", "sum")
 # Cold-page formats: the element types of COLD_INPUTS and the last dims of the pools and scales
 # (int4: two values per byte, float16 scales per channel group; ops/cold_codec.py is the rule).
@@ -148,8 +151,8 @@ NUM_REQUIRED_INPUTS = sum(not t.optional for t in INPUTS)
 COLD_INPUTS = tuple(t.name for t in INPUTS if t.name.endswith(("_int8", "_scale")))
 TWO_LEVEL_INPUTS = ("key_sub_bounds",)
 NUM_TIERED_INPUTS = NUM_REQUIRED_INPUTS + len(COLD_INPUTS)  # a single-level node's most inputs
-# Two-level selection re-ranks sub-pages by the policy's bound of q.k; only this policy has one.
-TWO_LEVEL_POLICIES = ("query_aware",)
+# Two-level selection re-ranks sub-pages by the policy's bound of q.k: the policies with one.
+TWO_LEVEL_POLICIES = _policies.two_level()
 
 
 def node_input_names(cold_pages: bool = False, two_level: bool = False) -> tuple[str, ...]:

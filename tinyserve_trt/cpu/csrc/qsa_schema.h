@@ -36,7 +36,9 @@
 #define QSA_FIRST_COLD_INPUT 10
 #define QSA_NUM_COLD_INPUTS 4
 
-/* Enum values follow the order of schema.POLICIES / schema.GROUP_REDUCTIONS. */
+/* Policy ids: schema.POLICY_IDS (the policies with a native_id in ops/policies.py; a policy
+ * without one is unknown here and the native kernels refuse it). Group reductions follow
+ * the order of schema.GROUP_REDUCTIONS. */
 #define QSA_POLICY_QUERY_AWARE 0
 #define QSA_POLICY_WINDOW 1
 #define QSA_POLICY_DENSE 2

@@ -113,8 +113,8 @@ class KernelReport:
 
 def export_note(spec) -> str | None:
     """Why the package's ORT graph decodes on the op's function (None: it calls the native kernel),
-    as the exporter recorded it (``ort_optimized.native_note``; packages from before the note: the
-    validation's ``ort_native_check``)."""
+    as the exporter recorded it (``ort_optimized.plan.native_why``; packages from before the plan:
+    ``contracts.ort_plan.OrtGraphPlan.from_legacy`` reads the old note or ``ort_native_check``)."""
     opt = spec.ort_optimized
     if opt is None:
         return "the package has no ONNX Runtime graph (model.ort.onnx)"

@@ -163,7 +163,12 @@ class OrtBackend(Backend):
         from tinyserve_trt.cpu import native
         from tinyserve_trt.cpu.node import VERSION
 
-        found = _domain_version(path, opt.native)
+        try:
+            found = _domain_version(path, opt.native)  # what the graph imports; the plan records it too
+        except Exception:  # an unreadable graph: the session fails on it below and loads the portable model
+            found = None
+        if found in (None, VERSION) and opt.plan.native_version not in (None, VERSION):
+            found = opt.plan.native_version
         if found is not None and found != VERSION:  # its node reads inputs at other positions
             self._report = self._portable(f"{graph} calls the native node version {found}, this runtime's is "
                                           f"{VERSION}: loading the portable model (re-export the package for the "
