@@ -17,12 +17,12 @@ HAMLET=$(python3 -c "from tinyserve_dev.evaluation.texts import default_text_pat
 KJV=$(python3 -m tinyserve_dev.evaluation.texts kjv)
 [ -f "$OUT" ] || printf '# Long-context quality through the runtime (tinyserve eval)\n\n' > "$OUT"
 run() {
-  local tmp; tmp=$(mktemp)
+  local tmp commit; tmp=$(mktemp); commit=$(git rev-parse --short HEAD)  # the code the run loads
   /usr/bin/time -f "wall %e s, peak RSS %M KiB" python3 -m tinyserve_trt.runtime.cli eval "$PKG" "$@" --out "$tmp" \
     2> >(tail -n 1 > "$tmp.time")
   wait
   { printf '\n<!-- %s -->\nCommand: `tinyserve eval %s %s` (%s, commit %s; %s)\n\n' "$(date -u +%FT%TZ)" "$(basename "$PKG")" \
-      "$*" "$(uname -m), $(nproc) cores" "$(git rev-parse --short HEAD)" "$(cat "$tmp.time")"; tail -n +4 "$tmp"; } >> "$OUT"
+      "$*" "$(uname -m), $(nproc) cores" "$commit" "$(cat "$tmp.time")"; tail -n +4 "$tmp"; } >> "$OUT"
   rm -f "$tmp" "$tmp.time"
 }
 for ctx in ${CONTEXTS//,/ }; do
