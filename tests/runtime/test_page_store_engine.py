@@ -138,10 +138,15 @@ def test_a_full_disk_skips_pages_and_changes_nothing_else(llama, reference, tmp_
         assert [run(llm, [p])[0] for p in ps + ps] == expected(reference, ps + ps)
         llm.engine.store.wait()  # the writer thread tried them all
     s = llm.stats()
-    assert s["kv_store_disk_skipped"] > 0 and s["kv_store_disk_entries"] == 0 and s["prefix_pages_disk"] == 0
+    # (a page still in the writer's queue may be served from it - counted as the disk tier - so this engine's
+    # prefix_pages_disk depends on how far the writer lagged; what reached the disk is what matters)
+    assert s["kv_store_disk_skipped"] > 0 and s["kv_store_disk_entries"] == 0
     assert any("disk full" in r.message for r in caplog.records)
     assert not list(tmp_path.rglob("*.tmp"))
     llm.close()
+    again = small_llm(pkg, manifest, kv_cache_dir=str(tmp_path))  # nothing was written, so nothing comes back
+    assert run(again, ps) == expected(reference, ps) and again.stats()["prefix_pages_disk"] == 0
+    again.close()
 
 
 def test_a_replica_started_first_reads_what_another_writes_later(llama, reference, tmp_path):
