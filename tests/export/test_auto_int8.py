@@ -70,7 +70,7 @@ def test_the_default_int4_export_keeps_the_layers_the_pass_ranks_first(llama, tm
     assert tier["int8_layers"] == want == [0] and report.int8_layers == (0,)  # the dense layer, on this model
     assert tier["int8_layers_source"] == AUTO == report.int8_layers_source
     np.testing.assert_allclose(tier["int8_layers_kl"], kl, rtol=1e-6)
-    assert kl[0] > 10 * kl[1] > 0
+    assert kl[0] > kl[1] > 0  # the ranking the pick follows (the margin depends on the built-in text: 1.5x since it was regenerated from the session-12 docs, 10x+ before)
     assert manifest["validation"]["max_abs_logit_diff"] <= config.tolerance()
     model = onnx.load(str(tmp_path / "pkg" / "model.onnx"), load_external_data=False)
     nodes = [n for n in model.graph.node if n.op_type == schema.OP_TYPE]  # the picked layer INT8, the rest INT4
