@@ -165,7 +165,8 @@ def test_int4_two_level_package_quantizes_each_layer_as_its_node_reads(llama, tm
     src, _, manifest = llama
     pkg = tmp_path / "pkg"
     export_model(src, pkg, ExportConfig(page_size=4, token_budget=8, dense_layers=1, cold_pages=True,
-                                        cold_format="int4", sub_page_size=2, validate=False), quiet=True)
+                                        cold_format="int4", sub_page_size=2, validate=False,
+                                        int8_layers="none"), quiet=True)  # every layer INT4: auto may pick either
     llm = LLM(pkg, max_batch=4, hot_fraction=0.25)
     layers = llm.engine.package.layers
     two_level = {i for i, layer in enumerate(layers) if "key_sub_bounds" in layer}
