@@ -1,9 +1,11 @@
 // TensorRT IPluginV3 glue for tinyserve::QueryAwareSparseAttention (TensorRT >= 10.0).
 //
-// Glue only: shapes, types, fields, workspace. The math is in plugins/kernels
-// behind qsa_launch.h (the efficientNMSPlugin split of *Plugin.cpp vs
-// *Inference.cu). Name, namespace, version and fields come from the generated
-// plugins/generated/qsa_schema.h, i.e. from tinyserve_trt/ops/schema.py.
+// An adapter only: it turns TensorRT's descriptors and PluginFields into our plain types and
+// calls QsaPluginCore / QsaPluginFields, which decide shapes, types, formats, fields and the
+// workspace without TensorRT (tested in CI without its headers); the math is in plugins/kernels
+// behind qsa_launch.h (the efficientNMSPlugin split of *Plugin.cpp vs *Inference.cu). Name,
+// namespace, version and fields come from the generated plugins/generated/qsa_schema.h, i.e.
+// from tinyserve_trt/ops/schema.py.
 #pragma once
 
 #include <NvInfer.h>
@@ -12,7 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "qsa_launch.h"
+#include "QsaPluginCore.h"
+#include "QsaPluginFields.h"
 
 namespace tinyserve {
 
@@ -21,8 +24,7 @@ class QueryAwareSparseAttentionPlugin : public nvinfer1::IPluginV3,
                                         public nvinfer1::IPluginV3OneBuild,
                                         public nvinfer1::IPluginV3OneRuntime {
 public:
-    // coldFormat: QSA_COLD_FORMAT_* of the cold-tier inputs (the schema's cold_format attribute).
-    QueryAwareSparseAttentionPlugin(QsaAttrs const& attrs, int32_t coldFormat, std::string ns);
+    QueryAwareSparseAttentionPlugin(QsaPluginConfig const& config, std::string ns);
     QueryAwareSparseAttentionPlugin(QueryAwareSparseAttentionPlugin const& other);
     ~QueryAwareSparseAttentionPlugin() override = default;
 
@@ -59,17 +61,10 @@ public:
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
-    QsaAttrs mAttrs;
-    int32_t mColdFormat{QSA_COLD_FORMAT_INT8};
+    QsaPluginCore mCore;  // the fields' decisions and, after onShapeChange, the launch shape
     std::string mNamespace;
-    // Set by onShapeChange, read by enqueue (no device queries there).
-    QsaDims mDims{};
-    QsaColdDims mCold{};  // all zero without a cold tier
-    int32_t mDtype{QSA_DTYPE_FLOAT32};
-    int32_t mNbInputs{QSA_NUM_REQUIRED_INPUTS};  // 10, 11 (+ key_sub_bounds), 14 (+ cold tier) or 15 (both)
-    bool mHasCold{false};  // 14 inputs, or 15 whose cold inputs were not skipped
     // Storage the serialized PluginFields point into.
-    std::string mPolicyName, mGroupReduceName, mColdFormatName;
+    QsaSerializedFields mSerialized;
     std::vector<nvinfer1::PluginField> mFields;
     nvinfer1::PluginFieldCollection mFieldCollection{};
 };
@@ -90,17 +85,5 @@ private:
     std::vector<nvinfer1::PluginField> mFieldNames;
     nvinfer1::PluginFieldCollection mFieldCollection{};
 };
-
-// Parses PluginFields into attributes and the cold format (QSA_COLD_FORMAT_*; defaults
-// from the schema for absent ones). Returns false with a reason for a bad value or
-// unknown field; the ONNX parser's own plugin_namespace / plugin_version fields are accepted.
-bool parseFields(nvinfer1::PluginFieldCollection const* fc, QsaAttrs& attrs, int32_t& coldFormat,
-                 std::string& error) noexcept;
-
-// Schema enum index -> its attribute string; schema field type (0 int, 1 float, 2 string) -> PluginFieldType.
-char const* policyName(int32_t policy) noexcept;
-char const* groupReduceName(int32_t groupReduce) noexcept;
-char const* coldFormatName(int32_t coldFormat) noexcept;
-nvinfer1::PluginFieldType fieldType(int schemaType) noexcept;
 
 }  // namespace tinyserve

@@ -10,39 +10,30 @@
 //   the copied fields -> attachToContext -> onShapeChange -> enqueue -> the two runs' outputs
 //   must be byte-identical.
 //
-// Usage: plugin_harness CASE OUTDIR. CASE is text, one item a line:
-//   field NAME TYPE VALUE        TYPE int32 | int64 | float32 | float64 | char (VALUE one token)
-//   input DTYPE NBDIMS DIM... FILE   DTYPE f32 | f16 | i32 | i8 | u8; DIM "7" (constant) or
-//                                "B=2" (symbolic, named, with its value); NBDIMS 0 and FILE "-":
-//                                a skipped optional input (ONNX "")
-// Writes OUTDIR/out<i>.bin (raw, row-major) and prints "key value..." lines on stdout (creator,
-// output types and shapes, workspace bytes, same_output). Exits non-zero with a reason on the
-// first call that fails.
+// Usage: plugin_harness CASE OUTDIR (CASE: see case_file.h). Writes OUTDIR/out<i>.bin (raw,
+// row-major) and prints "key value..." lines on stdout (creator, output types and shapes,
+// workspace bytes, same_output). Exits non-zero with a reason on the first call that fails.
+// Compiles only against TensorRT's own headers ($TENSORRT_INCLUDE_DIR); core_harness.cpp drives
+// the same sequence through the TensorRT-free core without them.
 #include <NvInfer.h>
 
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "QueryAwareSparseAttentionPlugin.h"
+#include "case_file.h"
 
 using namespace nvinfer1;
+using plugin_case::fail;
 
 extern "C" void setLoggerFinder(ILoggerFinder* finder);
 extern "C" IPluginCreatorInterface* const* getCreators(int32_t& nbCreators);
 
 namespace {
-
-[[noreturn]] void fail(std::string const& msg) {
-    std::cerr << "harness: " << msg << std::endl;
-    std::exit(1);
-}
 
 // ---- the logger TensorRT would hand the library ----
 struct Logger : ILogger {
@@ -143,34 +134,21 @@ struct Builder : IExprBuilder {
     }
 };
 
-// ---- the case ----
-struct Input {
-    DataType type = DataType::kFLOAT;
-    Dims dims{};
-    std::vector<std::string> dimSpec;
-    std::vector<char> data;  // empty for a skipped input
-};
-struct Field {
-    std::string name;
-    PluginFieldType type;
-    std::vector<char> bytes;
-    int32_t length;
-};
-
-size_t elemSize(DataType t) {
-    switch (t) {
-        case DataType::kFLOAT: case DataType::kINT32: return 4;
-        case DataType::kHALF: return 2;
-        case DataType::kINT8: case DataType::kUINT8: case DataType::kBOOL: return 1;
-        default: return 0;
-    }
-}
+// ---- the case, in TensorRT's types ----
 DataType parseType(std::string const& s) {
     static std::map<std::string, DataType> const m = {{"f32", DataType::kFLOAT}, {"f16", DataType::kHALF},
                                                       {"i32", DataType::kINT32}, {"i8", DataType::kINT8},
                                                       {"u8", DataType::kUINT8}};
     auto it = m.find(s);
     if (it == m.end()) fail("unknown dtype " + s);
+    return it->second;
+}
+PluginFieldType parseFieldType(std::string const& s) {
+    static std::map<std::string, PluginFieldType> const m = {
+        {"int32", PluginFieldType::kINT32}, {"int64", PluginFieldType::kINT64},
+        {"float32", PluginFieldType::kFLOAT32}, {"float64", PluginFieldType::kFLOAT64}, {"char", PluginFieldType::kCHAR}};
+    auto it = m.find(s);
+    if (it == m.end()) fail("unknown field type " + s);
     return it->second;
 }
 char const* typeName(DataType t) {
@@ -184,62 +162,15 @@ char const* typeName(DataType t) {
         default: return "other";
     }
 }
-size_t volume(Dims const& d) {
-    size_t n = 1;
-    for (int32_t i = 0; i < d.nbDims; ++i) n *= size_t(d.d[i]);
-    return d.nbDims > 0 ? n : 0;
+Dims dimsOf(std::vector<int64_t> const& v) {
+    Dims d{};
+    d.nbDims = int32_t(v.size());
+    for (size_t i = 0; i < v.size(); ++i) d.d[i] = v[i];
+    return d;
 }
-
-template <typename T>
-std::vector<char> bytesOf(T v) {
-    std::vector<char> b(sizeof(T));
-    std::memcpy(b.data(), &v, sizeof(T));
-    return b;
-}
-
-void readCase(char const* path, std::vector<Field>& fields, std::vector<Input>& inputs) {
-    std::ifstream in(path);
-    if (!in) fail(std::string("cannot read ") + path);
-    std::string line;
-    while (std::getline(in, line)) {
-        std::istringstream ls(line);
-        std::string kind;
-        if (!(ls >> kind) || kind[0] == '#') continue;
-        if (kind == "field") {
-            Field f;
-            std::string type, value;
-            ls >> f.name >> type >> value;
-            if (type == "int32") f.type = PluginFieldType::kINT32, f.bytes = bytesOf(int32_t(std::stoll(value)));
-            else if (type == "int64") f.type = PluginFieldType::kINT64, f.bytes = bytesOf(int64_t(std::stoll(value)));
-            else if (type == "float32") f.type = PluginFieldType::kFLOAT32, f.bytes = bytesOf(std::stof(value));
-            else if (type == "float64") f.type = PluginFieldType::kFLOAT64, f.bytes = bytesOf(std::stod(value));
-            else if (type == "char") f.type = PluginFieldType::kCHAR, f.bytes.assign(value.begin(), value.end());
-            else fail("unknown field type " + type);
-            f.length = type == "char" ? int32_t(f.bytes.size()) : 1;  // a string without its NUL, as ONNX gives it
-            fields.push_back(std::move(f));
-        } else if (kind == "input") {
-            Input x;
-            std::string dtype, file;
-            ls >> dtype >> x.dims.nbDims;
-            x.type = parseType(dtype);
-            for (int32_t i = 0; i < x.dims.nbDims; ++i) {
-                std::string spec;
-                ls >> spec;
-                auto eq = spec.find('=');
-                x.dims.d[i] = std::stoll(eq == std::string::npos ? spec : spec.substr(eq + 1));
-                x.dimSpec.push_back(spec);
-            }
-            ls >> file;
-            if (file != "-") {
-                std::ifstream f(file, std::ios::binary);
-                x.data.assign(std::istreambuf_iterator<char>(f), {});
-                if (x.data.size() != volume(x.dims) * elemSize(x.type)) fail("size of " + file + " != its dims");
-            }
-            inputs.push_back(std::move(x));
-        } else {
-            fail("unknown case line: " + line);
-        }
-    }
+size_t bytesOf(PluginTensorDesc const& d) {
+    return plugin_case::volume(std::vector<int64_t>(d.dims.d, d.dims.d + d.dims.nbDims)) *
+           plugin_case::elemSize(typeName(d.type));
 }
 
 struct Outputs {
@@ -248,7 +179,7 @@ struct Outputs {
 
 // onShapeChange + enqueue on one runtime plugin; outputs start as 0xff bytes (NaN / -1) so an
 // unwritten row shows.
-Outputs run(IPluginV3* plugin, std::vector<Input> const& inputs, std::vector<PluginTensorDesc> const& inDesc,
+Outputs run(IPluginV3* plugin, std::vector<plugin_case::Input> const& inputs, std::vector<PluginTensorDesc> const& inDesc,
             std::vector<PluginTensorDesc> const& outDesc, size_t workspaceBytes, char const* what) {
     auto* rt = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
     if (rt == nullptr) fail(std::string(what) + ": no runtime capability");
@@ -259,7 +190,7 @@ Outputs run(IPluginV3* plugin, std::vector<Input> const& inputs, std::vector<Plu
     for (auto const& x : inputs) inPtrs.push_back(x.data.empty() ? nullptr : x.data.data());
     std::vector<void*> outPtrs;
     for (auto const& d : outDesc) {
-        o.bufs.emplace_back(volume(d.dims) * elemSize(d.type), char(0xff));
+        o.bufs.emplace_back(bytesOf(d), char(0xff));
         outPtrs.push_back(o.bufs.back().data());
     }
     std::vector<char> workspace(workspaceBytes + 1);
@@ -278,9 +209,9 @@ struct ResourceContext : IPluginResourceContext {
 
 int main(int argc, char** argv) {
     if (argc != 3) fail("usage: plugin_harness CASE OUTDIR");
-    std::vector<Field> fields;
-    std::vector<Input> inputs;
-    readCase(argv[1], fields, inputs);
+    std::vector<plugin_case::Field> fields;
+    std::vector<plugin_case::Input> inputs;
+    plugin_case::readCase(argv[1], fields, inputs);
     int32_t const nbIn = int32_t(inputs.size());
 
     static LoggerFinder finder;
@@ -298,7 +229,7 @@ int main(int argc, char** argv) {
     std::cout << "\n";
 
     std::vector<PluginField> pf;
-    for (auto const& f : fields) pf.emplace_back(f.name.c_str(), f.bytes.data(), f.type, f.length);
+    for (auto const& f : fields) pf.emplace_back(f.name.c_str(), f.bytes.data(), parseFieldType(f.type), f.length);
     PluginFieldCollection fc{int32_t(pf.size()), pf.data()};
     IPluginV3* plugin = creator->createPlugin("qsa_node", &fc, TensorRTPhase::kBUILD);
     if (plugin == nullptr) fail("createPlugin(kBUILD) refused the fields");
@@ -311,20 +242,18 @@ int main(int argc, char** argv) {
     int32_t const nbOut = build->getNbOutputs();
     if (nbOut < 1 || nbOut > 8) fail("getNbOutputs");
     std::vector<DataType> inTypes, outTypes(size_t(nbOut), DataType::kINT64);
-    for (auto const& x : inputs) inTypes.push_back(x.type);
+    for (auto const& x : inputs) inTypes.push_back(parseType(x.dtype));
     if (build->getOutputDataTypes(outTypes.data(), nbOut, inTypes.data(), nbIn) != 0) fail("getOutputDataTypes");
 
     // Input shapes as TensorRT hands them to the builder: dynamic dims symbolic, static ones constant.
     Builder builder;
     std::vector<DimsExprs> inExprs(static_cast<size_t>(nbIn));
     for (int32_t i = 0; i < nbIn; ++i) {
-        inExprs[size_t(i)].nbDims = inputs[size_t(i)].dims.nbDims;
-        for (int32_t j = 0; j < inputs[size_t(i)].dims.nbDims; ++j) {
-            std::string const& s = inputs[size_t(i)].dimSpec[size_t(j)];
-            auto eq = s.find('=');
-            int64_t const v = inputs[size_t(i)].dims.d[j];
-            inExprs[size_t(i)].d[j] = eq == std::string::npos ? builder.makeConstant(v)
-                                                              : builder.makeSymbol(s.substr(0, eq), v);
+        plugin_case::Input const& x = inputs[size_t(i)];
+        inExprs[size_t(i)].nbDims = int32_t(x.dims.size());
+        for (size_t j = 0; j < x.dims.size(); ++j) {
+            std::string const sym = plugin_case::symbolOf(x.dimSpec[j]);
+            inExprs[size_t(i)].d[j] = sym.empty() ? builder.makeConstant(x.dims[j]) : builder.makeSymbol(sym, x.dims[j]);
         }
     }
     std::vector<DimsExprs> outExprs(static_cast<size_t>(nbOut));
@@ -332,7 +261,7 @@ int main(int argc, char** argv) {
         fail("getOutputShapes");
     std::vector<PluginTensorDesc> inDesc(static_cast<size_t>(nbIn)), outDesc(static_cast<size_t>(nbOut));
     for (int32_t i = 0; i < nbIn; ++i)
-        inDesc[size_t(i)] = PluginTensorDesc{inputs[size_t(i)].dims, inputs[size_t(i)].type, TensorFormat::kLINEAR, 1.f};
+        inDesc[size_t(i)] = PluginTensorDesc{dimsOf(inputs[size_t(i)].dims), inTypes[size_t(i)], TensorFormat::kLINEAR, 1.f};
     for (int32_t o = 0; o < nbOut; ++o) {
         DimsExprs const& e = outExprs[size_t(o)];
         if (e.nbDims < 0 || e.nbDims > Dims::MAX_DIMS) fail("getOutputShapes: bad rank");
@@ -358,10 +287,10 @@ int main(int argc, char** argv) {
     for (int32_t pos = 0; pos < nbIn + nbOut; ++pos)
         if (!build->supportsFormatCombination(pos, inOut.data(), nbIn, nbOut))
             fail("supportsFormatCombination refused position " + std::to_string(pos));
-    DynamicPluginTensorDesc const saved = inOut[0];
+    DynamicPluginTensorDesc const query = inOut[0];
     inOut[0].desc.format = TensorFormat::kCHW4;
     if (build->supportsFormatCombination(0, inOut.data(), nbIn, nbOut)) fail("accepted a CHW4 query");
-    inOut[0] = saved;
+    inOut[0] = query;
     if (build->configurePlugin(inOut.data(), nbIn, inOut.data() + nbIn, nbOut) != 0) fail("configurePlugin");
     size_t const ws = build->getWorkspaceSize(inOut.data(), nbIn, inOut.data() + nbIn, nbOut);
     std::cout << "workspace " << ws << "\n";
@@ -376,8 +305,7 @@ int main(int argc, char** argv) {
     auto* rtBuild = static_cast<IPluginV3OneRuntime*>(plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
     PluginFieldCollection const* ser = rtBuild->getFieldsToSerialize();
     if (ser == nullptr) fail("getFieldsToSerialize");
-    std::vector<std::string> serNames;
-    std::vector<std::vector<char>> serData;
+    std::vector<plugin_case::SavedField> saved;
     std::vector<PluginField> serFields;
     std::cout << "serialized";
     for (int32_t i = 0; i < ser->nbFields; ++i) {
@@ -385,13 +313,12 @@ int main(int argc, char** argv) {
         size_t const bytes = f.type == PluginFieldType::kCHAR ? size_t(f.length)
                            : f.type == PluginFieldType::kINT32 || f.type == PluginFieldType::kFLOAT32 ? 4 * size_t(f.length)
                            : 8 * size_t(f.length);
-        serNames.emplace_back(f.name);
-        serData.emplace_back(static_cast<char const*>(f.data), static_cast<char const*>(f.data) + bytes);
+        saved.push_back(plugin_case::saveField(f.name, f.data, bytes));
         std::cout << " " << f.name;
     }
     std::cout << "\n";
-    for (size_t i = 0; i < serNames.size(); ++i)
-        serFields.emplace_back(serNames[i].c_str(), serData[i].data(), ser->fields[i].type, ser->fields[i].length);
+    for (size_t i = 0; i < saved.size(); ++i)
+        serFields.emplace_back(saved[i].name.c_str(), saved[i].data.data(), ser->fields[i].type, ser->fields[i].length);
     delete timed;
     delete plugin;
 
@@ -411,10 +338,7 @@ int main(int argc, char** argv) {
 
     bool same = a.bufs == b.bufs;
     std::cout << "same_output " << (same ? 1 : 0) << "\n";
-    for (int32_t o = 0; o < nbOut; ++o) {
-        std::ofstream f(std::string(argv[2]) + "/out" + std::to_string(o) + ".bin", std::ios::binary);
-        f.write(b.bufs[size_t(o)].data(), std::streamsize(b.bufs[size_t(o)].size()));
-    }
+    plugin_case::writeOutputs(argv[2], b.bufs);
     std::cout << "logged_errors " << finder.logger.errors << "\n";
     return 0;
 }

@@ -1,3 +1,0 @@
-// STAND-IN, not TensorRT: see NvInferRuntime.h in this folder.
-#pragma once
-#include "NvInferRuntime.h"
