@@ -4,10 +4,9 @@
  *
  * __host__ __device__-clean: no CUDA or TensorRT types, no std::, no allocation. nvcc compiles it
  * into the kernels (plugins/kernels: qsa_common.cuh, qsa_select_two_level.cu), g++ into the CPU
- * emulation of those kernels and into the CPU node (tinyserve_trt/cpu/csrc/qsa_math.h is a copy
- * that tinyserve_dev.schema_header writes and tests/kernels/test_schema_header.py checks: the CPU
- * sources ship in the wheel, plugins/ does not). Only the parallel structure (warps, SIMD lanes)
- * differs per target.
+ * emulation of those kernels and into the CPU node (tinyserve_trt/cpu/csrc, compiled with -I to
+ * this directory: tinyserve_trt/cpu/native.py; a wheel ships it as cuda/plugin_sources/kernels).
+ * Only the parallel structure (warps, SIMD lanes) differs per target.
  *
  * Every product and sum is single-rounded float32 in the reference's order: __fmul_rn/__fadd_rn
  * on a GPU, plain operators on the host, where both builds use -ffp-contract=off (no FMA

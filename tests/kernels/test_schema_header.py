@@ -10,7 +10,7 @@ from .conftest import ROOT
 
 
 def test_generated_header_is_up_to_date():
-    # the plugin/kernels' schema header, the CPU node's copy (shipped), the launch structs
+    # the schema header (the kernels, the plugin and the CPU node include this one copy), the launch structs
     for path, text in schema_header.generated().items():
         assert path.read_text() == text, \
             f"{path.relative_to(ROOT)} is stale: run `python -m tinyserve_dev.schema_header`"
@@ -45,7 +45,7 @@ def _code(paths) -> str:
 def test_cpu_node_reads_positions_names_and_defaults_from_the_header():
     """No C++ of the CPU node spells an input position, attribute name or default itself."""
     csrc = ROOT / "tinyserve_trt" / "cpu" / "csrc"
-    src = _code(p for p in sorted(csrc.iterdir()) if p.suffix in (".h", ".cpp") and p.name != "qsa_schema.h"
+    src = _code(p for p in sorted(csrc.iterdir()) if p.suffix in (".h", ".cpp")
                 and p.name != "qsa_append.cpp")  # the append kernel has its own (non-op) inputs
     assert not re.findall(r"\bin\[\d+\]", src), "an input indexed by a number: use QSA_IN_*"
     for a in schema.ATTRIBUTES:
@@ -128,9 +128,9 @@ def test_launch_structs_are_generated_from_the_ctypes_definition():
 
 
 def test_cold_and_bound_decode_exist_once_per_language():
-    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (CUDA kernels,
-    their emulation and the CPU node include it; the CPU node's copy is checked above): no other
-    C++ source extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
+    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (the CUDA
+    kernels, their emulation and the CPU node include that one file): no other C++ source
+    extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
     ops/fine_bounds.py."""
     sources = [p for p in (*(ROOT / "plugins" / "kernels").iterdir(),
                            *(ROOT / "tinyserve_trt" / "cpu" / "csrc").iterdir())
