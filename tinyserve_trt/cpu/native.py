@@ -3,7 +3,8 @@
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
 (``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` (``csrc/qsa_append.cpp``, loaded
 with ctypes by ``append.py``). The C++ contract headers it shares with the CUDA kernels exist once,
-in ``plugins/`` (``SHARED_HEADERS``: the schema header generated from ops/schema.py and the element math); the build takes them with ``-I`` from a source checkout's ``plugins/`` or
+in ``plugins/`` (``SHARED_HEADERS``: the schema header generated from ops/schema.py, the element math
+and the selection math); the build takes them with ``-I`` from a source checkout's ``plugins/`` or
 an installed wheel's copy of it, ``tinyserve_trt/cuda/plugin_sources/`` (:func:`include_dirs`).
 It is compiled on first use with the host C++ compiler
 (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``EngineConfig.native_arch``, or
@@ -48,7 +49,7 @@ PLUGIN_SOURCE_ROOTS = (_PACKAGE_DIR / "cuda" / "plugin_sources", _PACKAGE_DIR.pa
 INCLUDE_SUBDIRS = ("generated", "kernels")  # the -I directories, under a plugin source root
 # The headers of plugins/ the node includes (and hashes into its cache key); tests/cpu holds the
 # list to the sources' includes and each header to one copy in the tree.
-SHARED_HEADERS = ("generated/qsa_schema.h", "kernels/qsa_math.h")
+SHARED_HEADERS = ("generated/qsa_schema.h", "kernels/qsa_math.h", "kernels/qsa_select_math.h")
 # -ffp-contract=off: the sub-page bound decode must round like ops/fine_bounds.py (the dot
 # products use explicit FMA instead). -fno-math-errno: expf without glibc's error bookkeeping
 # (fetestexcept was ~5% of the kernel's time).
