@@ -2,7 +2,9 @@
 
 * ``plugins/`` (CUDA kernels, TensorRT glue, the generated schema header, the CPU emulation,
   CMakeLists.txt, build.py) is copied to ``tinyserve_trt/cuda/plugin_sources/``, so an installed
-  package can build its GPU libraries (``tinyserve-build-plugin``). Git keeps one copy: plugins/.
+  package can build its GPU libraries (``tinyserve-build-plugin``) and the native CPU op, whose
+  build includes the headers it shares with the kernels from there (``cpu.native.SHARED_HEADERS``).
+  Git keeps one copy: plugins/.
 * The native CPU op is compiled once for a baseline CPU (``cpu.native.PREBUILT_MARCH``: no
   AVX2, so it loads on any machine of this architecture) into
   ``tinyserve_trt/cpu/prebuilt/libtinyserve_cpu.abi<N>.<machine>.so`` with the host C++ compiler,

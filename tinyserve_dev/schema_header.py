@@ -1,10 +1,11 @@
 """Generate ``plugins/generated/qsa_schema.h`` from ``ops/schema.py`` (STYLE principle 7).
 
-The CUDA launcher, the TensorRT plugin and the CPU node (its copy,
-``tinyserve_trt/cpu/csrc/qsa_schema.h``, the same text) include that header instead of
-spelling the op's name, input positions, attributes, defaults and enum values a second time;
+The CUDA launcher, the TensorRT plugin and the CPU node (``tinyserve_trt/cpu/native.py``
+builds it with ``-I`` to ``plugins/generated``; a wheel ships plugins/ as
+``cuda/plugin_sources``) include that header, the one copy, instead of spelling the op's
+name, input positions, attributes, defaults and enum values a second time;
 ``tests/kernels/test_schema_header.py`` re-renders it and fails if the
-committed copy is stale. Run ``python -m tinyserve_dev.schema_header``
+committed header is stale. Run ``python -m tinyserve_dev.schema_header``
 after editing the schema. Writes nothing unless asked.
 """
 
@@ -17,14 +18,8 @@ from tinyserve_trt.ops import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER_PATH = ROOT / "plugins" / "generated" / "qsa_schema.h"
-# The same text where the CPU node's sources build from (shipped in the wheel; plugins/ is not).
-CPU_HEADER_PATH = ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_schema.h"
-HEADER_PATHS = (HEADER_PATH, CPU_HEADER_PATH)
 # The launch interface's structs (tinyserve_trt/cuda/launch_abi.py), included by qsa_launch.h.
 STRUCTS_PATH = ROOT / "plugins" / "generated" / "qsa_launch_structs.h"
-# The element math core (hand-written, once) and the CPU node's copy of it (shipped).
-MATH_PATH = ROOT / "plugins" / "kernels" / "qsa_math.h"
-CPU_MATH_PATH = ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_math.h"
 
 
 def _c_ident(s: str) -> str:
@@ -128,16 +123,9 @@ def render_launch_structs() -> str:
         "#include <stdint.h>", "", launch_abi.render_c(), "#endif /* TINYSERVE_QSA_LAUNCH_STRUCTS_H */", ""])
 
 
-def render_cpu_math() -> str:
-    """The CPU node's copy of ``plugins/kernels/qsa_math.h``: the same text under a banner."""
-    return ("/* COPIED by `python -m tinyserve_dev.schema_header` from plugins/kernels/qsa_math.h (edit that one;\n"
-            " * tests/kernels/test_schema_header.py fails when this copy is stale). */\n" + MATH_PATH.read_text())
-
-
 def generated() -> dict[Path, str]:
-    """Every generated (or copied) file and its text."""
-    return {**{p: render() for p in HEADER_PATHS}, STRUCTS_PATH: render_launch_structs(),
-            CPU_MATH_PATH: render_cpu_math()}
+    """Every generated file and its text."""
+    return {HEADER_PATH: render(), STRUCTS_PATH: render_launch_structs()}
 
 
 def main(argv=None) -> int:

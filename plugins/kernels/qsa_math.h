@@ -4,18 +4,22 @@
  *
  * __host__ __device__-clean: no CUDA or TensorRT types, no std::, no allocation. nvcc compiles it
  * into the kernels (plugins/kernels: qsa_common.cuh, qsa_select_two_level.cu), g++ into the CPU
- * emulation of those kernels and into the CPU node (tinyserve_trt/cpu/csrc/qsa_math.h is a copy
- * that tinyserve_dev.schema_header writes and tests/kernels/test_schema_header.py checks: the CPU
- * sources ship in the wheel, plugins/ does not). Only the parallel structure (warps, SIMD lanes)
- * differs per target.
+ * emulation of those kernels and into the CPU node (tinyserve_trt/cpu/csrc, compiled with -I to
+ * this directory: tinyserve_trt/cpu/native.py; a wheel ships it as cuda/plugin_sources/kernels).
+ * Only the parallel structure (warps, SIMD lanes) differs per target. The page scoring and the
+ * selection rule are qsa_select_math.h's, on top of this file.
  *
  * Every product and sum is single-rounded float32 in the reference's order: __fmul_rn/__fadd_rn
  * on a GPU, plain operators on the host, where both builds use -ffp-contract=off (no FMA
- * contraction). The templates also take GCC vector types (the CPU node's SIMD paths). */
+ * contraction); madd is the one fused operation, for the dot products. The templates also take
+ * GCC vector types (the CPU node's SIMD paths). */
 #ifndef TINYSERVE_QSA_MATH_H
 #define TINYSERVE_QSA_MATH_H
 
 #include <stdint.h>
+#if defined(__FMA__) && !defined(__CUDACC__) && !defined(QSA_EMULATION)
+#include <immintrin.h>  // the CPU node's 8-wide fused multiply-add
+#endif
 
 #if defined(__CUDACC__) || defined(QSA_EMULATION)
 #define QSA_HD __host__ __device__ __forceinline__
@@ -53,6 +57,25 @@ QSA_HD float sub_rn(float a, float b) {
 template <typename V> inline V mul_rn(V a, V b) { return a * b; }
 template <typename V> inline V add_rn(V a, V b) { return a + b; }
 template <typename V> inline V sub_rn(V a, V b) { return a - b; }
+
+/* a * b + c, fused where the target has FMA (a GPU; a host CPU built with FMA), else two
+ * roundings. Dot products only (page scores, attention): never the bound or cold decodes above. */
+QSA_HD float madd(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+    return __fmaf_rn(a, b, c);
+#elif defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+template <typename V> inline V madd(V a, V b, V c) {
+#if defined(__FMA__) && !defined(__CUDACC__) && !defined(QSA_EMULATION)
+    return _mm256_fmadd_ps(a, b, c);  // V: 8 floats (the CPU node's vf)
+#else
+    return a * b + c;
+#endif
+}
 
 /* fine_bounds.level_step: one of the 15 steps between bounds lo <= hi. */
 template <typename F> QSA_HD F level_step(F lo, F hi) { return mul_rn(sub_rn(hi, lo), F{} + kInvLevels); }

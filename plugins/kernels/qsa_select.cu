@@ -2,11 +2,11 @@
 // (sequence, KV head).
 //
 // CPU reference: tinyserve_trt/ops/policies.py (score_ref, reduce_group,
-// select_pages). Semantics copied exactly:
-//   forced = the first sink_pages and last recent_pages of the n valid pages;
-//   keep_n = max(budget // ps, #forced); budget <= 0 or keep_n >= n -> all pages;
-//   otherwise the forced pages plus the keep_n - #forced best-scored others,
-//   ties broken by the lower page index (numpy's stable argsort of -score).
+// select_pages). The rule is qsa_math::page_rule (qsa_select_math.h, shared with
+// the CPU node): the forced pages (the first sink_pages and last recent_pages of
+// the n valid pages) plus the rule's kept_free() best-scored others, ties broken by
+// the lower page index (qsa_math::order_key: numpy's stable argsort of -score);
+// a budget <= 0, or one that covers every page, keeps all of them.
 // The non-forced pages are the contiguous range [n_sink, recent_start).
 //
 // Why fused: the scores of one (sequence, KV head) are consumed only by its own
@@ -38,12 +38,13 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int G = d.num_heads / d.num_kv_heads;
     const int bh = b * d.num_kv_heads + h;
     const SelectRow row = select_row(p, ws, b, h);
-    const int n = row.n, n_sink = row.n_sink, recent_start = row.recent_start, forced = row.forced;
+    const int n = row.n;
+    const qsa_math::PageRule rule =
+        qsa_math::page_rule(n, p.token_budget[b], ps, p.attrs.sink_pages, p.attrs.recent_pages);
+    const int n_sink = int(rule.n_sink), recent_start = int(rule.recent_start);
     int32_t* kept = row.kept;
     const SelOut sel = row.sel;
-    const int budget = p.token_budget[b];
-    const int keep_n = max(budget / ps, forced);  // budget > 0 whenever keep_n is used
-    const bool dense = all_pages || p.attrs.policy == QSA_POLICY_DENSE || budget <= 0 || keep_n >= n;
+    const bool dense = all_pages || p.attrs.policy == QSA_POLICY_DENSE || rule.all;
     if (dense) {
         for (int i = threadIdx.x; i < NP; i += blockDim.x) {
             if (i < n) kept[i] = i;
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
 
     // ---- radix select: the key T of the k-th best, and how many ties at T to take ----
-    const int k = keep_n - forced;  // 0 <= k < recent_start - n_sink
+    const int k = int(rule.kept_free());  // 0 <= k < recent_start - n_sink
     uint32_t prefix = 0xffffffffu;
     int krem = 0;
     if (k > 0) radix_threshold(scores, n_sink, recent_start, k, radix, prefix, krem);
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int c = 0; c < n; c += blockDim.x) {
         const int i = c + threadIdx.x;
         const bool valid = i < n;
-        const bool is_forced = valid && (i < n_sink || i >= recent_start);
+        const bool is_forced = valid && rule.forced(i);
         const bool cand = valid && !is_forced && k > 0;
         const uint32_t key = cand ? order_key(scores[i]) : 0u;
         const int is_eq = cand && key == prefix;

@@ -4,16 +4,15 @@
 // qsa_select.cu (whose helpers, qsa_topk.cuh, it shares).
 //
 // CPU reference: tinyserve_trt/ops/two_level.py (select_sub_pages,
-// candidate_pages) with ops/fine_bounds.py::decode. Semantics copied exactly
-// (n pages, r = ps / sp sub-pages each, nw = ceil(past / sp) written sub-pages):
-//   forced pages = the first sink_pages and last recent_pages (the last page is
-//   always one, so only forced pages hold unwritten sub-pages); their written
-//   sub-pages are forced: fs = #forced * r - (n * r - nw);
-//   keep_n = max(budget // sp, fs); budget <= 0 or keep_n >= nw -> every written sub-page;
-//   candidates: max(floor(f32(share) * f32(n)), budget // ps, #forced) pages, the
-//   forced ones plus the best-scored others (select_pages with that many pages);
-//   kept: the forced sub-pages plus the keep_n - fs best other candidate sub-pages
-//   (fewer if the candidates hold fewer); ties -> lower index, NaN last (numpy).
+// candidate_pages) with ops/fine_bounds.py::decode. The rule is
+// qsa_math::sub_page_rule (qsa_select_math.h, shared with the CPU node; n pages,
+// r = ps / sp sub-pages each, nw = ceil(past / sp) written sub-pages): the forced
+// pages' written sub-pages are kept (the last page is always forced, recent_pages
+// >= 1, so only forced pages hold unwritten sub-pages); a budget <= 0, or one that
+// covers every written sub-page, keeps them all; else the candidate pages are the
+// forced ones plus rule.pages.kept_free() best-scored others, and the kept
+// sub-pages the forced ones plus the rule's kept_free(nc) best of the nc candidate
+// sub-pages; ties -> lower index, NaN last (qsa_math::order_key, as numpy).
 // Scores: the page's Quest bound from key_min/key_max, combined over the GQA
 // group by group_reduce; a sub-page's the same bound from its decoded [lo, hi]:
 //   step = (kmax - kmin) * f32(1/15); lo = kmin + (c & 15) * step; hi = kmax - (c >> 4) * step
@@ -47,14 +46,15 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int sp = p.attrs.sub_page_size, r = ps / sp;
     const int bh = b * Hkv + h;
     const SelectRow row = select_row(p, ws, b, h);
-    const int past = row.past, n = row.n, n_sink = row.n_sink, recent_start = row.recent_start, forced = row.forced;
+    const int n = row.n;
+    const qsa_math::SubPageRule rule =
+        qsa_math::sub_page_rule(n, row.past, p.token_budget[b], ps, sp, p.attrs.candidate_share,
+                                p.attrs.sink_pages, p.attrs.recent_pages);
+    const int n_sink = int(rule.pages.n_sink), recent_start = int(rule.pages.recent_start);
     int32_t* kept = row.kept;
     const SelOut sel = row.sel;
-    const int nw = min((past + sp - 1) / sp, n * r);  // written sub-pages
-    const int forced_sub = forced * r - (n * r - nw);
-    const int budget = p.token_budget[b];
-    const int keep_n = max(budget / sp, forced_sub);
-    if (budget <= 0 || keep_n >= nw) {  // dense: every written sub-page
+    const int nw = int(rule.written);
+    if (rule.all) {  // dense: every written sub-page
         for (int u = threadIdx.x; u < nw; u += blockDim.x) kept[u] = u;
         for (int i = threadIdx.x; i < NP; i += blockDim.x) sel.put(i, i < n);
         if (threadIdx.x == 0) ws.kept_cnt[bh] = nw;
@@ -71,8 +71,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
 
     const int free_pages = recent_start - n_sink;
-    const int share_pages = int(floorf(__fmul_rn(p.attrs.candidate_share, float(n))));  // float32, as numpy
-    const int cand_pages = min(max(max(share_pages, budget / ps), forced) - forced, free_pages);
+    const int cand_pages = int(rule.pages.kept_free());  // non-forced candidate pages
     uint32_t prefix = 0;  // with k == all, every key (>= 0) passes key >= prefix
     int krem = free_pages;
     if (cand_pages > 0 && cand_pages < free_pages)
@@ -132,14 +131,14 @@ __global__ void __launch_bounds__(kSelectThreads)
                     hi[e] = qsa_math::sub_hi(pmax[e], qsa_math::code_hi(code), step[e]);
                 }
                 const float s = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
-                if (lane == 0) fine[c * r + j] = ok ? s + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
+                if (lane == 0) fine[c * r + j] = ok ? s : -INFINITY;
             }
         }
     }
     __syncthreads();
 
     // ---- top sub-pages among the candidates; compact the kept list in unit order ----
-    const int k2 = min(keep_n - forced_sub, nc);  // >= 0: keep_n >= forced_sub
+    const int k2 = int(rule.kept_free(nc));  // >= 0: rule.keep >= rule.forced
     uint32_t prefix2 = 0;
     int krem2 = nc;
     if (k2 > 0 && k2 < nc) radix_threshold(fine, 0, nc, k2, radix, prefix2, krem2);

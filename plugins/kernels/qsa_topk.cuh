@@ -1,12 +1,15 @@
 // Block-wide pieces the two selection kernels share (qsa_select.cu: whole pages;
 // qsa_select_two_level.cu: candidate pages, then their sub-pages): the page-id
-// check, the Quest page score, and the radix top-K threshold.
+// check, the Quest page score over a warp, and the radix top-K threshold. The score's
+// term, the group combination, the keep order and the keep/drop rule are
+// qsa_select_math.h's (shared with the CPU node); this file is their parallel form.
 // Internal to plugins/kernels; one block of kSelectThreads per (sequence, KV head).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
 
 #include "qsa_common.cuh"
+#include "qsa_select_math.h"
 
 namespace qsa {
 
@@ -14,18 +17,9 @@ constexpr int kSelectThreads = 256;
 constexpr int kMaxEptMeta = QSA_MAX_HEAD_DIM / 32;  // channels per lane when a warp covers D
 using SelectScan = cub::BlockScan<int, kSelectThreads>;
 
-// Larger float -> larger unsigned key; -0.0 was folded into +0.0 by the caller.
-// NaN gets the smallest key, below -inf: numpy's argsort(-score) puts NaN last,
-// so a NaN-scored page is kept only after every other one (lowest index first).
-__device__ __forceinline__ uint32_t order_key(float f) {
-    if (f != f) return 0u;
-    uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// max that propagates NaN, as numpy's maximum/max do (fmaxf drops it), so a NaN in a
-// page's metadata or the query gives that page a NaN score like the reference.
-__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+// qsa_math::order_key: NaN below -inf (numpy's argsort(-score) puts NaN last), so a
+// NaN-scored page is kept only after every other one (lowest index first).
+using qsa_math::order_key;
 
 // The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
 struct SelOut {
@@ -55,10 +49,10 @@ __device__ __forceinline__ void check_page_ids(const QsaForwardParams& p, int b,
 }
 
 // One (sequence, KV head) of a decode step's selection, as both kernels start it: its
-// written pages n, the forced range (sinks [0, n_sink), recent [recent_start, n)), its
-// kept-list row and selected_pages row. The h == 0 block also checks the page ids.
+// written pages n, its kept-list row and selected_pages row (the rule that decides what is
+// kept: qsa_math::page_rule / sub_page_rule). The h == 0 block also checks the page ids.
 struct SelectRow {
-    int past, n, n_sink, recent_start, forced;
+    int past, n;
     int32_t* kept;
     SelOut sel;
 };
@@ -73,9 +67,6 @@ __device__ __forceinline__ SelectRow select_row(const QsaForwardParams& p, const
     row.kept = ws.kept_idx + size_t(bh) * ws.kept_width;
     row.sel = SelOut{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
     if (h == 0) check_page_ids(p, b, row.past, row.n);
-    row.n_sink = min(p.attrs.sink_pages, row.n);
-    row.recent_start = max(row.n - p.attrs.recent_pages, row.n_sink);  // forced tail: [recent_start, n)
-    row.forced = row.n_sink + (row.n - row.recent_start);
     return row;
 }
 
@@ -96,7 +87,7 @@ __device__ __forceinline__ void load_group_query(const QsaForwardParams& p, floa
 __device__ __forceinline__ float group_bound_score(const float* q_s, int G, int D, int group_reduce,
                                                    const float (&lo)[kMaxEptMeta], const float (&hi)[kMaxEptMeta]) {
     const int lane = threadIdx.x & 31;
-    float r = group_reduce == QSA_GROUP_REDUCE_MAX ? -INFINITY : 0.f;
+    float r = 0.f;
     for (int g = 0; g < G; ++g) {
         float t = 0.f;
 #pragma unroll
@@ -104,11 +95,10 @@ __device__ __forceinline__ float group_bound_score(const float* q_s, int G, int 
             const int dd = lane + 32 * e;
             if (dd < D) {
                 const float qq = q_s[g * D + dd];
-                t += max_nan(qq * lo[e], qq * hi[e]);
+                t = qsa_math::bound_madd(t, qsa_math::query_pos(qq), qsa_math::query_neg(qq), lo[e], hi[e]);
             }
         }
-        t = warp_sum(t);
-        r = group_reduce == QSA_GROUP_REDUCE_MAX ? max_nan(r, t) : r + t;
+        r = qsa_math::group_combine(r, warp_sum(t), g == 0, group_reduce == QSA_GROUP_REDUCE_SUM);
     }
     return r;
 }
@@ -134,7 +124,7 @@ __device__ void query_aware_page_scores(const QsaForwardParams& p, const float* 
             hi[e] = (ok && dd < D) ? to_f(kmax[row + dd]) : 0.f;
         }
         const float r = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
-        if (lane == 0) scores[i] = ok ? r + 0.f : -INFINITY;  // + 0.f folds -0.0 into +0.0
+        if (lane == 0) scores[i] = ok ? r : -INFINITY;
     }
 }
 

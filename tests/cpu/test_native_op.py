@@ -187,6 +187,23 @@ def test_exact_ties_go_to_the_lower_page(rng):
     assert np.flatnonzero(sel[0, 0]).tolist() == [2, 8, 9]
 
 
+@pytest.mark.parametrize("sp", [0, 4])
+def test_nan_scores_rank_like_numpy(rng, sp):
+    """The selection order at NaN is the reference's (qsa_select_math.h, issue #32): a NaN in one
+    query head's channel makes its KV head's page scores NaN (the group's max keeps it, and the
+    relu split keeps it in both halves), and pages whose bounds hold NaN rank after every finite
+    one, the lower index first."""
+    case = make_case(CaseSpec((16 * 12, 16 * 9), 4, 2, 16, 16, budget=5 * 16, sub_page_size=sp), rng)
+    case["query"][0, 1, 0, 3] = np.nan  # sequence 0: the second query head of KV head 0
+    table = case["page_table"][1]
+    for lp in (2, 4, 5):  # sequence 1: NaN bounds on three pages of KV head 1
+        case["key_min"][table[lp], 1, lp] = np.nan
+    for group_reduce in schema.GROUP_REDUCTIONS:
+        check_case(case, schema.OpAttributes(sub_page_size=sp, group_reduce=group_reduce))
+    case["token_budget"][1] = 8 * 16  # sequence 1 must take NaN pages: the lower-index ones
+    check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
 def _error(case, attrs, match):
     with pytest.raises(Exception, match=match) as info:
         run_native(case, attrs)

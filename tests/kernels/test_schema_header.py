@@ -10,7 +10,7 @@ from .conftest import ROOT
 
 
 def test_generated_header_is_up_to_date():
-    # the plugin/kernels' schema header, the CPU node's copy (shipped), the launch structs
+    # the schema header (the kernels, the plugin and the CPU node include this one copy), the launch structs
     for path, text in schema_header.generated().items():
         assert path.read_text() == text, \
             f"{path.relative_to(ROOT)} is stale: run `python -m tinyserve_dev.schema_header`"
@@ -45,7 +45,7 @@ def _code(paths) -> str:
 def test_cpu_node_reads_positions_names_and_defaults_from_the_header():
     """No C++ of the CPU node spells an input position, attribute name or default itself."""
     csrc = ROOT / "tinyserve_trt" / "cpu" / "csrc"
-    src = _code(p for p in sorted(csrc.iterdir()) if p.suffix in (".h", ".cpp") and p.name != "qsa_schema.h"
+    src = _code(p for p in sorted(csrc.iterdir()) if p.suffix in (".h", ".cpp")
                 and p.name != "qsa_append.cpp")  # the append kernel has its own (non-op) inputs
     assert not re.findall(r"\bin\[\d+\]", src), "an input indexed by a number: use QSA_IN_*"
     for a in schema.ATTRIBUTES:
@@ -127,17 +127,67 @@ def test_launch_structs_are_generated_from_the_ctypes_definition():
         assert f"typedef struct {struct.name} {{" in text
 
 
-def test_cold_and_bound_decode_exist_once_per_language():
-    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (CUDA kernels,
-    their emulation and the CPU node include it; the CPU node's copy is checked above): no other
-    C++ source extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
-    ops/fine_bounds.py."""
+SHARED_MATH = ("qsa_math.h", "qsa_select_math.h")  # plugins/kernels: the C++ math every target includes
+
+
+def _cpp_sources_but_the_math() -> dict[str, str]:
+    """The CUDA kernels' and the CPU node's C++ sources (file name -> code without comments), the
+    shared math headers left out."""
     sources = [p for p in (*(ROOT / "plugins" / "kernels").iterdir(),
                            *(ROOT / "tinyserve_trt" / "cpu" / "csrc").iterdir())
-               if p.suffix in (".h", ".cu", ".cuh", ".cpp") and p.name != "qsa_math.h"]
-    code = {p.name: re.sub(r"/\*.*?\*/", "", _code([p]), flags=re.S) for p in sources}  # no comments
+               if p.suffix in (".h", ".cu", ".cuh", ".cpp") and p.name not in SHARED_MATH]
+    return {p.name: re.sub(r"/\*.*?\*/", "", _code([p]), flags=re.DOTALL) for p in sources}
+
+
+def test_cold_and_bound_decode_exist_once_per_language():
+    """The C++ decode of the cold format and the sub-page bounds is qsa_math.h's alone (the CUDA
+    kernels, their emulation and the CPU node include that one file): no other C++ source
+    extracts a nibble or spells the 1/15 level step. Python's rule: ops/cold_codec.py,
+    ops/fine_bounds.py."""
+    code = _cpp_sources_but_the_math()
     for name, text in code.items():
         for pattern in (r"&\s*15\b", r">>\s*4\b", r"1(\.0f?)?\s*/\s*(15|kLevels)", r"__f(mul|add|sub)_rn\([^)]*kInv"):
             assert not re.search(pattern, text), f"{name} decodes itself ({pattern!r}): call qsa_math.h"
     assert "qsa_math::" in code["qsa_common.cuh"] and "qsa_math::" in code["qsa_cold.h"]
     assert "qsa_math::" in code["qsa_select_two_level.cu"] and "qsa_math::" in code["qsa_decode_math.h"]
+
+
+# A source that scores or selects by itself: the Quest term (q * lo / q * hi, the relu split),
+# a NaN-propagating max (x != x), the order key's sign bit, budget arithmetic, the forced range,
+# the candidate share's product.
+_SCORE_OR_RULE = (r"\bq\w*(\[[^]]*\])?\s*\*\s*(lo|hi)\w*\b", r"\?\s*q\w*(\[[^]]*\])?\s*:\s*0", r"\b(\w+)\s*!=\s*\1\b",
+                  r"0x80000000", r"budget\w*(\[[^]]*\])?\s*/", r"[-<]\s*[\w.]*\b(sink|recent)_pages\b",
+                  r"\b(sink|recent)_pages\s*[-+]", r"candidate_share\s*\*|\*\s*[\w.]*candidate_share", r"\bfloorf?\(")
+
+
+def test_page_scoring_and_the_selection_rule_exist_once():
+    """The page score's term, the group combination, the keep order (ties, NaN) and the keep/drop
+    rule (budget, sink and recent pages, two-level candidates) are qsa_select_math.h's alone
+    (issue #32): the CUDA selection kernels and the CPU node call it, and no other C++ source
+    spells any of them. Python's rule: ops/policies.py, ops/two_level.py."""
+    code = _cpp_sources_but_the_math()
+    code.pop("qsa_append.cpp")  # the append kernel encodes bounds (fine_bounds.encode's floor), never scores
+    for name, text in code.items():
+        for pattern in _SCORE_OR_RULE:
+            assert not re.search(pattern, text), f"{name} scores or selects itself ({pattern!r}): call qsa_select_math.h"
+    uses = {"qsa_topk.cuh": ("bound_madd", "query_pos", "group_combine", "order_key"),
+            "qsa_select.cu": ("page_rule",), "qsa_select_two_level.cu": ("sub_page_rule",),
+            "qsa_vector.h": ("bound_madd",),
+            "qsa_decode_math.h": ("query_pos", "group_combine", "rank_key", "page_rule", "sub_page_rule",
+                                  "level_weight_lo")}
+    for name, calls in uses.items():
+        for call in calls:
+            assert f"qsa_math::{call}" in code[name], f"{name} does not call qsa_math::{call}"
+
+
+def test_the_scoring_patterns_catch_what_the_sources_wrote_before():
+    """The patterns above find the forms the kernels and the CPU node spelled before issue #32."""
+    before = ["t += max_nan(qq * lo[e], qq * hi[e]);", "s_.qpos[i] = q_[i] > 0.0f ? q_[i] : 0.0f;",
+              "if (f != f) return 0u;", "u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);",
+              "const int keep_n = max(budget / ps, forced);", "int64_t keep_n = std::max(budget_tokens / p_.ps, n);",
+              "bool forced(int64_t i) const { return i < a_.sink_pages || i >= n_ - a_.recent_pages; }",
+              "row.recent_start = max(row.n - p.attrs.recent_pages, row.n_sink);",
+              "float share_n = a_.candidate_share * static_cast<float>(n_);",
+              "int(floorf(__fmul_rn(p.attrs.candidate_share, float(n))))"]
+    for line in before:
+        assert any(re.search(pattern, line) for pattern in _SCORE_OR_RULE), line

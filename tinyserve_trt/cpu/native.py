@@ -2,12 +2,16 @@
 
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
 (``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` (``csrc/qsa_append.cpp``, loaded
-with ctypes by ``append.py``). It is compiled on first use with the host C++ compiler
+with ctypes by ``append.py``). The C++ contract headers it shares with the CUDA kernels exist once,
+in ``plugins/`` (``SHARED_HEADERS``: the schema header generated from ops/schema.py, the element math
+and the selection math); the build takes them with ``-I`` from a source checkout's ``plugins/`` or
+an installed wheel's copy of it, ``tinyserve_trt/cuda/plugin_sources/`` (:func:`include_dirs`).
+It is compiled on first use with the host C++ compiler
 (``$CXX``, else ``c++``) for this machine's CPU (``-march=native``; ``EngineConfig.native_arch``, or
 ``TINYSERVE_NATIVE_ARCH`` where there is no config, names another ``-march`` target, e.g. ``x86-64-v2`` or
 ``armv8-a`` for a cache shared by several CPUs), into
 ``$TINYSERVE_CACHE/native/<key>/`` (default ``~/.cache/tinyserve``); the key hashes the
-sources, the compiler's version and flags, the ``-march`` target, the machine and the CPU's
+sources (the shared headers too), the compiler's version and flags, the ``-march`` target, the machine and the CPU's
 flags, so a cache shared between machines never hands one CPU another's build. What the cache
 holds is code: its directories are made mode 0700, and one another user owns or can write is
 refused (``private_dir``); a cached library that does not load is rebuilt once, then
@@ -39,6 +43,13 @@ OP_TYPE = "QueryAwareSparseAttentionDecode"
 LIBRARY_NAME = "libtinyserve_cpu.so"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("qsa_decode_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next to it are hashed too
+# Where plugins/ is: an installed wheel's copy (setup.py), else a source checkout's (an editable install).
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PLUGIN_SOURCE_ROOTS = (_PACKAGE_DIR / "cuda" / "plugin_sources", _PACKAGE_DIR.parent / "plugins")
+INCLUDE_SUBDIRS = ("generated", "kernels")  # the -I directories, under a plugin source root
+# The headers of plugins/ the node includes (and hashes into its cache key); tests/cpu holds the
+# list to the sources' includes and each header to one copy in the tree.
+SHARED_HEADERS = ("generated/qsa_schema.h", "kernels/qsa_math.h", "kernels/qsa_select_math.h")
 # -ffp-contract=off: the sub-page bound decode must round like ops/fine_bounds.py (the dot
 # products use explicit FMA instead). -fno-math-errno: expf without glibc's error bookkeeping
 # (fetestexcept was ~5% of the kernel's time).
@@ -143,8 +154,26 @@ def build_key(cxx: str, cxx_version: str, sources: dict[str, bytes], machine: st
     return h.hexdigest()[:24]
 
 
+def plugin_source_root() -> Path:
+    """The ``plugins/`` tree the shared headers come from: the first of ``PLUGIN_SOURCE_ROOTS`` holding
+    every one of ``SHARED_HEADERS``; NativeUnavailable (one line, both places) when neither does."""
+    for root in PLUGIN_SOURCE_ROOTS:
+        if all((root / h).is_file() for h in SHARED_HEADERS):
+            return root
+    raise NativeUnavailable(f"the shared C++ headers ({', '.join(SHARED_HEADERS)}) are in neither "
+                            f"{' nor '.join(map(str, PLUGIN_SOURCE_ROOTS))}; reinstall tinyserve-trt")
+
+
+def include_dirs() -> tuple[Path, ...]:
+    """The ``-I`` directories of the build: ``INCLUDE_SUBDIRS`` of :func:`plugin_source_root`."""
+    root = plugin_source_root()
+    return tuple(root / d for d in INCLUDE_SUBDIRS)
+
+
 def _source_files(source_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(source_dir.iterdir()) if p.suffix in (".cpp", ".h")}
+    files = {p.name: p.read_bytes() for p in sorted(source_dir.iterdir()) if p.suffix in (".cpp", ".h")}
+    root = plugin_source_root()
+    return {**files, **{f"plugins/{h}": (root / h).read_bytes() for h in SHARED_HEADERS}}
 
 
 def _compiler_version(cxx: str) -> str:
@@ -210,8 +239,14 @@ def _build_into(cxx: str, march: str, source_dir: Path, lib: Path) -> None:
             os.unlink(tmp)
 
 
+def compile_command(cxx: str, march: str, source_dir: Path, out: str) -> list[str]:
+    """The compiler command line that builds ``out`` from ``source_dir``'s ``SOURCES``."""
+    return [cxx, *CXXFLAGS, f"-march={march}", *(f"-I{d}" for d in include_dirs()), "-o", out,
+            *(str(source_dir / s) for s in SOURCES)]
+
+
 def _compile(cxx: str, march: str, source_dir: Path, out: str) -> None:
-    cmd = [cxx, *CXXFLAGS, f"-march={march}", "-o", out, *(str(source_dir / s) for s in SOURCES)]
+    cmd = compile_command(cxx, march, source_dir, out)
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
         raise NativeUnavailable(f"compiling {LIBRARY_NAME} failed: {_first_line(res.stderr)}")

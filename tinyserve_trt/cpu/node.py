@@ -2,7 +2,7 @@
 
 The node's inputs are the op's, at the op's positions (``schema.node_input_names``: the required
 ones, then the four cold inputs - "" when a two-level node has no cold pages - then
-``key_sub_bounds``); the C++ reads the positions from the generated ``csrc/qsa_schema.h``. Its
+``key_sub_bounds``); the C++ reads the positions from the generated ``plugins/generated/qsa_schema.h``. Its
 attributes are the schema's (``schema.OpAttributes``), ``cold_format`` only with cold pages.
 ``VERSION`` 2: version 1 put ``key_sub_bounds`` before the cold inputs (a package exported with
 it fails at session creation or its first decode step: re-export it).

@@ -77,7 +77,7 @@ inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, 
       const float* qg = q + g * D;
       for (int64_t c = 0; c < C; ++c) {
         const vf qc = vload(qg + c * kW);
-        for (int64_t i = 0; i < kW; ++i) acc[i] = vfma(qc, vload(k[i] + c * kW), acc[i]);
+        for (int64_t i = 0; i < kW; ++i) acc[i] = madd(qc, vload(k[i] + c * kW), acc[i]);
       }
       vstore(&logits[g * (T + kW) + t0], hsum8(acc) * scale);
     }
@@ -92,7 +92,7 @@ inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, 
     for (int64_t t = 0; t < T; ++t) {
       const vf w = vf{} + l[t];
       const float* v = vrow(t);
-      for (int64_t c = 0; c < C; ++c) acc[c] = vfma(w, vload(v + c * kW), acc[c]);
+      for (int64_t c = 0; c < C; ++c) acc[c] = madd(w, vload(v + c * kW), acc[c]);
     }
     for (int64_t c = 0; c < C; ++c) vstore(out + 2 + c * kW, acc[c]);
   }

@@ -35,12 +35,10 @@ struct Scratch {  // per thread, reused across calls
   std::vector<char> keep, page_keep;
 };
 
-// Marks the k best of `cand` by score in `keep`; ties go to the lower index (the
-// reference's stable argsort of -score). NaN scores rank last.
+// Marks the k best of `cand` by score in `keep`: the k largest qsa_math::rank_key (ties to the
+// lower index, NaN last: the reference's stable argsort of -score); nth_element then compares
+// integers, not floats through a lambda.
 inline void keep_best(std::vector<int64_t>& cand, const float* score, size_t k, char* keep) {
-  // One sortable 64-bit key per candidate: the score's order-preserving bits (NaN as -inf, -0 as
-  // +0), then the complement of its index, so the largest keys are the best with the lower
-  // index first on a tie; nth_element then compares integers, not floats through a lambda.
   thread_local std::vector<uint64_t> keys;
   k = std::min(k, cand.size());
   if (k == cand.size()) {
@@ -48,16 +46,10 @@ inline void keep_best(std::vector<int64_t>& cand, const float* score, size_t k, 
     return;
   }
   keys.resize(cand.size());
-  for (size_t i = 0; i < cand.size(); ++i) {
-    float x = score[cand[i]];
-    x = std::isnan(x) ? -INFINITY : (x == 0.0f ? 0.0f : x);
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-    keys[i] = (static_cast<uint64_t>(u) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(cand[i]));
-  }
+  for (size_t i = 0; i < cand.size(); ++i)
+    keys[i] = qsa_math::rank_key(score[cand[i]], static_cast<uint32_t>(cand[i]));
   std::nth_element(keys.begin(), keys.begin() + k, keys.end(), std::greater<uint64_t>());
-  for (size_t i = 0; i < k; ++i) keep[0xFFFFFFFFu - static_cast<uint32_t>(keys[i])] = 1;
+  for (size_t i = 0; i < k; ++i) keep[qsa_math::rank_index(keys[i])] = 1;
 }
 
 // One (sequence, KV head): selection, then attention over the kept tokens.
@@ -99,20 +91,14 @@ class HeadStep {
   }
 
  private:
-  bool forced(int64_t i) const { return i < a_.sink_pages || i >= n_ - a_.recent_pages; }
   const float* meta(const float* base, int64_t page) const { return base + (pages_[page] * p_.Hkv + h_) * p_.D; }
 
-  float reduce(float acc, float x, int64_t g) const {
-    return g == 0 ? x : a_.reduce_sum ? acc + x : std::max(acc, x);
-  }
+  float reduce(float acc, float x, int64_t g) const { return qsa_math::group_combine(acc, x, g == 0, a_.reduce_sum); }
 
   void split_query() {
     const int64_t GD = p_.G * p_.D;
     s_.qpos.resize(GD), s_.qneg.resize(GD);
-    for (int64_t i = 0; i < GD; ++i) {
-      s_.qpos[i] = q_[i] > 0.0f ? q_[i] : 0.0f;
-      s_.qneg[i] = q_[i] < 0.0f ? q_[i] : 0.0f;
-    }
+    for (int64_t i = 0; i < GD; ++i) s_.qpos[i] = qsa_math::query_pos(q_[i]), s_.qneg[i] = qsa_math::query_neg(q_[i]);
   }
 
   float coarse_score(int64_t page) const {
@@ -123,13 +109,11 @@ class HeadStep {
     return s;
   }
 
-  // select_pages over the pages not forced; returns false when every page is kept.
-  bool select_pages(int64_t budget_tokens, char* keep) {
-    int64_t n_forced = 0;
-    for (int64_t i = 0; i < n_; ++i) n_forced += forced(i);
-    int64_t keep_n = std::max(budget_tokens / p_.ps, n_forced);
+  // The pages `rule` keeps (qsa_math::page_rule) into keep [n]: the forced ones and the
+  // rule's kept_free() best-scored others (scored only when the rule does not keep all).
+  void keep_pages(const qsa_math::PageRule& rule, char* keep) {
     std::fill(keep, keep + n_, 1);
-    if (budget_tokens <= 0 || keep_n >= n_) return false;
+    if (rule.all) return;
     s_.cand.clear();
     s_.coarse.resize(n_);
     for (int64_t i = 0; i < n_; ++i) {
@@ -137,11 +121,10 @@ class HeadStep {
         prefetch_row(meta(p_.kmin, i + kPagesAhead), p_.D);
         prefetch_row(meta(p_.kmax, i + kPagesAhead), p_.D);
       }
-      keep[i] = forced(i);
+      keep[i] = rule.forced(i);
       if (!keep[i]) s_.cand.push_back(i), s_.coarse[i] = coarse_score(i);
     }
-    keep_best(s_.cand, s_.coarse.data(), static_cast<size_t>(keep_n - n_forced), keep);
-    return true;
+    keep_best(s_.cand, s_.coarse.data(), static_cast<size_t>(rule.kept_free()), keep);
   }
 
   // Fills s_.keep [n * r] per unit (a page, or a sub-page when two-level).
@@ -149,34 +132,34 @@ class HeadStep {
     const int64_t units = n_ * p_.r, written = (past_ + p_.sp - 1) / p_.sp, budget = p_.budget[b_];
     s_.keep.assign(units, 0);
     std::fill(s_.keep.begin(), s_.keep.begin() + written, 1);
-    if (a_.dense || budget <= 0 || n_ == 0) return;
-    split_query();
+    if (a_.dense) return;
     if (p_.r == 1) {
-      select_pages(budget, s_.keep.data());
+      const qsa_math::PageRule rule = qsa_math::page_rule(n_, budget, p_.ps, a_.sink_pages, a_.recent_pages);
+      if (rule.all) return;
+      split_query();
+      keep_pages(rule, s_.keep.data());
       return;
     }
-    int64_t n_forced = 0;
-    for (int64_t u = 0; u < written; ++u) n_forced += forced(u / p_.r);
-    const int64_t keep_n = std::max(budget / p_.sp, n_forced);
-    if (keep_n >= written) return;
-    // two_level.candidate_pages: the share times n rounds in float32
-    float share_n = a_.candidate_share * static_cast<float>(n_);
-    int64_t cand_pages = std::max(static_cast<int64_t>(std::floor(share_n)), budget / p_.ps);
+    const qsa_math::SubPageRule rule = qsa_math::sub_page_rule(n_, past_, budget, p_.ps, p_.sp, a_.candidate_share,
+                                                               a_.sink_pages, a_.recent_pages);
+    if (rule.all) return;
+    split_query();
     s_.page_keep.resize(n_);
-    select_pages(std::max(cand_pages * p_.ps, budget), s_.page_keep.data());
-    fine_scores(written);
-    for (int64_t u = 0; u < units; ++u) s_.keep[u] = u < written && forced(u / p_.r);
-    keep_best(s_.cand, s_.fine.data(), static_cast<size_t>(keep_n - n_forced), s_.keep.data());
+    keep_pages(rule.pages, s_.page_keep.data());
+    fine_scores(rule.pages, written);
+    for (int64_t u = 0; u < units; ++u) s_.keep[u] = u < written && rule.pages.forced(u / p_.r);
+    keep_best(s_.cand, s_.fine.data(), static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size()))),
+              s_.keep.data());
   }
 
   // Sub-page scores of the candidate pages' written, not forced sub-pages (into s_.cand).
-  void fine_scores(int64_t written) {
+  void fine_scores(const qsa_math::PageRule& rule, int64_t written) {
     const int64_t D = p_.D, r = p_.r;
     s_.fine.resize(n_ * r), s_.lo.resize(D), s_.hi.resize(D), s_.step.resize(D);
     s_.cand.clear();
     int64_t ahead = 0;  // the candidate page whose codes are being prefetched
     for (int64_t i = 0; i < n_; ++i) {
-      if (!s_.page_keep[i] || forced(i) || i * r >= written) continue;
+      if (!s_.page_keep[i] || rule.forced(i) || i * r >= written) continue;
       for (ahead = std::max(ahead, i + 1); ahead < n_ && !s_.page_keep[ahead]; ++ahead) {
       }
       if (ahead < n_) {
@@ -233,18 +216,18 @@ class HeadStep {
       const float *qp = &s_.qpos[g * D], *qn = &s_.qneg[g * D];
       vf wlo[kMaxChunks], whi[kMaxChunks];
       for (int64_t c = 0; c < C; ++c) {
-        wlo[c] = vload(qn + c * kW) * step[c];
-        whi[c] = -(vload(qp + c * kW) * step[c]);
+        wlo[c] = qsa_math::level_weight_lo(vload(qn + c * kW), step[c]);
+        whi[c] = qsa_math::level_weight_hi(vload(qp + c * kW), step[c]);
       }
       // channel-major: the 8 sub-pages' sums are 8 independent FMA chains (sub-page-major, each
       // chain waits on its own previous FMA: latency-bound, 3x slower)
       vf acc[kW] = {}, acc2[kW] = {};
       for (int64_t c = 0; c < C; ++c)
         for (int64_t j = 0; j < kW; ++j)
-          if (j < nsub) acc[j] = vfma(wlo[c], lo_c[j][c], acc[j]), acc2[j] = vfma(whi[c], hi_c[j][c], acc2[j]);
+          if (j < nsub) acc[j] = madd(wlo[c], lo_c[j][c], acc[j]), acc2[j] = madd(whi[c], hi_c[j][c], acc2[j]);
       for (int64_t j = 0; j < kW; ++j) acc[j] += acc2[j];
       const vf sums = hsum8(acc) + bound(qp, qn, kmin, kmax, D);
-      best = g == 0 ? sums : a_.reduce_sum ? best + sums : vf(_mm256_max_ps(best, sums));
+      best = qsa_math::group_combine(best, sums, g == 0, a_.reduce_sum);
     }
     float lanes[kW];
     vstore(lanes, best);

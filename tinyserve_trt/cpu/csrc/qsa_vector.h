@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #endif
 
+#include "qsa_select_math.h"  // plugins/kernels: madd, the page score's term (shared with the CUDA kernels)
+
 namespace qsa {
 
 // 8 floats: one AVX register (GCC/Clang vector extension; __m256 is the same type).
@@ -24,22 +26,9 @@ inline vf vload(const float* p) {
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// a * b + c. Explicit FMA where the CPU has it: the file builds with -ffp-contract=off (for the
-// sub-page bound decode), so the compiler fuses nothing by itself.
-inline vf vfma(vf a, vf b, vf c) {
-#ifdef __FMA__
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-inline float sfma(float a, float b, float c) {
-#ifdef __FMA__
-  return __builtin_fmaf(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
+// a * b + c: qsa_math::madd, explicit FMA where the CPU has it (the node builds with
+// -ffp-contract=off for the sub-page bound decode, so the compiler fuses nothing by itself).
+using qsa_math::madd;
 
 // Sum of the lanes as a fixed tree.
 inline float hsum(vf v) {
@@ -53,25 +42,28 @@ inline float dot(const float* a, const float* b, int64_t n) {
   vf acc0 = {}, acc1 = {};
   int64_t d = 0;
   for (; d + 2 * kW <= n; d += 2 * kW) {
-    acc0 = vfma(vload(a + d), vload(b + d), acc0);
-    acc1 = vfma(vload(a + d + kW), vload(b + d + kW), acc1);
+    acc0 = madd(vload(a + d), vload(b + d), acc0);
+    acc1 = madd(vload(a + d + kW), vload(b + d + kW), acc1);
   }
-  if (d + kW <= n) acc0 = vfma(vload(a + d), vload(b + d), acc0), d += kW;
+  if (d + kW <= n) acc0 = madd(vload(a + d), vload(b + d), acc0), d += kW;
   float tail = 0.0f;
-  for (; d < n; ++d) tail = sfma(a[d], b[d], tail);
+  for (; d < n; ++d) tail = madd(a[d], b[d], tail);
   return hsum(acc0 + acc1) + tail;
 }
 
-// The query-aware bound sum_d max(q*lo, q*hi) = relu(q).hi + min(q,0).lo (lo <= hi).
+// The query-aware bound sum_d max(q*lo, q*hi) (lo <= hi) over n channels: qsa_math::bound_madd's
+// term on 8 lanes, two independent chains; qpos/qneg: qsa_math::query_pos/query_neg of the query.
 inline float bound(const float* qpos, const float* qneg, const float* lo, const float* hi, int64_t n) {
   vf acc0 = {}, acc1 = {};
   int64_t d = 0;
-  for (; d + kW <= n; d += kW) {
-    acc0 = vfma(vload(qpos + d), vload(hi + d), acc0);
-    acc1 = vfma(vload(qneg + d), vload(lo + d), acc1);
+  for (; d + 2 * kW <= n; d += 2 * kW) {
+    acc0 = qsa_math::bound_madd(acc0, vload(qpos + d), vload(qneg + d), vload(lo + d), vload(hi + d));
+    acc1 = qsa_math::bound_madd(acc1, vload(qpos + d + kW), vload(qneg + d + kW), vload(lo + d + kW),
+                                vload(hi + d + kW));
   }
+  if (d + kW <= n) acc0 = qsa_math::bound_madd(acc0, vload(qpos + d), vload(qneg + d), vload(lo + d), vload(hi + d)), d += kW;
   float tail = 0.0f;
-  for (; d < n; ++d) tail = sfma(qneg[d], lo[d], sfma(qpos[d], hi[d], tail));
+  for (; d < n; ++d) tail = qsa_math::bound_madd(tail, qpos[d], qneg[d], lo[d], hi[d]);
   return hsum(acc0 + acc1) + tail;
 }
 
@@ -83,8 +75,8 @@ inline void prefetch_row(const float* row, int64_t n) {
 inline void axpy(float w, const float* x, float* o, int64_t n) {
   const vf wv = vf{} + w;
   int64_t d = 0;
-  for (; d + kW <= n; d += kW) vstore(o + d, vfma(wv, vload(x + d), vload(o + d)));
-  for (; d < n; ++d) o[d] = sfma(w, x[d], o[d]);
+  for (; d + kW <= n; d += kW) vstore(o + d, madd(wv, vload(x + d), vload(o + d)));
+  for (; d < n; ++d) o[d] = madd(w, x[d], o[d]);
 }
 
 #ifdef __AVX2__
