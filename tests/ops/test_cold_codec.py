@@ -1,4 +1,5 @@
-"""ColdCodec (ops/cold_codec.py): INT4 packing and the error bound; INT8 through it is ops.quantization."""
+"""ColdCodec (ops/cold_codec.py): the pinned byte layout, INT4 packing and the error bounds (INT8's
+shapes and calibrated scales: test_quantization.py; torch == numpy: test_cold_codec_torch.py)."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tinyserve_trt.ops import quantization
-from tinyserve_trt.ops.cold_codec import ColdCodec, expand_scale, pack_int4, page_bounds, unpack_int4
+from tinyserve_trt.ops.cold_codec import ColdCodec, expand_scale, pack_nibbles, page_bounds, unpack_nibbles
 from tinyserve_trt.ops.fine_bounds import decode, level_step, page_sub_bounds
 
 PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8, 16])),
@@ -15,12 +16,36 @@ PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(hnp.arrays(np.int8, st.tuples(st.integers(1, 4), st.sampled_from([2, 6, 64])), elements=st.integers(-8, 7)))
+@given(hnp.arrays(np.uint8, st.tuples(st.integers(1, 4), st.sampled_from([2, 6, 64])), elements=st.integers(0, 15)))
 def test_pack_unpack_round_trip(q):
-    packed = pack_int4(q)
+    packed = pack_nibbles(q)
     assert packed.dtype == np.uint8 and packed.shape == q.shape[:-1] + (q.shape[-1] // 2,)
-    np.testing.assert_array_equal(unpack_int4(packed), q)
-    np.testing.assert_array_equal(packed & 15, q[..., : q.shape[-1] // 2] + 8)  # channel j: low nibble of byte j
+    np.testing.assert_array_equal(unpack_nibbles(packed), q)
+    np.testing.assert_array_equal(packed % 16, q[..., : q.shape[-1] // 2])  # channel j: low nibble of byte j
+    np.testing.assert_array_equal(packed // 16, q[..., q.shape[-1] // 2:])  # channel j + D/2: its high nibble
+
+
+def test_the_format_bytes_are_pinned():
+    """The bytes the CPU node and the CUDA kernels decode (qsa_math.h), on pages whose scales are
+    exact: a refactor of the one definition must not move a bit."""
+    int8 = ColdCodec("int8", "channel", "channel")
+    x = np.array([[[127.0, -254.0], [3.5, 5.0]]], np.float32)  # channel absmax 127, 254: scales 1, 2
+    q, s = int8.quantize(x, "k")
+    np.testing.assert_array_equal(s, [[[1.0, 2.0]]])
+    np.testing.assert_array_equal(q, [[[127, -127], [4, 2]]])  # rint: halves to even
+    int4 = ColdCodec("int4", "channel", "token", 0)
+    v = np.array([[[0.0, 1.0, 2.0, 15.0], [-3.0, -3.0, -3.0, -3.0]]], np.float32)
+    q, s = int4.quantize(v, "v")
+    assert s.dtype == np.float16 and q.dtype == np.uint8
+    np.testing.assert_array_equal(s, [[[1.0, 0.0], [1.0, -3.0]]])  # per token: scale, then min
+    np.testing.assert_array_equal(q, [[[0x20, 0xF1], [0x00, 0x00]]])  # byte j: q[j] low, q[j + D/2] high
+    np.testing.assert_array_equal(int4.dequantize(q, s), v)
+    k = np.array([[[0.0, 10.0], [15.0, -5.0]]], np.float32)  # bounds [0, 15] and [-5, 10]: step 1
+    kmin, kmax = page_bounds(k)
+    q, s = int4.quantize(k, "k", bounds=(kmin, kmax))
+    np.testing.assert_array_equal(q, [[[0xF0], [0x0F]]])  # q = k - key_min
+    np.testing.assert_array_equal(s, np.ones((1, 1, 1), np.float16))
+    np.testing.assert_array_equal(int4.dequantize_keys(q, s, kmin, kmax), k)
 
 
 @settings(max_examples=300, deadline=None)
@@ -87,7 +112,7 @@ def test_int4_keys_on_the_page_bounds(x, dtype, data):
     err = np.abs(x.astype(np.float64) - deq)[:, :valid]
     assert np.all(err <= step / 2 + rounding)
     np.testing.assert_array_equal(deq[:, :valid].min(axis=1), lo[:, 0])  # q = 0 is key_min exactly
-    assert np.all(unpack_int4(q) + 8 >= 0) and np.all(unpack_int4(q) + 8 <= 15)
+    assert np.all(unpack_nibbles(q) <= 15)
 
 
 SUB_PAGES = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.sampled_from([4, 16]), st.sampled_from([2, 8])),
@@ -143,17 +168,6 @@ def test_int4_keys_take_the_channel_rule_only():
         ColdCodec("int4").quantize(np.zeros((1, 4, 2), np.float32), "k", scale=np.ones((1, 1, 1)))
 
 
-@settings(max_examples=100, deadline=None)
-@given(PAGES, st.sampled_from(["channel", "token", "head"]))
-def test_int8_codec_is_the_int8_quantizer(x, granularity):
-    codec = ColdCodec("int8", granularity, granularity)
-    q, s = codec.quantize(x, "v", x.shape[1] - 1 if x.shape[1] > 1 else None)
-    q2, s2 = quantization.quantize_page(x, granularity, x.shape[1] - 1 if x.shape[1] > 1 else None)
-    np.testing.assert_array_equal(q, q2)
-    np.testing.assert_array_equal(s, s2)
-    np.testing.assert_array_equal(codec.dequantize(q, s), quantization.dequantize_page(q2, s2))
-
-
 # Tiny and subnormal float32 pages: absmax / qmax underflows to 0 or a denormal unless clamped.
 TINY_PAGES = hnp.arrays(
     np.float32, st.tuples(st.integers(1, 3), st.sampled_from([1, 4, 16]), st.sampled_from([2, 8])),
@@ -176,11 +190,11 @@ def _assert_tiny_round_trip(x, q, scale, deq, scale_dtype, valid):
 @given(TINY_PAGES, st.sampled_from(["channel", "token", "head"]), st.data())
 def test_int8_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, data):
     valid = data.draw(st.integers(1, x.shape[1]))
-    for q, scale in (quantization.quantize_page(x, granularity, valid),
-                     ColdCodec("int8", granularity, granularity).quantize(x, "k", valid)):
-        _assert_tiny_round_trip(x, q, scale, quantization.dequantize_page(q, scale), np.float32, valid)
-    q, scale = quantization.quantize_pages(x[None], granularity)  # the batched (full page) path
-    _assert_tiny_round_trip(x, q[0], scale[0], quantization.dequantize_page(q[0], scale[0]), np.float32, x.shape[1])
+    codec = ColdCodec("int8", granularity, granularity)
+    q, scale = codec.quantize(x, "k", valid)
+    _assert_tiny_round_trip(x, q, scale, codec.dequantize(q, scale), np.float32, valid)
+    q, scale = codec.quantize(x[None], "k")  # the batched (full page) path
+    _assert_tiny_round_trip(x, q[0], scale[0], codec.dequantize(q[0], scale[0]), np.float32, x.shape[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -196,7 +210,7 @@ def test_int4_tiny_values_keep_a_normal_scale_and_the_bound(x, granularity, grou
 def test_tiny_absmax_scale_is_clamped_not_zero():
     x = np.zeros((1, 1, 2), np.float32)
     x[0, 0, 0] = 1e-44  # / 127 is below float32's smallest denormal: the unclamped scale is 0
-    q, scale = quantization.quantize_page(x, "head")
+    q, scale = ColdCodec("int8", "head", "head").quantize(x, "k")
     assert scale.item() == np.finfo(np.float32).tiny and q[0, 0, 0] == 0
     assert quantization.group_scale(np.array([0.0, 1e-44, 1e300]), 127).tolist() == [
         1.0, float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)]
@@ -208,7 +222,7 @@ def test_bytes_and_shapes():
     # V + 16 tokens x 2 groups x (scale, min)
     assert int4.bytes_per_page("k", 1, 16, 64) == 512 + 2
     assert int4.bytes_per_page("v", 1, 16, 64) == 512 + 128
-    assert ColdCodec().bytes_per_page("k", 3, 16, 64) == quantization.bytes_per_page("channel", 3, 16, 64)
+    assert ColdCodec().bytes_per_page("k", 3, 16, 64) == 3 * 16 * 64 + 4 * 3 * 64  # int8 + a float32 per channel
     with pytest.raises(ValueError, match="int4 cold pages only"):
         ColdCodec("int8", group_size=32)
     with pytest.raises(ValueError, match="cold_format"):

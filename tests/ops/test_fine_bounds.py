@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from tinyserve_trt.ops import fine_bounds
-from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page, quantize_page
+from tinyserve_trt.ops.cold_codec import ColdCodec
+from tinyserve_trt.ops.quantization import GRANULARITIES
 from tinyserve_trt.ops.reference import page_min_max
 
 PS, D = 16, 8
@@ -47,8 +48,9 @@ def test_hot_page_bounds_never_underestimate(keys, q, valid, sub, half):
        dtype=st.sampled_from(["float32", "float16"]))
 def test_cold_page_bounds_cover_the_dequantized_keys(keys, q, valid, sub, granularity, dtype):
     """A cold page's bounds are those of the keys the op dequantizes (``cases.make_mixed_case``)."""
-    qk, scale = quantize_page(keys.astype(dtype), granularity, valid)
-    _check_bounds(dequantize_page(qk, scale, dtype), valid, sub, q)
+    codec = ColdCodec("int8", granularity, granularity)
+    qk, scale = codec.quantize(keys.astype(dtype), "k", valid)
+    _check_bounds(codec.dequantize(qk, scale, dtype), valid, sub, q)
 
 
 def test_random_pages_and_tightness(rng):

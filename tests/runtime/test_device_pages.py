@@ -14,9 +14,8 @@ torch = pytest.importorskip("torch")
 
 from tinyserve_dev.kernels.references import append_kv_ref  # noqa: E402
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds  # noqa: E402
-from tinyserve_trt.ops.quantization import GRANULARITIES, dequantize_page  # noqa: E402
-from tinyserve_trt.runtime.backends.device_pages import (COLD_ROLES, HOT_ROLES, DevicePages,  # noqa: E402
-                                                         dequantize_keys, dequantize_pages, quantize_pages)
+from tinyserve_trt.ops.quantization import GRANULARITIES  # noqa: E402
+from tinyserve_trt.runtime.backends.device_pages import COLD_ROLES, HOT_ROLES, DevicePages  # noqa: E402
 from tinyserve_trt.runtime.config import CacheConfig  # noqa: E402
 from tinyserve_trt.runtime.kv_storage import KVStorage  # noqa: E402
 from tinyserve_trt.runtime.pages import PagePool, PoolIntegrityError  # noqa: E402
@@ -51,15 +50,15 @@ def test_quantize_matches_the_numpy_codec(codec, dtype, device):
     for which in ("k", "v"):
         want = [codec.quantize(page, which) for page in x]
         bounds = tuple(torch.from_numpy(b).to(device) for b in (kmin, kmax)) if which == "k" else None
-        q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, which, bounds=bounds)
+        q, s = codec.quantize(torch.from_numpy(x).to(device), which, bounds=bounds)
         np.testing.assert_array_equal(q.cpu().numpy(), np.stack([w[0] for w in want]))
         np.testing.assert_array_equal(s.cpu().numpy(), np.stack([w[1] for w in want]))
         qn, sn = (np.stack(a) for a in zip(*want))
         if which == "k":  # INT4: on the page bounds (float32); INT8 by the scales
-            got = dequantize_keys(q, s, *bounds, torch.float32, codec).cpu().numpy()
+            got = codec.dequantize_keys(q, s, *bounds, torch.float32).cpu().numpy()
             np.testing.assert_array_equal(got, codec.dequantize_keys(qn, sn, kmin, kmax))
         else:
-            np.testing.assert_array_equal(dequantize_pages(q, s, torch.float32, codec).cpu().numpy(),
+            np.testing.assert_array_equal(codec.dequantize(q, s, torch.float32).cpu().numpy(),
                                           codec.dequantize(qn, sn))
 
 
@@ -77,9 +76,9 @@ def test_int4_keys_on_sub_page_codes_match_the_numpy_codec(dtype, device):
     want = [codec.quantize(x[i], "k", bounds=(kmin[i], kmax[i]), sub_codes=codes[i]) for i in range(5)]
     qn, sn = (np.stack(a) for a in zip(*want))
     tb = [torch.from_numpy(b).to(device) for b in (kmin, kmax, codes)]
-    q, s = quantize_pages(torch, torch.from_numpy(x).to(device), codec, "k", bounds=tuple(tb[:2]), codes=tb[2])
+    q, s = codec.quantize(torch.from_numpy(x).to(device), "k", bounds=tuple(tb[:2]), sub_codes=tb[2])
     np.testing.assert_array_equal(q.cpu().numpy(), qn)
-    got = dequantize_keys(q, s, tb[0], tb[1], torch.float32, codec, tb[2]).cpu().numpy()
+    got = codec.dequantize_keys(q, s, tb[0], tb[1], torch.float32, tb[2]).cpu().numpy()
     np.testing.assert_array_equal(got, codec.dequantize_keys(qn, sn, kmin, kmax, sub_codes=codes))
 
 
@@ -198,7 +197,8 @@ def test_a_cold_slot_demoted_into_twice_before_a_flush_keeps_the_later_page():
     pages.demote_page(0, 4)
     pages.demote_page(1, 4)  # page 0's cold copy was evicted before the flush
     pages.flush()
-    got = dequantize_page(pages.layers[0]["key_cache_int8"][0].numpy(), pages.layers[0]["key_scale"][0].numpy())
+    got = ColdCodec("int8", "head", "head").dequantize(pages.layers[0]["key_cache_int8"][0].numpy(),
+                                                       pages.layers[0]["key_scale"][0].numpy())
     np.testing.assert_array_equal(got, 2.0)
     assert pages.layers[1]["key_max"][4].max().item() == 2.0
 

@@ -59,7 +59,10 @@ read) and is symmetric: ``scale = absmax / 127`` of the group (1 when all zero, 
 float32's normal range: ``quantization.group_scale``), ``q = clip(rint(x / scale), -127, 127)``,
 so ``|x - q * scale| <= scale / 2``. INT4 keys take ``channel`` only (the bounds rule):
 ``|x - k'| <= step / 2`` (plus float32 rounding) for values inside the bounds.
-Pure numpy; does not modify its inputs.
+One definition for numpy and torch: every function below takes numpy arrays or torch tensors
+(``ops/array_ns.py`` picks the ops; a GPU's pools, ``runtime/backends/device_pages.py``, run
+these same lines on CUDA tensors), so the host pools, the reference, calibration and the device
+pools hold the same bytes. Does not modify its inputs.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import fine_bounds
-from .fine_bounds import LEVELS, level_step
-from .quantization import GRANULARITIES, group_scale
+from .array_ns import namespace
+from .fine_bounds import BITS, LEVELS, level_step, split_nibbles
+from .quantization import GRANULARITIES, group_scale, scale_shape
 from .schema import COLD_FORMATS
 
 QMAX = {"int8": 127, "int4": 7}
@@ -79,30 +83,31 @@ QMAX = {"int8": 127, "int4": 7}
 INT4_FORMAT_VERSION = 3
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """``q [..., D]`` ints in [-8, 7] (D even) -> uint8 ``[..., D/2]`` (offset binary nibbles,
-    the first half of the channels low, the second half high)."""
+def pack_nibbles(q):
+    """INT4 nibbles ``q [..., D]`` in [0, 15] (D even) -> uint8 ``[..., D/2]``: channel ``j`` in the
+    low nibble of byte ``j``, channel ``j + D/2`` in the high one."""
     if q.shape[-1] % 2:
         raise ValueError(f"INT4 packing needs an even last dim, got {q.shape[-1]}")
-    u = (np.asarray(q, np.int16) + 8).astype(np.uint8)
-    h = q.shape[-1] // 2
-    return (u[..., :h] | (u[..., h:] << 4)).astype(np.uint8)
+    xp = namespace(q)
+    u, h = xp.astype(q, np.uint8), q.shape[-1] // 2
+    return u[..., :h] | (u[..., h:] << BITS)
 
 
-def unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """uint8 ``[..., D/2]`` -> int8 ``[..., D]`` (inverse of :func:`pack_int4`)."""
-    p = np.asarray(packed, np.uint8)
-    return np.concatenate([(p & 15).astype(np.int8) - 8, (p >> 4).astype(np.int8) - 8], axis=-1)
+def unpack_nibbles(packed):
+    """uint8 ``[..., D/2]`` -> uint8 nibbles ``q [..., D]`` in [0, 15] (inverse of :func:`pack_nibbles`)."""
+    xp = namespace(packed)
+    return xp.concat(split_nibbles(xp.asarray(packed)), axis=-1)
 
 
-def expand_scale(scale: np.ndarray, page_size: int, head_dim: int) -> np.ndarray:
+def expand_scale(scale, page_size: int, head_dim: int):
     """Scales ``[..., ps|1, C]`` -> ``[..., ps, D]`` by the rule above (float32)."""
-    s = np.asarray(scale, np.float32)
+    xp = namespace(scale)
+    s = xp.astype(scale, np.float32)
     C = s.shape[-1]
     if head_dim % C:
         raise ValueError(f"a scale's last dim {C} must divide the head dim {head_dim}")
-    s = np.repeat(s, head_dim // C, axis=-1)
-    return np.broadcast_to(s, s.shape[:-2] + (page_size, head_dim))
+    s = xp.repeat(s, head_dim // C, axis=-1)
+    return xp.broadcast_to(s, tuple(s.shape[:-2]) + (page_size, head_dim))
 
 
 @dataclass(frozen=True)
@@ -159,14 +164,10 @@ class ColdCodec:
     def scale_shape(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> tuple[int, int, int]:
         """One page's ``which`` ("k"/"v") scales ``[Hkv, ps|1, C]`` (INT4 V: ``[Hkv, ps|1, 2C]``,
         the scales then the mins)."""
-        g = self.granularity(which)
         if which == "k" and self.keys_on_bounds:
             return (num_kv_heads, 1, 1)  # placeholder: INT4 keys read the page bounds
-        group = self.group_size or head_dim
-        if head_dim % group:
-            raise ValueError(f"group_size {group} must divide the head dim {head_dim}")
-        C = head_dim if g == "channel" else head_dim // group
-        return (num_kv_heads, page_size if g == "token" else 1, C * (2 if self.cold_format == "int4" else 1))
+        h, t, c = scale_shape(self.granularity(which), num_kv_heads, page_size, head_dim, self.group_size)
+        return (h, t, c * (2 if self.cold_format == "int4" else 1))
 
     def blank_scales(self, which: str, num_kv_heads: int, page_size: int, head_dim: int) -> np.ndarray:
         """Scales of an unused cold page: 1 (INT4 V: scales 1, mins 0), so zero values read as 0
@@ -182,131 +183,151 @@ class ColdCodec:
         return n + np.dtype(self.scale_dtype).itemsize * int(np.prod(self.scale_shape(which, num_kv_heads,
                                                                                       page_size, head_dim)))
 
-    # ---- quantize / dequantize ----------------------------------------------------
-    def quantize(self, x: np.ndarray, which: str, valid: int | None = None,
-                 scale: np.ndarray | None = None, bounds: tuple | None = None,
-                 sub_codes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Pages ``x [..., Hkv, ps, D]`` -> ``(values, scales [..., Hkv, ps|1, C|2C])``.
+    # ---- quantize / dequantize (numpy arrays or torch tensors) ----------------------
+    def quantize(self, x, which: str, valid: int | None = None, scale=None, bounds: tuple | None = None,
+                 sub_codes=None) -> tuple:
+        """Pages ``x [..., Hkv, ps, D]`` -> ``(values, scales [..., Hkv, ps|1, C|2C])``, arrays of
+        ``x``'s kind (a tensor's on its device).
 
         Scales come from the first ``valid`` tokens (a partial page's tail must not
-        widen them), or are the given (calibrated, INT8 only) ``scale``, whose clip is the point.
-        INT4 keys: ``bounds = (key_min, key_max) [..., Hkv, D]``, the page's metadata
-        (default: :func:`page_bounds` of ``x``, what a pool stores for it), and in a two-level
-        package ``sub_codes [..., Hkv, r, D]``, its ``key_sub_bounds`` (computed from ``x``)."""
-        x = np.asarray(x)
-        Hkv, ps, D = x.shape[-3:]
+        widen them), or are the given (calibrated, INT8 only) one-page ``scale [Hkv, ps|1, C]``,
+        whose clip is the point. INT4 keys: ``bounds = (key_min, key_max) [..., Hkv, D]``, the
+        page's metadata (default: :func:`page_bounds` of ``x``, what a pool stores for it), and in
+        a two-level package ``sub_codes [..., Hkv, r, D]``, its ``key_sub_bounds`` (computed from ``x``)."""
+        xp = namespace(x)
+        x = xp.asarray(x)
+        if x.ndim < 3:
+            raise ValueError(f"pages are [..., Hkv, ps, D], got shape {tuple(x.shape)}")
+        lead, (Hkv, ps, D) = tuple(x.shape[:-3]), tuple(x.shape[-3:])
+        if valid is not None and not 0 <= int(valid) <= ps:
+            raise ValueError(f"valid must be in [0, {ps}], got {valid}")
+        shape = lead + self.scale_shape(which, Hkv, ps, D)
         if which == "k" and self.keys_on_bounds:
             if scale is not None:
                 raise ValueError("int4 keys take no scale (they quantize on the page bounds)")
             kmin, kmax = page_bounds(x, valid) if bounds is None else bounds
-            return quantize_on_bounds(x, kmin, kmax, sub_codes), np.ones(x.shape[:-3] + self.scale_shape(
-                "k", Hkv, ps, D), self.scale_dtype)
-        shape = self.scale_shape(which, Hkv, ps, D)
-        xf = x.astype(np.float64)
+            return quantize_on_bounds(x, kmin, kmax, sub_codes), xp.ones(shape, self.scale_dtype)
+        xf = xp.astype(x, np.float64)
         if self.cold_format == "int4":
             if scale is not None:
                 raise ValueError("int4 values take no calibrated scale (asymmetric per page)")
-            return _quantize_asymmetric(xf, valid, shape)
+            return _quantize_asymmetric(xp, xf, valid, shape)
         if scale is None:
-            absx = np.abs(xf)
+            absx = abs(xf)
             if valid is not None:
                 absx[..., int(valid):, :] = 0.0
-            C = shape[2]
-            grouped = absx.reshape(absx.shape[:-1] + (C, D // C))
-            amax = grouped.max(axis=-1)  # [..., Hkv, ps, C]
-            if shape[1] == 1:
-                amax = amax.max(axis=-2, keepdims=True)
+            C = shape[-1]
+            amax = xp.amax(absx.reshape(tuple(absx.shape[:-1]) + (C, D // C)), axis=-1)  # [..., Hkv, ps, C]
+            if shape[-2] == 1:
+                amax = xp.amax(amax, axis=-2, keepdims=True)
             scale = group_scale(amax, self.qmax, self.scale_dtype)
-        scale = np.asarray(scale, self.scale_dtype)
-        full = expand_scale(scale, ps, D).astype(np.float64)  # divide by the stored scale: the bound holds for it
-        q = np.clip(np.rint(xf / full), -self.qmax, self.qmax)
-        return q.astype(np.int8), scale.copy()
+        else:
+            scale = xp.copy(xp.broadcast_to(xp.asarray(scale, self.scale_dtype), shape))
+        full = xp.astype(expand_scale(scale, ps, D), np.float64)  # divide by the stored scale: the bound holds
+        q = xp.clip(xp.rint(xf / full), -self.qmax, self.qmax)
+        return xp.astype(q, np.int8), scale
 
-    def dequantize(self, values: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    def dequantize(self, values, scale, dtype=np.float32):
         """``values [..., Hkv, ps, D|D/2]``, ``scale [..., Hkv, ps|1, C|2C]`` -> ``[..., Hkv, ps, D]``
-        in ``dtype`` (math in float32, as the op). Values and INT8 keys; INT4 keys: :meth:`dequantize_keys`."""
+        in ``dtype`` (numpy's, or torch's for tensors; math in float32, as the op). Values and INT8
+        keys; INT4 keys: :meth:`dequantize_keys`."""
+        xp = namespace(values)
         if self.cold_format == "int8":
-            q = np.asarray(values)
-            return (q.astype(np.float32) * expand_scale(scale, q.shape[-2], q.shape[-1])).astype(dtype)
-        q = (unpack_int4(values).astype(np.int16) + 8).astype(np.float32)
-        s = np.asarray(scale)
-        C = s.shape[-1] // 2
+            q = xp.astype(values, np.float32)
+            return xp.astype(q * expand_scale(scale, q.shape[-2], q.shape[-1]), dtype)
+        q = xp.astype(unpack_nibbles(values), np.float32)
+        C = scale.shape[-1] // 2
         ps, D = q.shape[-2:]
-        step, vmin = expand_scale(s[..., :C], ps, D), expand_scale(s[..., C:], ps, D)
-        return (q * step + vmin).astype(dtype)  # numpy rounds the product, then the sum: as the op
+        step, vmin = expand_scale(scale[..., :C], ps, D), expand_scale(scale[..., C:], ps, D)
+        return xp.astype(q * step + vmin, dtype)  # the product rounds, then the sum: as the op
 
-    def dequantize_keys(self, values: np.ndarray, scale: np.ndarray, key_min: np.ndarray, key_max: np.ndarray,
-                        dtype=np.float32, sub_codes: np.ndarray | None = None) -> np.ndarray:
+    def dequantize_keys(self, values, scale, key_min, key_max, dtype=np.float32, sub_codes=None):
         """Cold keys as the op reads them: INT4 on the page bounds ``key_min/key_max [..., Hkv, D]``
         or, given a two-level package's ``sub_codes [..., Hkv, r, D]``, on the sub-page bounds (the
         rule above; ``scale`` unused), INT8 by ``scale`` (the bounds and codes unused)."""
         if not self.keys_on_bounds:
             return self.dequantize(values, scale, dtype)
-        return dequantize_on_bounds(values, key_min, key_max, sub_codes).astype(dtype)
+        return namespace(values).astype(dequantize_on_bounds(values, key_min, key_max, sub_codes), dtype)
 
 
-def _quantize_asymmetric(xf: np.ndarray, valid: int | None, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+def _quantize_asymmetric(xp, xf, valid: int | None, shape: tuple) -> tuple:
     """INT4 values ``xf [..., Hkv, ps, D]`` (float64) -> packed nibbles and ``[..., Hkv, ps|1, 2C]``
     float16 scales + mins (the rule above)."""
     ps, D = xf.shape[-2:]
-    C = shape[2] // 2
-    grouped = xf.reshape(xf.shape[:-1] + (C, D // C))
-    lo, hi = grouped.min(axis=-1), grouped.max(axis=-1)  # [..., Hkv, ps, C]
+    C = shape[-1] // 2
+    # + 0.0 turns -0.0 into +0.0: a group of zeros of both signs has one min in numpy and torch
+    # (their reductions order ties differently); its values decode the same either way
+    grouped = xf.reshape(tuple(xf.shape[:-1]) + (C, D // C)) + 0.0
+    lo, hi = xp.amin(grouped, axis=-1), xp.amax(grouped, axis=-1)  # [..., Hkv, ps, C]
     if valid is not None:  # a partial page's tail must not widen the groups
-        tail = np.arange(ps)[:, None] >= int(valid)
-        lo, hi = np.where(tail, np.inf, lo), np.where(tail, -np.inf, hi)
-    if shape[1] == 1:
-        lo, hi = lo.min(axis=-2, keepdims=True), hi.max(axis=-2, keepdims=True)
-    lo, hi = np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)  # rows with no valid token
-    vmin = lo.astype(np.float16)
-    vmin = np.where(vmin.astype(np.float64) > lo, np.nextafter(vmin, np.float16(-np.inf)), vmin)  # round down
-    span = np.maximum(hi - vmin.astype(np.float64), 0.0)
+        tail = xp.arange(ps)[:, None] >= int(valid)
+        lo, hi = xp.where(tail, float("inf"), lo), xp.where(tail, float("-inf"), hi)
+    if shape[-2] == 1:
+        lo, hi = xp.amin(lo, axis=-2, keepdims=True), xp.amax(hi, axis=-2, keepdims=True)
+    lo, hi = xp.where(xp.isfinite(lo), lo, 0.0), xp.where(xp.isfinite(hi), hi, 0.0)  # rows with no valid token
+    vmin = xp.astype(lo, np.float16)
+    vmin = xp.where(xp.astype(vmin, np.float64) > lo, _f16_next(xp, vmin, up=False), vmin)  # round down
+    span = xp.clip(hi - xp.astype(vmin, np.float64), 0.0, None)
     scale = group_scale(span, LEVELS, np.float16)
-    scale = np.where(scale.astype(np.float64) * LEVELS < span, np.nextafter(scale, np.float16(np.inf)), scale)
-    step, base = expand_scale(scale, ps, D).astype(np.float64), expand_scale(vmin, ps, D).astype(np.float64)
-    q = np.clip(np.rint((xf - base) / step), 0, LEVELS)
-    return pack_int4(q - 8), np.concatenate([scale, vmin], axis=-1).astype(np.float16)
+    scale = xp.where(xp.astype(scale, np.float64) * LEVELS < span, _f16_next(xp, scale, up=True), scale)  # up
+    step = xp.astype(expand_scale(scale, ps, D), np.float64)
+    base = xp.astype(expand_scale(vmin, ps, D), np.float64)
+    q = xp.clip(xp.rint((xf - base) / step), 0, LEVELS)
+    return pack_nibbles(q), xp.concat([scale, vmin], axis=-1)
 
 
-def page_bounds(x: np.ndarray, valid: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _f16_next(xp, h, up: bool):
+    """The float16 next to ``h`` towards +inf (``up``, for ``h > 0``) or -inf, by its bits (as
+    ``np.nextafter``; torch has no float16 nextafter on every device)."""
+    bits = xp.bitcast(h, np.int16)
+    if up:
+        return xp.bitcast(xp.astype(bits + 1, np.int16), np.float16)
+    down = xp.where(bits > 0, bits - 1, xp.where(bits == 0, -32767, bits + 1))  # -32767: -0x7fff, -denormal_min
+    return xp.bitcast(xp.astype(down, np.int16), np.float16)
+
+
+def page_bounds(x, valid: int | None = None) -> tuple:
     """``(min, max) [..., Hkv, D]`` of pages ``x [..., Hkv, ps, D]`` over their first ``valid`` tokens,
     in ``x``'s dtype: a pool's key_min/key_max of those keys."""
-    x = np.asarray(x)
+    xp = namespace(x)
+    x = xp.asarray(x)
     n = x.shape[-2] if valid is None else int(valid)
     if not 1 <= n <= x.shape[-2]:
         raise ValueError(f"valid must be in [1, {x.shape[-2]}], got {valid}")
-    return x[..., :n, :].min(axis=-2), x[..., :n, :].max(axis=-2)
+    return xp.amin(x[..., :n, :], axis=-2), xp.amax(x[..., :n, :], axis=-2)
 
 
-def token_bounds(key_min: np.ndarray, key_max: np.ndarray, sub_codes: np.ndarray | None = None,
-                 page_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def token_bounds(key_min, key_max, sub_codes=None, page_size: int = 1) -> tuple:
     """float32 ``(lo, hi)`` each INT4 key quantizes between: the page bounds ``[..., Hkv, D]`` as
     ``[..., Hkv, 1, D]``, or with ``sub_codes [..., Hkv, r, D]`` its sub-page's decoded fine bounds
     per token, ``[..., Hkv, page_size, D]``."""
+    xp = namespace(key_min, key_max)
     if sub_codes is None:
-        return (np.asarray(key_min).astype(np.float32)[..., None, :],
-                np.asarray(key_max).astype(np.float32)[..., None, :])
+        return xp.astype(key_min, np.float32)[..., None, :], xp.astype(key_max, np.float32)[..., None, :]
     r = sub_codes.shape[-2]
     if page_size % r:
         raise ValueError(f"{r} sub-pages do not divide the page size {page_size}")
-    lo, hi = fine_bounds.decode(np.asarray(sub_codes), np.asarray(key_min), np.asarray(key_max))
-    return np.repeat(lo, page_size // r, axis=-2), np.repeat(hi, page_size // r, axis=-2)
+    lo, hi = fine_bounds.decode(sub_codes, key_min, key_max)
+    return xp.repeat(lo, page_size // r, axis=-2), xp.repeat(hi, page_size // r, axis=-2)
 
 
-def quantize_on_bounds(x: np.ndarray, key_min: np.ndarray, key_max: np.ndarray,
-                       sub_codes: np.ndarray | None = None) -> np.ndarray:
+def quantize_on_bounds(x, key_min, key_max, sub_codes=None):
     """INT4 keys ``x [..., Hkv, ps, D]`` on the bounds ``[..., Hkv, D]`` (and sub-page codes, see
     :func:`token_bounds`): nibbles ``q`` in [0, 15], packed (``q = clip(rint((x - lo) / step), 0, 15)``;
     a zero-width channel gives 0)."""
-    lo, hi = token_bounds(key_min, key_max, sub_codes, np.shape(x)[-2])
-    step = level_step(lo, hi).astype(np.float64)
-    q = np.where(step > 0, np.rint((np.asarray(x, np.float64) - lo) / np.where(step > 0, step, 1.0)), 0.0)
-    return pack_int4(np.clip(q, 0, LEVELS) - 8)
+    xp = namespace(x)
+    lo, hi = token_bounds(key_min, key_max, sub_codes, x.shape[-2])
+    step = xp.astype(level_step(lo, hi), np.float64)
+    ok = step > 0
+    d = (xp.astype(x, np.float64) - xp.astype(lo, np.float64)) / xp.where(ok, step, 1.0)
+    return pack_nibbles(xp.clip(xp.where(ok, xp.rint(d), 0.0), 0, LEVELS))
 
 
-def dequantize_on_bounds(values: np.ndarray, key_min: np.ndarray, key_max: np.ndarray,
-                         sub_codes: np.ndarray | None = None) -> np.ndarray:
-    """float32 ``min(lo + q * step, hi)`` of packed nibbles ``values [..., Hkv, ps, D/2]``."""
-    q = (unpack_int4(values).astype(np.int16) + 8).astype(np.float32)
+def dequantize_on_bounds(values, key_min, key_max, sub_codes=None):
+    """float32 ``min(lo + q * step, hi)`` of packed nibbles ``values [..., Hkv, ps, D/2]``
+    (``hi < k ? hi : k``, as ``qsa_math.h``: a tie of zeros keeps ``k``'s sign, in numpy and torch alike)."""
+    xp = namespace(values)
+    q = xp.astype(unpack_nibbles(values), np.float32)
     lo, hi = token_bounds(key_min, key_max, sub_codes, q.shape[-2])
-    return np.minimum(lo + q * level_step(lo, hi), hi)
+    k = lo + q * level_step(lo, hi)
+    return xp.where(hi < k, hi, k)

@@ -21,32 +21,44 @@ steps (no FMA contraction), or re-check the bound itself.
 Memory (per token, KV head and layer, FP16 cache, head dim D): K+V take
 ``4 D`` bytes; coarse min/max ``4 D / ps``; the fine codes ``D / sp``. At
 ps 16 / sp 4: ``D/4 + D/4`` = 12.5% of the KV bytes (8-bit codes would make it
-18.75%: two bytes per channel per sub-page). Pure numpy; does not modify inputs.
+18.75%: two bytes per channel per sub-page). numpy (the decode also on torch tensors,
+``ops/array_ns.py``); does not modify inputs.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .array_ns import namespace
+
 BITS = 4
 LEVELS = (1 << BITS) - 1  # 15 steps between the coarse min and max
 INV_LEVELS = np.float32(1.0 / LEVELS)
 
 
-def level_step(page_min, page_max) -> np.ndarray:
+def split_nibbles(packed):
+    """uint8 bytes -> ``(packed & 15, packed >> 4)``, uint8 of the same shape: the two 4-bit codes
+    of a byte, low then high (a sub-page's lo/hi code here; two INT4 cold values in
+    ``ops/cold_codec.py``). numpy arrays or torch tensors."""
+    return packed & LEVELS, packed >> BITS
+
+
+def level_step(page_min, page_max):
     """``(key_max - key_min) * float32(1/15)`` in float32: one of the 15 steps between a page's
-    bounds (the fine codes' unit, and the INT4 cold keys' quantization step: ``ops/cold_codec.py``)."""
-    return (page_max.astype(np.float32) - page_min.astype(np.float32)) * INV_LEVELS
+    bounds (the fine codes' unit, and the INT4 cold keys' quantization step: ``ops/cold_codec.py``).
+    numpy arrays or torch tensors (``ops/array_ns.py``)."""
+    xp = namespace(page_min, page_max)
+    return (xp.astype(page_max, np.float32) - xp.astype(page_min, np.float32)) * INV_LEVELS
 
 
-def decode(codes: np.ndarray, page_min: np.ndarray, page_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``codes [..., r, D]`` uint8 with the page bounds ``[..., D]`` -> ``(lo, hi)`` float32 ``[..., r, D]``."""
-    kmin = page_min.astype(np.float32)[..., None, :]
-    kmax = page_max.astype(np.float32)[..., None, :]
+def decode(codes, page_min, page_max):
+    """``codes [..., r, D]`` uint8 with the page bounds ``[..., D]`` -> ``(lo, hi)`` float32 ``[..., r, D]``
+    (numpy arrays or torch tensors: the one decoder of both)."""
+    xp = namespace(codes, page_min, page_max)
+    kmin = xp.astype(page_min, np.float32)[..., None, :]
+    kmax = xp.astype(page_max, np.float32)[..., None, :]
     step = level_step(page_min, page_max)[..., None, :]
-    c = codes.astype(np.float32)
-    hi_c = np.floor(c / np.float32(1 << BITS))
-    lo_c = c - np.float32(1 << BITS) * hi_c
+    lo_c, hi_c = (xp.astype(c, np.float32) for c in split_nibbles(xp.asarray(codes)))
     return kmin + lo_c * step, kmax - hi_c * step
 
 

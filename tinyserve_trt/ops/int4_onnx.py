@@ -21,26 +21,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from .fine_bounds import INV_LEVELS
+from .fine_bounds import BITS, INV_LEVELS, LEVELS, split_nibbles
 
 BITWISE_OPSET = 18  # BitwiseAnd appears in opset 18 (BitShift in 11)
 FLOAT, INT32 = 1, 6  # TensorProto element types
 
 
 def nibbles(b, raw: str) -> tuple[str, str]:
-    """uint8 ``raw`` -> float32 ``(raw & 15, raw >> 4)``, same shape."""
+    """uint8 ``raw`` -> float32 ``(low, high)`` nibbles (``fine_bounds.split_nibbles``), same shape."""
     if b.opset >= BITWISE_OPSET:
-        lo = b.op("BitwiseAnd", raw, b.const(15, np.uint8))
-        hi = b.op("BitShift", raw, b.const(4, np.uint8), direction="RIGHT")
+        lo = b.op("BitwiseAnd", raw, b.const(LEVELS, np.uint8))
+        hi = b.op("BitShift", raw, b.const(BITS, np.uint8), direction="RIGHT")
         return b.op("Cast", lo, to=FLOAT), b.op("Cast", hi, to=FLOAT)
-    byte = np.arange(256)
+    lo_table, hi_table = split_nibbles(np.arange(256, dtype=np.uint8))  # every byte's nibbles, by the contract
     idx = b.op("Cast", raw, to=INT32)
-    return (b.op("Gather", b.const(byte & 15, np.float32, "lo_nibble"), idx, axis=0),
-            b.op("Gather", b.const(byte >> 4, np.float32, "hi_nibble"), idx, axis=0))
+    return (b.op("Gather", b.const(lo_table, np.float32, "lo_nibble"), idx, axis=0),
+            b.op("Gather", b.const(hi_table, np.float32, "hi_nibble"), idx, axis=0))
 
 
 def unpack(b, raw: str) -> str:
-    """uint8 ``[B, Hkv, K, rows, D/2]`` -> float32 nibbles ``q`` ``[B, Hkv, K, rows, D]``."""
+    """uint8 ``[B, Hkv, K, rows, D/2]`` -> float32 nibbles ``q`` ``[B, Hkv, K, rows, D]``, the low
+    nibbles first (``cold_codec.unpack_nibbles``)."""
     return b.op("Concat", *nibbles(b, raw), axis=4)
 
 

@@ -27,11 +27,10 @@ tokens itself and the pool only counts them). Demotions are queued and run
 batched, one set of tensor ops per layer for all of a rebalance's pages, at the
 next :meth:`flush` (the backend calls it before each step; a copy flushes
 first, since it may read or overwrite a queued page). The math is
-``ops.cold_codec``'s, in float64 like the numpy reference (each group's
-absmax, or the pool's static calibrated scales; INT4 packs the nibbles as
-``cold_codec.pack_int4`` and quantizes keys on the page's own min/max), so a page
-demoted here holds the same int8/int4 values, scales and min/max as one demoted by ``HostKVStorage``
-(``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
+``ops.cold_codec``'s own - ``ColdCodec.quantize`` / ``dequantize`` run on these tensors (each
+group's absmax, or the pool's static calibrated scales; INT4 keys on the page's own min/max) -
+so a page demoted here holds the same int8/int4 values, scales and min/max as one demoted by
+``HostKVStorage`` (``tests/runtime/test_device_pages.py``, on CPU tensors). New tokens are
 written by the backend (``qsa_append_kv`` on a GPU) into the hot
 pools and their metadata. torch is imported by the constructor only.
 
@@ -56,133 +55,11 @@ import contextlib
 import numpy as np
 
 from tinyserve_trt.contracts.cold_tier import tier_codecs
-from tinyserve_trt.ops.cold_codec import ColdCodec
-from tinyserve_trt.ops.fine_bounds import INV_LEVELS, LEVELS, pages_sub_bounds
+from tinyserve_trt.ops.array_ns import TorchOps
+from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.runtime.kv_storage import COLD_ROLES, HOT_ROLES, SUB_ROLES, KVStorage
 
-__all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages", "dequantize_keys", "dequantize_pages",
-           "quantize_pages"]
-
-
-def _torch_dtype(torch, np_dtype):
-    return getattr(torch, np.dtype(np_dtype).name)
-
-
-def quantize_pages(torch, x, codec: ColdCodec, which: str, scale=None, bounds=None, codes=None):
-    """``ColdCodec.quantize`` in torch, for full pages: ``x [N, Hkv, ps, D]`` ->
-    ``(values [N, *codec.pool_shape], scales [N, *codec.scale_shape(which)])`` on ``x``'s
-    device (int8 + float32, or packed uint8 + float16). ``scale`` (one page's
-    ``[Hkv, ps|1, C]``, INT8): a static scale for every page instead of each group's absmax.
-    INT4 keys: on ``bounds = (key_min, key_max) [N, Hkv, D]``, the pages' metadata, and
-    two-level on their ``codes [N, Hkv, r, D]``; INT4 values asymmetric (scales + mins)."""
-    N, Hkv, ps, D = x.shape
-    _, T, C = codec.scale_shape(which, Hkv, ps, D)
-    sdt = _torch_dtype(torch, codec.scale_dtype)
-    if which == "k" and codec.keys_on_bounds:  # cold_codec.quantize_on_bounds
-        lo, hi = _token_bounds(*bounds, codes, ps)
-        step = (hi - lo) * float(INV_LEVELS)
-        ok = step > 0
-        q = torch.where(ok, torch.round((x.double() - lo.double()) / torch.where(ok, step, 1.0).double()),
-                        torch.zeros((), dtype=torch.float64, device=x.device)).clamp(0, LEVELS).to(torch.uint8)
-        return _pack(q, D), torch.ones((N, Hkv, T, C), dtype=sdt, device=x.device)
-    xf = x.double()
-    if codec.cold_format == "int4":
-        if scale is not None:
-            raise ValueError("int4 values take no calibrated scale (asymmetric per page)")
-        return _quantize_asymmetric(torch, xf, T, C // 2)
-    if scale is not None:
-        s = scale.to(sdt).expand(N, *scale.shape)
-    else:
-        amax = xf.abs().reshape(N, Hkv, ps, C, D // C).amax(dim=-1)  # [N, Hkv, ps, C]
-        if T == 1:
-            amax = amax.amax(dim=2, keepdim=True)
-        s = _group_scale(torch, amax, codec.qmax, codec.scale_dtype).to(sdt)
-    full = s.double().repeat_interleave(D // C, dim=-1)  # divide by the stored scale, as the codec
-    q = torch.clamp(torch.round(xf / full), -codec.qmax, codec.qmax)
-    return q.to(torch.int8), s
-
-
-def _group_scale(torch, amax, qmax, np_dtype):
-    """``ops.quantization.group_scale`` (float64): the scale dtype's normal range, 1 for all-zero groups."""
-    fin = np.finfo(np_dtype)
-    return torch.where(amax > 0, (amax / qmax).clamp(float(fin.tiny), float(fin.max)), torch.ones_like(amax))
-
-
-def _quantize_asymmetric(torch, xf, T, C):
-    """``cold_codec._quantize_asymmetric`` for full pages ``xf [N, Hkv, ps, D]`` (float64): packed
-    nibbles and float16 ``[N, Hkv, T, 2C]`` scales (rounded up) + mins (rounded down)."""
-    N, Hkv, ps, D = xf.shape
-    g = xf.reshape(N, Hkv, ps, C, D // C)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    if T == 1:
-        lo, hi = lo.amin(dim=2, keepdim=True), hi.amax(dim=2, keepdim=True)
-    vmin = lo.to(torch.float16)
-    vmin = torch.where(vmin.double() > lo, _f16_step(torch, vmin, -1), vmin)
-    span = (hi - vmin.double()).clamp(min=0.0)
-    s = _group_scale(torch, span, LEVELS, np.float16).to(torch.float16)
-    s = torch.where(s.double() * LEVELS < span, _f16_step(torch, s, 1), s)
-    step = s.double().repeat_interleave(D // C, dim=-1)
-    base = vmin.double().repeat_interleave(D // C, dim=-1)
-    q = torch.round((xf - base) / step).clamp(0, LEVELS).to(torch.uint8)
-    return _pack(q, D), torch.cat([s, vmin], dim=-1)
-
-
-def _f16_step(torch, h, direction: int):
-    """The float16 next to ``h`` towards +inf (``direction`` 1, ``h > 0``) or -inf (-1): numpy's nextafter."""
-    bits = h.view(torch.int16)
-    if direction > 0:
-        return (bits + 1).view(torch.float16)
-    neg_zero_step = torch.full_like(bits, -32767)  # 0x8001: the smallest negative denormal
-    down = torch.where(bits > 0, bits - 1, torch.where(bits == 0, neg_zero_step, bits + 1))
-    return down.view(torch.float16)
-
-
-def _pack(q, D):
-    """uint8 nibbles ``q [..., D]`` in [0, 15] -> ``[..., D/2]`` (``cold_codec.pack_int4``: first half low)."""
-    return q[..., : D // 2] | (q[..., D // 2:] << 4)
-
-
-def dequantize_pages(q, scale, dtype, codec: ColdCodec):
-    """``ColdCodec.dequantize`` in torch: ``q [..., ps, D|D/2]`` * scales ``[..., ps|1, C]`` (INT4:
-    ``q * scale + min``, ``[..., ps|1, 2C]``) in float32 (as the op), cast to ``dtype``."""
-    if codec.cold_format == "int8":
-        D = q.shape[-1]
-        return (q.float() * scale.float().repeat_interleave(D // scale.shape[-1], dim=-1)).to(dtype)
-    q = _unpack_int4(q).float()
-    D, C = q.shape[-1], scale.shape[-1] // 2
-    step = scale[..., :C].float().repeat_interleave(D // C, dim=-1)
-    vmin = scale[..., C:].float().repeat_interleave(D // C, dim=-1)
-    return (q * step + vmin).to(dtype)
-
-
-def dequantize_keys(q, scale, key_min, key_max, dtype, codec: ColdCodec, codes=None):
-    """``ColdCodec.dequantize_keys`` in torch: INT4 ``min(lo + q * step, hi)`` in float32 on the
-    bounds ``[..., Hkv, D]`` (or, given ``codes [..., Hkv, r, D]``, the sub-page bounds), cast to
-    ``dtype``; INT8 keys by their scale."""
-    if not codec.keys_on_bounds:
-        return dequantize_pages(q, scale, dtype, codec)
-    u = _unpack_int4(q).float()
-    lo, hi = _token_bounds(key_min, key_max, codes, u.shape[-2])
-    return (lo + u * ((hi - lo) * float(INV_LEVELS))).minimum(hi).to(dtype)
-
-
-def _token_bounds(key_min, key_max, codes, ps):
-    """``cold_codec.token_bounds`` in torch: float32 ``(lo, hi)`` ``[..., Hkv, 1|ps, D]``."""
-    kmin, kmax = key_min.float()[..., None, :], key_max.float()[..., None, :]
-    if codes is None:
-        return kmin, kmax
-    step = (kmax - kmin) * float(INV_LEVELS)  # fine_bounds.decode, single-rounded float32
-    lo = kmin + (codes & 15).float() * step
-    hi = kmax - (codes >> 4).float() * step
-    sp = ps // codes.shape[-2]
-    return lo.repeat_interleave(sp, dim=-2), hi.repeat_interleave(sp, dim=-2)
-
-
-def _unpack_int4(p):
-    """uint8 ``[..., D/2]`` -> uint8 nibbles ``[..., D]`` in [0, 15] (``cold_codec.unpack_int4`` + 8)."""
-    import torch  # noqa: PLC0415 (lazy: heavy; the caller already holds torch tensors)
-
-    return torch.cat([p & 15, p >> 4], dim=-1)
+__all__ = ["COLD_ROLES", "HOT_ROLES", "SUB_ROLES", "DevicePages"]
 
 
 class DevicePages(KVStorage):
@@ -222,7 +99,7 @@ class DevicePages(KVStorage):
                      key_min=zeros(total, h, d), key_max=zeros(total, h, d))
             if self.codecs:  # as HostKVStorage: zero values (int4: nibbles q = 0), the layer codec's blank scales
                 c = self.codecs[layer]
-                vdt = _torch_dtype(torch, c.storage_dtype)
+                vdt = TorchOps(torch, device).dtype(c.storage_dtype)
                 for n, which in (("key", "k"), ("value", "v")):
                     t[f"{n}_cache_int8"] = zeros(self.num_cold, *c.pool_shape(h, ps, d), dt=vdt)
                     blank = torch.from_numpy(c.blank_scales(which, h, ps, d)).to(device)
@@ -252,11 +129,8 @@ class DevicePages(KVStorage):
         if page < self.num_hot:
             keys = t["key_cache"][page]
         else:
-            c = page - self.num_hot  # INT4: float32, as the op attends them (HostKVStorage._keys)
-            keys = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
-                                   self._torch.float32 if self.codecs[layer].keys_on_bounds else self.dtype,
-                                   self.codecs[layer],
-                                   self._codes(layer, t, page))
+            keys = self._cold_keys(layer, t, page,  # INT4: float32, as the op attends them (HostKVStorage._keys)
+                                   self._torch.float32 if self.codecs[layer].keys_on_bounds else self.dtype)
         return tuple(x.cpu().numpy() for x in (keys, t["key_min"][page], t["key_max"][page]))
 
     def read_sub_bounds(self, layer: int, page: int) -> np.ndarray:
@@ -330,12 +204,9 @@ class DevicePages(KVStorage):
                 t["value_cache"][dst].copy_(t["value_cache"][src])
             else:
                 c = src - self.num_hot
-                t["key_cache"][dst].copy_(dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c],
-                                                          t["key_min"][src], t["key_max"][src], self.dtype,
-                                                          self.codecs[layer],
-                                                          self._codes(layer, t, src)))
-                t["value_cache"][dst].copy_(dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c],
-                                                             self.dtype, self.codecs[layer]))
+                t["key_cache"][dst].copy_(self._cold_keys(layer, t, src, self.dtype))
+                t["value_cache"][dst].copy_(self.codecs[layer].dequantize(t["value_cache_int8"][c],
+                                                                          t["value_scale"][c], self.dtype))
             t["key_min"][dst].copy_(t["key_min"][src])
             t["key_max"][dst].copy_(t["key_max"][src])
             if self.sub_page_size:
@@ -344,6 +215,12 @@ class DevicePages(KVStorage):
             if src >= self.num_hot and self.codecs[layer].keys_on_bounds:
                 d = self._torch.tensor([dst], device=self.device)
                 self._refresh_minmax(t, d, t["key_cache"][d], self._torch.full_like(d, self.page_size))
+
+    def _cold_keys(self, layer: int, t: dict, page: int, dtype):
+        """Cold physical ``page``'s keys in ``layer``, dequantized by its codec to ``dtype``."""
+        c = page - self.num_hot
+        return self.codecs[layer].dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page],
+                                                  t["key_max"][page], dtype, self._codes(layer, t, page))
 
     def _codes(self, layer: int, t: dict, page):
         """``key_sub_bounds`` rows of ``page`` when ``layer``'s INT4 cold keys quantize on them
@@ -380,19 +257,19 @@ class DevicePages(KVStorage):
             codec = self.codecs[layer]  # each layer with its own (int8_layers)
             if codec.keys_on_bounds:  # INT4 keys on the hot pages' (sub-page) bounds, which the cold pages keep
                 bounds, codes = (t["key_min"][hot], t["key_max"][hot]), self._codes(layer, t, hot)
-                q, s = quantize_pages(torch, t["key_cache"][hot], codec, "k", bounds=bounds, codes=codes)
+                q, s = codec.quantize(t["key_cache"][hot], "k", bounds=bounds, sub_codes=codes)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
                 t["key_min"][meta], t["key_max"][meta] = bounds
                 if codes is not None:  # format 3: the hot keys' codes hold the dequantized keys
                     t["key_sub_bounds"][meta] = codes
                 elif self.sub_page_size:  # a single-level layer's node: codes of the keys it would attend
-                    self._encode_sub(t, meta, dequantize_keys(q, s, *bounds, torch.float32, codec), full)
+                    self._encode_sub(t, meta, codec.dequantize_keys(q, s, *bounds, torch.float32), full)
             else:
-                q, s = quantize_pages(torch, t["key_cache"][hot], codec, "k", ks)
+                q, s = codec.quantize(t["key_cache"][hot], "k", scale=ks)
                 t["key_cache_int8"][cold], t["key_scale"][cold] = q, s
-                keys = dequantize_pages(q, s, self.dtype, codec)  # what the op attends: min/max describe these
+                keys = codec.dequantize(q, s, self.dtype)  # what the op attends: min/max describe these
                 self._refresh_minmax(t, meta, keys, full)
-            q, s = quantize_pages(torch, t["value_cache"][hot], codec, "v", vs)
+            q, s = codec.quantize(t["value_cache"][hot], "v", scale=vs)
             t["value_cache_int8"][cold], t["value_scale"][cold] = q, s
 
     # ---- page store (runtime/kvstore) ------------------------------------------------
@@ -449,9 +326,8 @@ class DevicePages(KVStorage):
         if page < self.num_hot:
             return t["key_cache"][page], t["value_cache"][page], t["key_min"][page], t["key_max"][page], sub
         c, codec = page - self.num_hot, self.codecs[layer]
-        k = dequantize_keys(t["key_cache_int8"][c], t["key_scale"][c], t["key_min"][page], t["key_max"][page],
-                            self.dtype, codec, self._codes(layer, t, page))
-        v = dequantize_pages(t["value_cache_int8"][c], t["value_scale"][c], self.dtype, codec)
+        k = self._cold_keys(layer, t, page, self.dtype)
+        v = codec.dequantize(t["value_cache_int8"][c], t["value_scale"][c], self.dtype)
         kmin, kmax = t["key_min"][page], t["key_max"][page]
         if codec.keys_on_bounds:  # a hot page's metadata is exact: of these keys
             kmin, kmax = k.amin(dim=1), k.amax(dim=1)
