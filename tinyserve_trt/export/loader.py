@@ -11,7 +11,8 @@ import onnx_ir as ir
 from onnx_ir.external_data import set_base_dir
 
 from .errors import InputError, UnsupportedError
-from . import bf16, weights
+from . import bf16
+from .proto_scan import load_proto
 from .weights import check_copy, check_external_data, external_files, inline_small
 from .graph_walk import as_cache_concat, is_past_input
 from .rules import AttentionMatch, rules
@@ -22,8 +23,8 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     file or one per tensor), so a change of weights changes it."""
     path = Path(path)
     h = hashlib.sha256()
-    proto = onnx.load(str(path), load_external_data=False)
-    for p in [path] + [path.parent / loc for loc in external_files(proto)]:
+    proto = load_proto(path)  # an inline model's weights are in the model file itself
+    for p in dict.fromkeys([path] + [path.parent / loc for loc in external_files(proto)]):
         with open(p, "rb") as f:
             while block := f.read(chunk):
                 h.update(block)
@@ -33,9 +34,9 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 def load_source(path: str | Path, scratch: Path | None = None) -> tuple[ir.Model, Path]:
     """(the model as onnx_ir, the file sessions of the source load): its large weights left in
     their files (lazy ``ExternalTensor``s: any size, ``weights.py``); InputError for a missing,
-    non-ONNX or truncated file. A model whose large weights are inline (one file under 2 GB) has
-    them streamed out to ``scratch`` (a folder this call creates; the export removes it), so no
-    stage holds them in memory. A bfloat16 model is widened to float32 into ``scratch``
+    non-ONNX or truncated file. A model whose large weights are inline (one file under 2 GB) is
+    read without them (``proto_scan.py``): they stay in the model file as external references, so
+    no stage holds them in memory. A bfloat16 model is widened to float32 into ``scratch``
     (``bf16.py``), and that widened file is the one sessions load."""
     path = Path(path)
     if not path.exists():
@@ -43,7 +44,7 @@ def load_source(path: str | Path, scratch: Path | None = None) -> tuple[ir.Model
     if not path.is_file():
         raise InputError(f"{path}: not a file")
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = load_proto(path)  # inline weights stay in the file (proto_scan.py)
     except Exception as e:  # protobuf DecodeError, truncated reads, ...
         raise InputError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:120]})") from None
     if not proto.graph.node:
@@ -57,11 +58,6 @@ def load_source(path: str | Path, scratch: Path | None = None) -> tuple[ir.Model
             raise UnsupportedError(f"bfloat16 model ({path}): ONNX Runtime's CPU EP has no bf16 kernels; "
                                    "export it in fp16 or fp32")
         reference, base = bf16.upcast(proto, path.parent, Path(scratch)), Path(scratch)
-    elif scratch is not None and any(weights.external_info(t) is None and weights.tensor_bytes(t) > weights.EXTERNAL_OVER
-                                   for t in proto.graph.initializer):
-        Path(scratch).mkdir(parents=True)
-        weights.write_data(proto, path.parent, Path(scratch) / "source.data")  # one folder for ORT to read
-        base = Path(scratch)
     try:  # after the move: check_copy copies what is still inline
         onnx.checker.check_model(check_copy(proto))
     except onnx.checker.ValidationError as e:

@@ -14,6 +14,7 @@ the figure checks the rewrite, not the quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -151,7 +152,7 @@ class SourceReference:
             so.add_session_config_entry("session.disable_prepacking", "1")
             if not optimized:
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            session = ort.InferenceSession(str(self.source), so, providers=["CPUExecutionProvider"])
+            session = source_session(self.source, so)
             try:
                 self._cache[key] = source_logits(session, manifest, lengths, decode_steps, seed)
             finally:
@@ -178,6 +179,19 @@ class SourceReference:
             return 0.0
         top = max(float(np.abs(x.astype(np.float32)).max()) for r in ref for x in r)
         return float(np.spacing(dtype.type(top)))
+
+
+def source_session(path, so):
+    """An ORT CPU session of the source file at ``path`` that reads its weights in place: an inline
+    model is not parsed whole, by us or by ORT (``proto_scan.py``), so the weights are in memory once."""
+    import onnxruntime as ort
+
+    from .proto_scan import load_proto
+    from .weights import session_options
+
+    proto = load_proto(path)
+    return ort.InferenceSession(proto.SerializeToString(), session_options(so, Path(path).parent),
+                                providers=["CPUExecutionProvider"])
 
 
 def validate(original, rewritten, manifest: dict, lengths=(7, 12), decode_steps: int = 8, seed: int = 0,
