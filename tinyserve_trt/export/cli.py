@@ -155,6 +155,9 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
+    from .malloc import hold_mmap_threshold
+
+    hold_mmap_threshold()  # freed weights and casts go back to the system between sessions
     try:
         return run(argv)
     except ExportError as e:

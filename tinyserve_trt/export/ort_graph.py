@@ -131,6 +131,7 @@ def save_optimized_graph(package: Path, plan: OrtGraphPlan) -> OrtOptimized:
     with tempfile.TemporaryDirectory(prefix=".ort-graph.", dir=package) as tmp:
         tmp = Path(tmp)
         so = session_options()
+        so.enable_cpu_mem_arena = False  # nothing kept after the session (weights.session_options)
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         so.optimized_model_filepath = str(tmp / ORT_GRAPH_FILE)
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.data")

@@ -31,7 +31,7 @@ from .outdir import check_output
 from .package import StagedPackage, special_tokens, tokenizer_files, weight_bytes
 from .progress import Progress
 from .validate import SourceReference
-from .weights import check_copy
+from .weights import compacted, check_copy
 from .probe import run_with_outputs, source_feeds, weights_dir as weights_dir_of
 from .loader import file_sha256, find_attention, load_source
 from .graph_io import find_source_io
@@ -151,6 +151,7 @@ def _export(stage, source: Path, config: ExportConfig, artifact, quiet: bool, ex
     times["rewrite"] = time.perf_counter() - t0
     done = _Rewritten(proto, plans, dims, counts, source_io, paged, page_size, packed, cold_tier,
                       "float16" if dtype == ir.DataType.FLOAT16 else "float32", reference)
+    del proto, model  # ``done`` holds the one reference, which the write stage replaces (weights.compacted)
     return _validate_and_write(stage, source, weights_dir, sha, done, config, artifact, extra_manifest, times, bar,
                                int8_stage and (lambda msg: _progress(msg, quiet)))
 
@@ -180,6 +181,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     t0 = time.perf_counter()
     bar.start("write", "writing model.onnx and model.onnx.data", total=weight_bytes(proto), unit="B")
     weights = stage.write_model(proto, weights_dir, bar.advance)  # proto now points at the package's data file
+    done.proto = proto = compacted(proto)  # frees the packed projections' bytes, still in the old message's arena
     if done.reference == source:  # else validation still reads the widened source there
         shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
     times["write"] = time.perf_counter() - t0

@@ -173,6 +173,14 @@ def write_data(proto: onnx.ModelProto, base_dir: Path, dst: Path, threshold: int
     return written
 
 
+def compacted(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A fresh copy of ``proto`` once :func:`write_data` has moved its inline weights out: the
+    cleared bytes stay allocated as long as the old message lives (protobuf's arena frees only
+    with the message), so the caller drops every reference to the old one (Qwen2.5-0.5B fp16:
+    the packed QKV / gate-up projections, 0.45 GiB, held through validation)."""
+    return onnx.load_model_from_string(proto.SerializeToString())
+
+
 def check_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` for ``onnx.checker``: each external initializer becomes a graph input of its type
     and shape (the checker would look for the data files relative to the working directory)."""
@@ -190,11 +198,15 @@ def check_copy(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def session_options(so, weights_dir: Path | None):
-    """``so`` reading a proto's external weights from ``weights_dir`` (None: they are inline)."""
+    """``so`` reading a proto's external weights from ``weights_dir`` (None: they are inline), with
+    no CPU memory arena: what a run frees goes back to the system, so a half-precision model whose
+    MatMuls run through float32 casts (the CPU EP has no fp16 GEMM) holds one cast at a time, not
+    an arena grown to all of them (measured on Qwen2.5-0.5B fp16: 2.4 GiB peak vs 3.9 GiB)."""
+    so.enable_cpu_mem_arena = False
     if weights_dir is not None:
         so.add_session_config_entry(FOLDER_KEY, str(Path(weights_dir).resolve()))
     return so
 
 
-__all__ = ["EXTERNAL_OVER", "check_copy", "check_external_data", "external_files", "external_info", "inline_small",
+__all__ = ["EXTERNAL_OVER", "check_copy", "compacted", "check_external_data", "external_files", "external_info", "inline_small",
            "read_array", "session_options", "tensor_bytes", "write_data"]
