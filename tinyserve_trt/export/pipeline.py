@@ -24,9 +24,10 @@ from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
 from .config import ExportConfig, resolve_max_context
-from .errors import InputError, UnsupportedError, ValidationError
+from .errors import InputError, UnsupportedError
 from .kv_io import LayerPlan, rewrite
 from .tier_fields import cold_tier_fields, two_level_fields
+from .tolerance import check_within, validation_tolerance
 from .outdir import check_output
 from .package import StagedPackage, special_tokens, tokenizer_files, weight_bytes
 from .progress import Progress
@@ -59,7 +60,7 @@ class ExportReport:
     ort_decode: str | None = None  # what decodes in model.ort.onnx: the native kernel or the function, and why
     int8_layers: tuple = ()  # an int4 package's INT8 cold layers (issue #17)
     int8_layers_source: str | None = None  # where they came from
-    tolerance: float | None = None  # the validation's bound (pipeline._tolerance)
+    tolerance: float | None = None  # the validation's bound (tolerance.py)
     source_noise: float | None = None  # the source's own float32 noise (SourceReference.noise)
     kv_dtype: str = "float32"  # the KV pages'
     max_context: int | None = None  # what the package serves, and where that came from
@@ -208,7 +209,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         bar.start("validate", "validating against the original (prefill + 8 decode steps, batch 2, dense)",
                   total=runs, unit="runs")
         reference = SourceReference(done.reference, stage.path, on_run=bar.advance)
-        tolerance, noise = _tolerance(config, reference, manifest.to_dict())
+        tolerance, noise = validation_tolerance(config, reference, manifest.to_dict())
         figure = _validate(reference, proto, manifest.to_dict())
         bar.advance()
         validation = dict(max_abs_logit_diff=figure, tolerance=tolerance, source_noise=noise)
@@ -226,10 +227,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
             validation["pages"] = f"all hot (the cold-tier inputs hold one unused page per layer, {fmt})"
         manifest = replace(manifest, validation=validation)
         times["validate"] = time.perf_counter() - t0
-        if not figure <= tolerance:
-            raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
-                                  f"{tolerance:.3g}" + (f" ({NOISE_FACTOR}x the source's own rounding noise)"
-                                                        if tolerance > config.tolerance() else ""))
+        check_within(figure, tolerance, config)
     shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)
     t0 = time.perf_counter()
     outdir = stage.outdir
@@ -253,22 +251,6 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
                         source_noise=(manifest.validation or {}).get("source_noise"), kv_dtype=done.kv_dtype)
-
-
-NOISE_FACTOR = 4  # the rewrite may differ from the source by this many times the source's own noise
-
-
-def _tolerance(config: ExportConfig, reference, manifest: dict) -> tuple[float, float | None]:
-    """(the validation's max |logit diff| bound, the source's rounding noise): the configured
-    tolerance, or ``NOISE_FACTOR`` x the noise of the source against itself (ORT optimizations on
-    vs off) when that is larger - a fixed 1e-4 held SmolLM2 (noise ~1e-5) but not Qwen2.5-0.5B,
-    whose own float32 noise is ~1e-4. A half-precision source's logits are rounded to its dtype, so
-    ``NOISE_FACTOR`` of its steps at the largest logit bound it too (the noise reported is the larger
-    of the two). An explicit ``validate_tolerance`` is used as given."""
-    if config.validate_tolerance is not None:
-        return config.validate_tolerance, None
-    noise = max(reference.noise(manifest), reference.logit_ulp(manifest))
-    return max(config.tolerance(), NOISE_FACTOR * noise), noise
 
 
 def _ort_decode(ort_graph) -> str | None:
