@@ -26,6 +26,7 @@ from . import checks
 from .config import ExportConfig, resolve_max_context
 from .errors import InputError, UnsupportedError
 from .kv_io import LayerPlan, rewrite
+from .native_decode import decode_summary
 from .tier_fields import cold_tier_fields, two_level_fields
 from .tolerance import check_within, validation_tolerance
 from .outdir import check_output
@@ -246,20 +247,11 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
-                        ort_decode=_ort_decode(ort_graph),
+                        ort_decode=decode_summary(ort_graph),
                         int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
                         source_noise=(manifest.validation or {}).get("source_noise"), kv_dtype=done.kv_dtype)
-
-
-def _ort_decode(ort_graph) -> str | None:
-    """The summary's line on model.ort.onnx's decode steps (``native_decode.py``)."""
-    if ort_graph is None:
-        return None
-    if ort_graph.native:
-        return f"native CPU kernel ({ort_graph.native}); prefill: the op's ONNX function"
-    return f"the op's ONNX function ({ort_graph.native_note})" if ort_graph.native_note else "the op's ONNX function"
 
 
 def _load_calibration(config: ExportConfig):
