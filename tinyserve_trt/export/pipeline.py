@@ -17,14 +17,14 @@ import onnx
 import onnx_ir as ir
 
 from .. import __version__
-from ..contracts.calibration import ArtifactError, CalibrationArtifact
 from ..contracts.cold_tier import describe_format, tier_codecs
-from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
+from ..contracts.manifest import ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
+from .calibration_artifact import load_calibration, with_calibration
 from .config import ExportConfig, resolve_max_context
-from .errors import InputError, UnsupportedError
+from .errors import UnsupportedError
 from .kv_io import LayerPlan, rewrite
 from .native_decode import decode_summary
 from .tier_fields import cold_tier_fields, two_level_fields
@@ -94,7 +94,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         from .trt_build import require_tensorrt
 
         require_tensorrt()
-    artifact = _load_calibration(config)
+    artifact = load_calibration(config)
     with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
         report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times, int8_stage)
     return replace(report, max_context=config.max_context, max_context_from=context_from)
@@ -239,7 +239,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
 
         finalize = stage_hook(finalize, int8_stage, times)
     if artifact is not None:
-        finalize = _with_calibration(finalize, artifact)
+        finalize = with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
     bar.end()
     times["write"] += time.perf_counter() - t0 - times.get("int8 layers", 0.0)
@@ -252,30 +252,6 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
                         source_noise=(manifest.validation or {}).get("source_noise"), kv_dtype=done.kv_dtype)
-
-
-def _load_calibration(config: ExportConfig):
-    """The calibration artifact of ``config``, None without one; InputError naming the problem."""
-    if config.calibration is None:
-        return None
-    try:
-        artifact = CalibrationArtifact.load(config.calibration)
-    except ArtifactError as e:
-        raise InputError(str(e)) from None
-    if artifact.page_size != config.resolved_page_size():
-        raise InputError(f"{config.calibration} was calibrated with page size {artifact.page_size}, the export uses "
-                         f"{config.resolved_page_size()}: pass --page-size {artifact.page_size}")
-    return artifact
-
-
-def _with_calibration(finalize, artifact: CalibrationArtifact):
-    """``finalize``, then a copy of the calibration artifact (JSON + npz) in the package."""
-    def both(tmp: Path, manifest: Manifest) -> Manifest:
-        manifest = finalize(tmp, manifest)
-        artifact.save(tmp / CALIBRATION_FILE)
-        return manifest
-
-    return both
 
 
 def _ort_graph_saver(config: ExportConfig, plan=None):
