@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tinyserve_dev.serve_process import metrics, start_serve  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "bench"
 SYSTEM = ("You are a concise assistant for a small shop. Answer in one sentence, name the aisle when asked "
@@ -42,28 +44,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def start_server(model: str, max_batch: int, threads: int | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "tinyserve_trt.runtime.cli", "serve", model, "--port", str(port),
-           "--served-model-name", MODEL, "--max-batch", str(max_batch), "--timeout", "0", "--log-level", "warning",
-           *(["--threads", str(threads)] if threads else []), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {proc.communicate()[0][-2000:]}")
-        time.sleep(0.25)
+    return start_serve(model, "--served-model-name", MODEL, "--max-batch", str(max_batch), "--timeout", "0",
+                       "--log-level", "warning", *(["--threads", str(threads)] if threads else []), *extra,
+                       timeout=300)
 
 
 async def one_request(client, url: str, system: str, question: str, max_tokens: int) -> dict:
@@ -121,15 +104,6 @@ async def run_level(url: str, clients: int, rounds: int, shared: bool, system_ch
                 latency_mean_s=statistics.mean(r["latency"] for r in results))
 
 
-def metrics(url: str) -> dict:
-    import httpx
-
-    sys.path.insert(0, str(ROOT))
-    from tinyserve_trt.runtime.server.metrics import parse_metrics
-
-    return parse_metrics(httpx.get(url + "/metrics", timeout=60).text)
-
-
 def write(rows: list[dict], args, meta: dict, out: Path) -> None:
     lines = [f"# Server: concurrent streaming chat clients ({meta['model']})", "",
              f"`python benchmarks/bench_serve.py --model {args.model} --concurrency {args.concurrency} "
@@ -182,14 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(f"{row['prompt']:>6} c={c:<3} {row['tok_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms']:7.0f} ms"
                       f"  p99 {row['ttft_p99_ms']:7.0f} ms", flush=True)
-        m = metrics(url)
+        m = metrics(url, timeout=60)
     finally:
         proc.send_signal(2)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    sys.path.insert(0, str(ROOT))
     from tinyserve_trt.runtime.model_package import ModelPackage
 
     package = ModelPackage.load(args.model)

@@ -17,8 +17,8 @@ import pytest
 from tinyserve_trt.contracts.manifest import MANIFEST_FILE, MODEL_FILE, ORT_GRAPH_FILE
 from tinyserve_trt.cpu import native as cpu_native
 from tinyserve_trt.export.config import ExportConfig
-from tinyserve_trt.export.native_decode import (NATIVE_DOMAIN, NATIVE_OP, ineligible, native_calls, unsupported,
-                                                uses_native)
+from tinyserve_trt.export.native_decode import (NATIVE_DOMAIN, NATIVE_OP, decode_summary, ineligible, native_calls,
+                                                unsupported, uses_native)
 from tinyserve_trt.export.ort_graph import prepared_graph
 from tinyserve_trt.export.pipeline import export_model
 from tinyserve_trt.ops import schema
@@ -96,6 +96,21 @@ def test_unsupported_names_why_no_layer_switches():
     assert "element type" in unsupported(model(_node(), elem=onnx.TensorProto.FLOAT16))
     assert unsupported(model(_node())) is None
     assert unsupported(model()) == f"no {schema.OP_TYPE} node"
+
+
+def test_the_summary_names_what_decodes_and_why_the_function():
+    from tinyserve_trt.contracts.manifest import OrtOptimized
+    from tinyserve_trt.contracts.ort_plan import OrtGraphPlan
+
+    def record(**plan):
+        return OrtOptimized(ORT_GRAPH_FILE, "1.0", plan=OrtGraphPlan(21, **plan))
+
+    assert decode_summary(None) is None  # no ORT graph (a trt package)
+    assert decode_summary(record(native_domain=NATIVE_DOMAIN)) == \
+        f"native CPU kernel ({NATIVE_DOMAIN}); prefill: the op's ONNX function"
+    assert decode_summary(record(native_why="package exported with --no-native-decode")) == \
+        "the op's ONNX function (package exported with --no-native-decode)"
+    assert decode_summary(record()) == "the op's ONNX function"
 
 
 @needs_native

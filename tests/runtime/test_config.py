@@ -1,5 +1,6 @@
 import pytest
 
+from tests.runtime.backend_options import backend_options
 from tinyserve_trt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -83,24 +84,7 @@ def test_engine_config_passes_sparse_min_ratio_to_the_scheduler():
     ("ort", dict(cuda_graphs=False), {}),  # nor ORT decode-step graphs to turn off
 ])
 def test_kernel_fields_reach_the_backend(monkeypatch, backend, fields, options):
-    from types import SimpleNamespace
-
-    from tinyserve_trt.runtime import engine as engine_mod
-
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def capture(kind, package, pool, **got):
-        seen.update(got)
-        raise Stop
-
-    monkeypatch.setattr(engine_mod, "make_backend", capture)
-    package = SimpleNamespace(page_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
-                              max_context=256, sub_page_size=0, eos_token_ids=[2], token_budget=0, cold_tier=None)
-    with pytest.raises(Stop):
-        engine_mod.Engine(package, EngineConfig(backend=backend, **fields))
+    seen = backend_options(monkeypatch, EngineConfig(backend=backend, **fields))
     assert {k: seen[k] for k in ("native_arch", "plugin_dir", "cuda_graphs") if k in seen} == options
 
 

@@ -4,13 +4,14 @@ hands to ONNX Runtime, and the one-line PackageErrors for bad package content.""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 
 onnx = pytest.importorskip("onnx")
 
 from tinyserve_trt.runtime.backends import ort_providers  # noqa: E402
+
+from tests.runtime.backend_options import backend_options  # noqa: E402
 
 from .test_ort_gpu import _model_with_function  # noqa: E402
 
@@ -236,23 +237,8 @@ def test_a_corrupt_tokenizer_json_is_one_line(tmp_path):
 
 def test_engine_passes_the_opt_in_to_the_ort_backend(monkeypatch):
     """EngineConfig(trust_package_engines=True) reached no backend before (the field was unread)."""
-    import tinyserve_trt.runtime.engine as engine_mod
     from tinyserve_trt.runtime.config import EngineConfig
 
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def capture(kind, package, pool, **options):
-        seen.update(options)
-        raise Stop
-
-    monkeypatch.setattr(engine_mod, "make_backend", capture)
-    package = SimpleNamespace(page_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
-                              max_context=256, sub_page_size=0, eos_token_ids=[2], token_budget=0, cold_tier=None)
     for trust in (False, True):
-        seen.clear()
-        with pytest.raises(Stop):
-            engine_mod.Engine(package, EngineConfig(trust_package_engines=trust))
+        seen = backend_options(monkeypatch, EngineConfig(trust_package_engines=trust))
         assert seen.get("trust_package_engines", False) is trust

@@ -4,20 +4,14 @@ store - its /metrics say the prefix came from disk - with the text a recomputati
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
-import pytest
 
 from tests.server.conftest import MODEL
+from tinyserve_dev.serve_process import metrics, start_serve
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = ("A shared system prompt that both replicas see: answer in one short sentence, name the tool, "
           "say what it is for, and never use more than twelve words. Question: what is a hammer for?")
 GREEDY = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -25,32 +19,8 @@ GREEDY = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos"
 
 def _serve(pkg, cache_dir):
     """A ``serve`` process over ``pkg`` storing pages in ``cache_dir`` as it computes them; (proc, url)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "tinyserve_trt.runtime.cli", "serve", str(pkg), "--port", str(port),
-           "--served-model-name", MODEL, "--max-batch", "1", "--threads", "1", "--log-level", "warning",
-           "--kv-cache-dir", str(cache_dir), "--kv-cache-write-through"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"tinyserve serve did not come up: {proc.communicate()[0]}")
-        time.sleep(0.2)
-
-
-def _metrics(url):
-    from tinyserve_trt.runtime.server.metrics import parse_metrics
-
-    return parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+    return start_serve(pkg, "--served-model-name", MODEL, "--max-batch", "1", "--threads", "1", "--log-level",
+                       "warning", "--kv-cache-dir", str(cache_dir), "--kv-cache-write-through", timeout=90)
 
 
 def _complete(url):
@@ -79,13 +49,13 @@ def test_a_serve_process_started_second_answers_from_the_shared_store(llama, tmp
         full_pages = a.usage.prompt_tokens // manifest["page_size"]
         assert full_pages >= 4  # a prefix worth storing
         assert _published(tmp_path, full_pages) >= full_pages
-        m_a = _metrics(url_a)
+        m_a = metrics(url_a)
         assert m_a.get('tinyserve_ttft_by_prefix_source_seconds_count{source="none"}') == 1  # computed
         second, url_b = _serve(pkg, tmp_path)  # started after, the first still serving
         procs.append(second)
         b = _complete(url_b)
         assert b.choices[0].text == a.choices[0].text and b.usage == a.usage
-        m_b = _metrics(url_b)
+        m_b = metrics(url_b)
         assert m_b.get('tinyserve_ttft_by_prefix_source_seconds_count{source="disk"}') == 1
         assert 'tinyserve_ttft_by_prefix_source_seconds_count{source="none"}' not in m_b
         assert m_b['tinyserve_prefix_pages_reused_total{tier="disk"}'] >= full_pages - 1  # all but the last

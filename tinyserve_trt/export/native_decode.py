@@ -84,6 +84,17 @@ def not_native_note(native: bool, unavailable: str | None, model: onnx.ModelProt
     return "no layer of the model can decode on the native kernel" + (f" ({reason})" if reason else "")
 
 
+def decode_summary(record) -> str | None:
+    """The export summary's line on what decodes ``model.ort.onnx``'s steps: the native kernel or
+    the op's function, and why the function (``record``: the manifest's ``OrtOptimized``; None:
+    no ORT graph, a trt package)."""
+    if record is None:
+        return None
+    if record.native:
+        return f"native CPU kernel ({record.native}); prefill: the op's ONNX function"
+    return f"the op's ONNX function ({record.native_note})" if record.native_note else "the op's ONNX function"
+
+
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
 

@@ -17,16 +17,18 @@ import onnx
 import onnx_ir as ir
 
 from .. import __version__
-from ..contracts.calibration import ArtifactError, CalibrationArtifact
 from ..contracts.cold_tier import describe_format, tier_codecs
-from ..contracts.manifest import CALIBRATION_FILE, ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
+from ..contracts.manifest import ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
+from .calibration_artifact import load_calibration, with_calibration
 from .config import ExportConfig, resolve_max_context
-from .errors import InputError, UnsupportedError, ValidationError
+from .errors import UnsupportedError
 from .kv_io import LayerPlan, rewrite
+from .native_decode import decode_summary
 from .tier_fields import cold_tier_fields, two_level_fields
+from .tolerance import check_within, validation_tolerance
 from .outdir import check_output
 from .package import StagedPackage, special_tokens, tokenizer_files, weight_bytes
 from .progress import Progress
@@ -59,7 +61,7 @@ class ExportReport:
     ort_decode: str | None = None  # what decodes in model.ort.onnx: the native kernel or the function, and why
     int8_layers: tuple = ()  # an int4 package's INT8 cold layers (issue #17)
     int8_layers_source: str | None = None  # where they came from
-    tolerance: float | None = None  # the validation's bound (pipeline._tolerance)
+    tolerance: float | None = None  # the validation's bound (tolerance.py)
     source_noise: float | None = None  # the source's own float32 noise (SourceReference.noise)
     kv_dtype: str = "float32"  # the KV pages'
     max_context: int | None = None  # what the package serves, and where that came from
@@ -92,7 +94,7 @@ def export_model(source: str | Path, outdir: str | Path, config: ExportConfig = 
         from .trt_build import require_tensorrt
 
         require_tensorrt()
-    artifact = _load_calibration(config)
+    artifact = load_calibration(config)
     with StagedPackage(outdir, overwrite) as stage:  # removed on any failure; OUTDIR untouched
         report = _export(stage, source, config, artifact, quiet, extra_manifest, int8_pick, times, int8_stage)
     return replace(report, max_context=config.max_context, max_context_from=context_from)
@@ -210,7 +212,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         bar.start("validate", "validating against the original (prefill + 8 decode steps, batch 2, dense)",
                   total=runs, unit="runs")
         reference = SourceReference(done.reference, stage.path, on_run=bar.advance)
-        tolerance, noise = _tolerance(config, reference, manifest.to_dict())
+        tolerance, noise = validation_tolerance(config, reference, manifest.to_dict())
         figure = _validate(reference, proto, manifest.to_dict())
         bar.advance()
         validation = dict(max_abs_logit_diff=figure, tolerance=tolerance, source_noise=noise)
@@ -228,10 +230,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
             validation["pages"] = f"all hot (the cold-tier inputs hold one unused page per layer, {fmt})"
         manifest = replace(manifest, validation=validation)
         times["validate"] = time.perf_counter() - t0
-        if not figure <= tolerance:
-            raise ValidationError(f"rewritten model differs from the original: max |logit diff| {figure:.3g} > "
-                                  f"{tolerance:.3g}" + (f" ({NOISE_FACTOR}x the source's own rounding noise)"
-                                                        if tolerance > config.tolerance() else ""))
+        check_within(figure, tolerance, config)
     shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)
     t0 = time.perf_counter()
     outdir = stage.outdir
@@ -242,7 +241,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
 
         finalize = stage_hook(finalize, int8_stage, times)
     if artifact is not None:
-        finalize = _with_calibration(finalize, artifact)
+        finalize = with_calibration(finalize, artifact)
     size, written = stage.commit(manifest, files, finalize)
     bar.end()
     times["write"] += time.perf_counter() - t0 - times.get("int8 layers", 0.0)
@@ -250,60 +249,11 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     return ExportReport(outdir, counts, len(plans), figure, size, times, weights, dims["head_dim"], done.packed,
                         source_opset=manifest.source["opset"], ort_opset=ort_graph.opset if ort_graph else None,
                         ort_opset_note=ort_graph.opset_note if ort_graph else None,
-                        ort_decode=_ort_decode(ort_graph),
+                        ort_decode=decode_summary(ort_graph),
                         int8_layers=tuple(cold_tier.int8_layers) if cold_tier else (),
                         int8_layers_source=cold_tier.int8_layers_source if cold_tier else None,
                         tolerance=(manifest.validation or {}).get("tolerance"),
                         source_noise=(manifest.validation or {}).get("source_noise"), kv_dtype=done.kv_dtype)
-
-
-NOISE_FACTOR = 4  # the rewrite may differ from the source by this many times the source's own noise
-
-
-def _tolerance(config: ExportConfig, reference, manifest: dict) -> tuple[float, float | None]:
-    """(the validation's max |logit diff| bound, the source's rounding noise): the configured
-    tolerance, or ``NOISE_FACTOR`` x the noise of the source against itself (ORT optimizations on
-    vs off) when that is larger - a fixed 1e-4 held SmolLM2 (noise ~1e-5) but not Qwen2.5-0.5B,
-    whose own float32 noise is ~1e-4. A half-precision source's logits are rounded to its dtype, so
-    ``NOISE_FACTOR`` of its steps at the largest logit bound it too (the noise reported is the larger
-    of the two). An explicit ``validate_tolerance`` is used as given."""
-    if config.validate_tolerance is not None:
-        return config.validate_tolerance, None
-    noise = max(reference.noise(manifest), reference.logit_ulp(manifest))
-    return max(config.tolerance(), NOISE_FACTOR * noise), noise
-
-
-def _ort_decode(ort_graph) -> str | None:
-    """The summary's line on model.ort.onnx's decode steps (``native_decode.py``)."""
-    if ort_graph is None:
-        return None
-    if ort_graph.native:
-        return f"native CPU kernel ({ort_graph.native}); prefill: the op's ONNX function"
-    return f"the op's ONNX function ({ort_graph.native_note})" if ort_graph.native_note else "the op's ONNX function"
-
-
-def _load_calibration(config: ExportConfig):
-    """The calibration artifact of ``config``, None without one; InputError naming the problem."""
-    if config.calibration is None:
-        return None
-    try:
-        artifact = CalibrationArtifact.load(config.calibration)
-    except ArtifactError as e:
-        raise InputError(str(e)) from None
-    if artifact.page_size != config.resolved_page_size():
-        raise InputError(f"{config.calibration} was calibrated with page size {artifact.page_size}, the export uses "
-                         f"{config.resolved_page_size()}: pass --page-size {artifact.page_size}")
-    return artifact
-
-
-def _with_calibration(finalize, artifact: CalibrationArtifact):
-    """``finalize``, then a copy of the calibration artifact (JSON + npz) in the package."""
-    def both(tmp: Path, manifest: Manifest) -> Manifest:
-        manifest = finalize(tmp, manifest)
-        artifact.save(tmp / CALIBRATION_FILE)
-        return manifest
-
-    return both
 
 
 def _ort_graph_saver(config: ExportConfig, plan=None):
