@@ -38,7 +38,7 @@ from .probe import run_with_outputs, source_feeds, weights_dir as weights_dir_of
 from .loader import file_sha256, find_attention, load_source
 from .graph_io import find_source_io
 
-SOURCE_WEIGHTS = ".source-weights"  # in the staging folder: an inline source's weights, streamed out at load
+SOURCE_WEIGHTS = ".source-weights"  # in the staging folder: a bf16 source widened to fp32 (bf16.py)
 
 # Contexts at which masks are checked for sliding windows (past Mistral's 4096 first).
 LONG_PROBE_PASTS = (4100, 1000, 250, 60)
@@ -184,8 +184,6 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
     bar.start("write", "writing model.onnx and model.onnx.data", total=weight_bytes(proto), unit="B")
     weights = stage.write_model(proto, weights_dir, bar.advance)  # proto now points at the package's data file
     done.proto = proto = compacted(proto)  # frees the packed projections' bytes, still in the old message's arena
-    if done.reference == source:  # else validation still reads the widened source there
-        shutil.rmtree(stage.path / SOURCE_WEIGHTS, ignore_errors=True)  # an inline source's weights, moved out at load
     times["write"] = time.perf_counter() - t0
     try:
         onnx.checker.check_model(check_copy(proto), full_check=True)
