@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tinyserve_trt.contracts.manifest import MANIFEST_FILE, MODEL_FILE
-from tinyserve_trt.ops import schema
+from tinyserve_trt.ops import policies, schema
 
 POLICY = "key_spread"
 
@@ -50,3 +50,21 @@ def test_a_package_with_the_policy_decodes_on_the_function_and_says_why(export_f
     out = llm.generate(prompt_token_ids=[list(range(3, 40))],
                        params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("policy", [p for p in schema.POLICIES if p not in policies.implemented_by("cuda")])
+def test_the_tensorrt_backend_refuses_a_policy_without_a_cuda_kernel_at_export(policy, tmp_path, capsys):
+    """A TensorRT package runs the op only as the plugin's CUDA kernels: a policy they lack is
+    refused by the config (one line, exit 2) before any work, not by a failing engine build."""
+    from tinyserve_trt.export.cli import main
+    from tinyserve_trt.export.config import ExportConfig
+
+    with pytest.raises(ValueError, match=f"policy {policy!r} has no CUDA kernel"):
+        ExportConfig(policy=policy, backend="trt")
+    ExportConfig(policy=policy, backend="ort")  # the ORT backend runs it as the op's function
+    src = tmp_path / "model.onnx"
+    src.write_bytes(b"")
+    code = main([str(src), "-o", str(tmp_path / "pkg"), "--backend", "trt", "--policy", policy])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and f"policy {policy!r} has no CUDA kernel" in err, err
+    assert not (tmp_path / "pkg").exists()

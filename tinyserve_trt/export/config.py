@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..contracts.cold_tier import check_int8_layers
-from ..ops import schema
+from ..ops import policies, schema
 
 BACKENDS = ("ort", "trt")
 # The default selection (issue #15), chosen by benchmarks/quality_sweep.py at budget 1024 on two
@@ -110,6 +110,10 @@ class ExportConfig:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "trt" and self.policy not in policies.implemented_by("cuda"):
+            raise ValueError(f"policy {self.policy!r} has no CUDA kernel, so a TensorRT engine cannot run it "
+                             f"(CUDA policies: {', '.join(policies.implemented_by('cuda'))}); export it with "
+                             f"--backend ort, where it runs as the op's ONNX function")
         if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 1):
             raise ValueError(f"max_context must be a positive integer, got {self.max_context!r}")
         if self.fp16 and self.fp32_kv:
