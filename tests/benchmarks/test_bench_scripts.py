@@ -244,3 +244,22 @@ def test_bench_cold_decode_smoke(llama, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a package without a cold tier: one-line usage error
         bench.main(["--model", str(llama[1]), "--out", str(tmp_path / "x.md")])
     assert "has no cold tier" in capsys.readouterr().err
+
+
+def test_selection_probe_rows_parse_and_reject(capsys):
+    from tinyserve_trt.export.config import ExportConfig
+
+    probe = load("selection_probe")
+    default = ExportConfig()
+    assert probe.parse_row("oracle:2048:0") == dict(policy="oracle", budget=2048)
+    assert probe.parse_row("query_aware:1024:8:0.25") == dict(policy="query_aware", budget=1024, sub_page_size=8,
+                                                              candidate_share=0.25)
+    assert probe.parse_row("query_aware:512") == dict(policy="query_aware", budget=512,
+                                                      sub_page_size=default.resolved_sub_page_size(),
+                                                      candidate_share=default.candidate_share)
+    for bad in ("query_aware", "query_aware:lots", "a:1:2:3:4", "query_aware:1:x"):
+        with pytest.raises(ValueError, match="row"):
+            probe.parse_row(bad)
+    with pytest.raises(SystemExit) as e:
+        probe.main(["--rows", "query_aware:lots"])
+    assert e.value.code == 2 and "query_aware:lots" in capsys.readouterr().err
