@@ -148,13 +148,17 @@ def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: i
     return statistics.median(times[1:])
 
 
-def time_genai(model_dir: Path, rows: list[list[int]], steps: int) -> float | None:
-    """onnxruntime-genai decode step (its own batch prefill: may not fit at large batch x context)."""
+def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int | None = None) -> float | None:
+    """onnxruntime-genai decode step (its own batch prefill: may not fit at large batch x context);
+    ``threads``: its session's intra-op threads (None: its own default, every core)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
         return None
-    model = og.Model(str(model_dir))
+    config = og.Config(str(model_dir))
+    if threads is not None:  # genai_config.json's session options, overlaid
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(rows[0]) + steps + 2, batch_size=len(rows), do_sample=False)
     gen = og.Generator(model, params)
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
                                                     args.threads)
                 if args.genai_model is not None:
                     try:
-                        res["genai"] = time_genai(args.genai_model, rows, args.steps)
+                        res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads)
                     except Exception as e:  # out of memory at large batch x context, ...
                         print(f"genai {context}x{batch}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
                 for k, v in res.items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -244,3 +246,33 @@ def test_bench_cold_decode_smoke(llama, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a package without a cold tier: one-line usage error
         bench.main(["--model", str(llama[1]), "--out", str(tmp_path / "x.md")])
     assert "has no cold tier" in capsys.readouterr().err
+
+
+def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
+    """bench_decode.time_genai sets GenAI's intra-op threads (it used to run on every core)."""
+    seen = {}
+
+    class Config:
+        def __init__(self, path):
+            seen["path"] = path
+
+        def overlay(self, text):
+            seen["overlay"] = json.loads(text)
+
+    class Generator:
+        def __init__(self, model, params):
+            pass
+
+        def append_tokens(self, ids):
+            seen["ids"] = np.asarray(ids).shape
+
+        def generate_next_token(self):
+            pass
+
+    params = types.SimpleNamespace(set_search_options=lambda **kw: seen.update(search=kw))
+    fake = types.SimpleNamespace(Config=Config, Model=lambda config: ("model", config),
+                                 GeneratorParams=lambda model: params, Generator=Generator)
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
+    assert load("bench_decode").time_genai(tmp_path, [[5, 6, 7]], 2, threads=2) >= 0
+    assert seen["overlay"] == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}
+    assert seen["ids"] == (1, 3)
