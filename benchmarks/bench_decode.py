@@ -148,9 +148,12 @@ def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: i
     return statistics.median(times[1:])
 
 
-def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int | None = None) -> float | None:
-    """onnxruntime-genai decode step (its own batch prefill: may not fit at large batch x context);
-    ``threads``: its session's intra-op threads (None: its own default, every core)."""
+def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int | None = None,
+               chunk: int | None = None) -> float | None:
+    """onnxruntime-genai decode step; ``threads``: its session's intra-op threads (None: its own
+    default, every core). Its prefill materialises [batch, heads, chunk, context] fp32 scores (60 GB
+    for one 32K prompt of 14 heads in one piece): ``chunk`` appends the prompt that many tokens at a
+    time (untimed; only the decode steps are)."""
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -162,7 +165,9 @@ def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int 
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(rows[0]) + steps + 2, batch_size=len(rows), do_sample=False)
     gen = og.Generator(model, params)
-    gen.append_tokens(np.asarray(rows, np.int32))
+    ids = np.asarray(rows, np.int32)
+    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+        gen.append_tokens(ids[:, start:start + (chunk or ids.shape[1])])
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -98,7 +98,8 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                                          args.threads, args.sparse_min_ratio)
                     if args.genai_model is not None:
                         try:
-                            res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads)
+                            res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads,
+                                                      args.genai_chunk)
                         except Exception as e:  # out of memory at large batch x context, ...
                             print(f"genai {context}x{batch}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
                     if peer is not None and batch == 1:
@@ -161,6 +162,9 @@ def parse(argv):
     ap.add_argument("--model", type=Path, required=True, help="tinyserve package (tinyserve-export output)")
     ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same weights (decode)")
+    ap.add_argument("--genai-chunk", type=int, default=1024,
+                    help="GenAI's prompt goes in pieces of this many tokens (untimed; in one piece a 16K prompt's "
+                         "attention scores alone need ~15 GB)")
     ap.add_argument("--gguf", type=Path, help="an F32 GGUF of the same weights (scripts/setup_llamacpp.sh)")
     ap.add_argument("--llamacpp-python", type=Path, default=llamacpp.default_python(),
                     help="the llama-cpp-python venv's python (default %(default)s)")
@@ -183,7 +187,7 @@ def parse(argv):
         ap.error("--contexts and --batches are comma-separated ints")
     if min(args.contexts) < 2 or min(args.batches) < 1:
         ap.error("contexts must be >= 2 and batches >= 1")
-    for name in ("steps", "passes", "threads", "bandwidth_mib"):
+    for name in ("steps", "passes", "threads", "bandwidth_mib", "genai_chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return args

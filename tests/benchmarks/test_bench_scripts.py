@@ -264,7 +264,7 @@ def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
             pass
 
         def append_tokens(self, ids):
-            seen["ids"] = np.asarray(ids).shape
+            seen.setdefault("ids", []).append(np.asarray(ids).tolist())
 
         def generate_next_token(self):
             pass
@@ -275,4 +275,27 @@ def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
     assert load("bench_decode").time_genai(tmp_path, [[5, 6, 7]], 2, threads=2) >= 0
     assert seen["overlay"] == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}
-    assert seen["ids"] == (1, 3)
+    assert seen["ids"] == [[[5, 6, 7]]]
+
+
+def test_genai_prefills_in_chunks(monkeypatch, tmp_path):
+    """A long prompt goes to GenAI in --genai-chunk pieces (one piece of 32K needs ~60 GB of scores)."""
+    seen = []
+
+    class Generator:
+        def __init__(self, model, params):
+            pass
+
+        def append_tokens(self, ids):
+            seen.append(np.asarray(ids).tolist())
+
+        def generate_next_token(self):
+            pass
+
+    fake = types.SimpleNamespace(Config=lambda path: types.SimpleNamespace(overlay=lambda text: None),
+                                 Model=lambda config: config, Generator=Generator,
+                                 GeneratorParams=lambda model: types.SimpleNamespace(set_search_options=lambda **kw: 0))
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
+    rows = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    load("bench_decode").time_genai(tmp_path, rows, 1, chunk=2)
+    assert seen == [[[1, 2], [6, 7]], [[3, 4], [8, 9]], [[5], [10]]]

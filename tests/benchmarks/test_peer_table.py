@@ -6,7 +6,8 @@ from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, d
 from tinyserve_dev.peers.step_bytes import StepBytes
 
 HEADER = TableHeader(title="Decode test", command="python benchmarks/bench_peers.py --model P",
-                     machine="x86_64, 2 cores", threads=2, measure="median of 16 decode steps, best of 2 passes", load="1.50 / 1.00 / 0.50",
+                     machine="x86_64, 2 cores", threads=2, measure="median of 16 decode steps, best of 2 passes",
+                     load="1.50 / 1.00 / 0.50",
                      commit="abc1234", bandwidth=20e9, models="`pkg`",
                      notes=("llama.cpp skipped: no GGUF at /x.gguf (bash scripts/setup_llamacpp.sh)",))
 
