@@ -51,9 +51,9 @@ OUT = {"decode": RESULTS / "peers_decode_cpu.md", "prefill": RESULTS / "peers_pr
 
 def start_peer(args, n_ctx: int, notes: list[str]):
     """A started LlamaCppPeer, or None with the reason added to ``notes`` once."""
-    reason = llamacpp.unavailable(args.llamacpp_python, args.gguf)
-    if reason is None and args.no_llamacpp:
-        reason = "llama.cpp skipped: --no-llamacpp"
+    reason = "llama.cpp skipped: --no-llamacpp" if args.no_llamacpp else llamacpp.unavailable(
+        args.llamacpp_python, args.gguf)
+    reason = getattr(args, "llamacpp_failed", None) or reason  # a child that failed once fails at every context
     if reason is None:
         try:
             peer = llamacpp.LlamaCppPeer(args.llamacpp_python, args.gguf, n_ctx, args.threads)
@@ -62,7 +62,7 @@ def start_peer(args, n_ctx: int, notes: list[str]):
                              f"n_batch 512, its default float16 KV cache")
             return peer
         except llamacpp.PeerError as e:
-            reason, args.no_llamacpp = f"llama.cpp skipped: {e}", True  # the same failure at every context
+            reason = args.llamacpp_failed = f"llama.cpp skipped: {e}"
     if reason not in notes:
         notes.append(reason)
         print(reason, file=sys.stderr)

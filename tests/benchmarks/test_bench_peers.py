@@ -80,3 +80,17 @@ def test_bad_input_exits_2(llama, capsys):
         load("bench_peers").main(["--model", str(llama[1]), "--contexts", "1"])
     assert e.value.code == 2
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama_cpp is importable here")
+def test_a_child_that_cannot_start_is_one_reason_for_every_context(llama, tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    gguf, out = tmp_path / "m.gguf", tmp_path / "peers.md"
+    gguf.write_bytes(b"GGUF")
+    assert load("bench_peers").main(["--model", str(llama[1]), "--gguf", str(gguf), "--llamacpp-python", sys.executable,
+                                     "--contexts", "40,48", "--budget", "16", "--steps", "2", "--passes", "1",
+                                     "--threads", "1", "--bandwidth-mib", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    reasons = [x for x in text.splitlines() if "llama.cpp skipped" in x]
+    assert len(reasons) == 1 and "No module named 'llama_cpp'" in reasons[0]
+    assert cells(text, "| 40 | 1 |")[5] == cells(text, "| 48 | 1 |")[5] == "n/a"
