@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -71,41 +72,61 @@ def prompts(vocab: int, context: int, batch: int, seed: int = 0) -> list[list[in
     return [base + [int(3 + (7 * b) % (vocab - 3))] for b in range(batch)]
 
 
+class TinyserveTimer:
+    """One engine whose prefix cache holds a prefilled shared prompt prefix (a warm-up request);
+    :meth:`time` runs a batch of rows that extend it, once per named budget (the budget is a
+    per-request parameter), so only the rows' last tokens are prefilled again - across budgets,
+    batches and passes alike. Pages for ``max_rows`` rows of ``len(prefix) + 1 + max_new`` tokens."""
+
+    def __init__(self, package: ModelPackage, prefix: list[int], max_rows: int, max_new: int, threads: int,
+                 sparse_min_ratio: float = EngineConfig.sparse_min_ratio):
+        ps = package.page_size
+        pages = (max_rows + 1) * -(-(len(prefix) + 1 + max_new + 2) // ps) + 8
+        page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim,
+                                            package.dtype)
+        self.engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=max_rows, threads=threads,
+                                                   prefill_chunk=512, max_tokens_per_step=2048,
+                                                   sparse_min_ratio=sparse_min_ratio))
+        self._ids = itertools.count()
+        warm = self.engine.add_request("prefix", list(prefix) + [1], SamplingParams(temperature=0, max_tokens=2))
+        while not warm.is_finished:
+            self.engine.step()
+
+    def time(self, rows: list[list[int]], budgets: dict[str, int], steps: int) -> dict[str, float]:
+        """Median seconds per decode step of the whole batch, per named budget (0 = dense)."""
+        engine, result = self.engine, {}
+        for name, budget in budgets.items():
+            params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, token_budget=budget)
+            seqs = [engine.add_request(f"{name}-{next(self._ids)}", r, params) for r in rows]
+            while any(s.num_output_tokens == 0 for s in seqs):
+                engine.step()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            while engine.has_unfinished():
+                engine.step()
+            result[name] = statistics.median(times)
+        return result
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[str, int], steps: int,
                    threads: int, sparse_min_ratio: float = EngineConfig.sparse_min_ratio,
                    stats: dict | None = None) -> dict[str, float]:
-    """Median seconds per decode step of the whole batch, per named budget (0 = dense); ``stats``,
-    if given, receives the engine's ``stats()`` at the end.
-
-    One engine: the shared prefix is prefilled once (a warm-up request) and stays in
-    the prefix cache; each budget then runs the batch over those pages (the budget
-    is a per-request parameter), so only the rows' last tokens are prefilled again."""
-    ps, context = package.page_size, len(rows[0])
-    pages = (len(rows) + 1) * -(-(context + steps + 2) // ps) + 8
-    page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim, package.dtype)
-    engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=len(rows), threads=threads,
-                                          prefill_chunk=512, max_tokens_per_step=2048,
-                                          sparse_min_ratio=sparse_min_ratio))
-    warm = engine.add_request("prefix", rows[0][:-1] + [1], SamplingParams(temperature=0, max_tokens=2))
-    while not warm.is_finished:
-        engine.step()
-    result = {}
-    for name, budget in budgets.items():
-        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, token_budget=budget)
-        seqs = [engine.add_request(f"{name}{i}", r, params) for i, r in enumerate(rows)]
-        while any(s.num_output_tokens == 0 for s in seqs):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        while engine.has_unfinished():
-            engine.step()
-        result[name] = statistics.median(times)
-    if stats is not None:
-        stats.update(engine.stats())
-    engine.close()
+    """Median seconds per decode step of the whole batch, per named budget (0 = dense), on a fresh
+    ``TinyserveTimer`` over the rows' shared prefix; ``stats``, if given, receives the engine's
+    ``stats()`` at the end."""
+    timer = TinyserveTimer(package, rows[0][:-1], len(rows), steps, threads, sparse_min_ratio)
+    try:
+        result = timer.time(rows, budgets, steps)
+        if stats is not None:
+            stats.update(timer.engine.stats())
+    finally:
+        timer.close()
     return result
 
 

@@ -5,8 +5,10 @@ from to an F32 GGUF; the GenAI model is built from the same folder), the same pr
 token ids, ``bench_decode.prompts``), ``--threads`` threads each, side by side in one run.
 
 --mode decode (per context x batch): tinyserve sparse (budget ``--budget``; dense below
-``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as ``bench_decode.py`` times them;
-ORT GenAI (``--genai-model``); llama.cpp (``--gguf``, batch 1 only: llama-cpp-python's ``Llama`` holds one
+``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as ``bench_decode.py`` times them
+(``TinyserveTimer``: one engine per context, its prompt prefix prefilled once and reused by every
+batch and pass); ORT GenAI (``--genai-model``; it prefills each batch and pass itself, in
+``--genai-chunk`` pieces); llama.cpp (``--gguf``, batch 1 only: llama-cpp-python's ``Llama`` holds one
 sequence) in a child process with the llama-cpp-python venv's python (``--llamacpp-python``):
 ``Llama(gguf, n_ctx, n_threads=T, n_batch=512, logits_all=False)``, the prompt prefilled once per
 context with ``eval(ids)``, then each pass cuts the cache back to the prompt and times one
@@ -36,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from bench_decode import prompts, time_genai, time_tinyserve  # noqa: E402
+from bench_decode import TinyserveTimer, prompts, time_genai  # noqa: E402
 
 from tinyserve_dev.peers import llamacpp, machine  # noqa: E402
 from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table  # noqa: E402
@@ -90,12 +92,12 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
         first = prefill_peer(peer, base, notes)  # the prompt, once per context (untimed)
         if first is None and peer is not None:
             peer = peer.close()
+        timer = TinyserveTimer(package, base[:-1], max(args.batches), args.steps, args.threads, args.sparse_min_ratio)
         try:
             for batch in args.batches:
                 rows, best = prompts(package.vocab_size, context, batch), {}
                 for _ in range(args.passes):
-                    res = time_tinyserve(package, rows, {"sparse": args.budget, "dense": 0}, args.steps,
-                                         args.threads, args.sparse_min_ratio)
+                    res = timer.time(rows, {"sparse": args.budget, "dense": 0}, args.steps)
                     if args.genai_model is not None:
                         try:
                             res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads,
@@ -118,6 +120,7 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                 print(f"context {context} batch {batch}{mode}: "
                       + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in best.items()), flush=True)
         finally:
+            timer.close()
             if peer is not None:
                 peer.close()
     return out

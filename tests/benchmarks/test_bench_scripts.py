@@ -299,3 +299,22 @@ def test_genai_prefills_in_chunks(monkeypatch, tmp_path):
     rows = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     load("bench_decode").time_genai(tmp_path, rows, 1, chunk=2)
     assert seen == [[[1, 2], [6, 7]], [[3, 4], [8, 9]], [[5], [10]]]
+
+
+def test_tinyserve_timer_prefills_the_prefix_once(llama):
+    """bench_peers reuses one engine per context: later batches and passes prefill only the rows' tails."""
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    bench = load("bench_decode")
+    package = ModelPackage.load(llama[1])
+    context, ps = 80, package.page_size
+    rows1, rows2 = bench.prompts(package.vocab_size, context, 1), bench.prompts(package.vocab_size, context, 2)
+    timer = bench.TinyserveTimer(package, rows2[0][:-1], 2, 3, 1)
+    try:
+        warm = timer.engine.stats()["prefill_tokens"]
+        for rows in (rows1, rows1, rows2):
+            assert set(timer.time(rows, {"sparse": 16, "dense": 0}, 3)) == {"sparse", "dense"}
+        tail = context - (context - 1) // ps * ps  # the tokens past the last full shared page
+        assert timer.engine.stats()["prefill_tokens"] - warm <= 2 * 4 * tail  # 2 budgets x 4 rows, tails only
+    finally:
+        timer.close()
