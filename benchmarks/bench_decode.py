@@ -169,32 +169,61 @@ def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: i
     return statistics.median(times[1:])
 
 
+class GenaiTimer:
+    """onnxruntime-genai on a batch of rows: the model loaded and the prompt prefilled once (in
+    ``chunk``-token pieces: in one piece its prefill materialises [batch, heads, S, S] fp32 scores,
+    60 GB for one 32K prompt of 14 heads); :meth:`time` times decode steps, each later call first
+    rewinding to the prompt (``rewind_to``; where GenAI refuses, a fresh generator prefills again).
+    ``threads``: its session's intra-op threads (None: its own default, every core)."""
+
+    def __init__(self, model_dir: Path, rows: list[list[int]], max_new: int, threads: int | None = None,
+                 chunk: int | None = None):
+        import onnxruntime_genai as og
+
+        self.og, self.rows, self.max_new, self.chunk = og, np.asarray(rows, np.int32), max_new, chunk
+        config = og.Config(str(model_dir))
+        if threads is not None:  # genai_config.json's session options, overlaid
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.gen, self.rewinds = self._prefilled(), 0
+
+    def _prefilled(self):
+        og, ids = self.og, self.rows
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=ids.shape[1] + self.max_new + 2, batch_size=ids.shape[0], do_sample=False)
+        gen = og.Generator(self.model, params)
+        piece = self.chunk or ids.shape[1]
+        for start in range(0, ids.shape[1], piece):
+            gen.append_tokens(ids[:, start:start + piece])
+        self._fresh = True
+        return gen
+
+    def time(self, steps: int) -> float:
+        """Median seconds per decode step of the whole batch over ``steps`` steps."""
+        if not self._fresh:
+            try:
+                self.gen.rewind_to(self.rows.shape[1] - 1)
+                self.gen.append_tokens(self.rows[:, -1:])
+                self.rewinds += 1
+            except Exception:  # GenAI refuses to rewind (e.g. at batch > 1): prefill again
+                self.gen = self._prefilled()
+        self._fresh = False
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.gen.generate_next_token()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
 def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int | None = None,
                chunk: int | None = None) -> float | None:
-    """onnxruntime-genai decode step; ``threads``: its session's intra-op threads (None: its own
-    default, every core). Its prefill materialises [batch, heads, chunk, context] fp32 scores (60 GB
-    for one 32K prompt of 14 heads in one piece): ``chunk`` appends the prompt that many tokens at a
-    time (untimed; only the decode steps are)."""
+    """onnxruntime-genai decode step on a fresh ``GenaiTimer``; None without onnxruntime_genai."""
     try:
-        import onnxruntime_genai as og
+        import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
-    config = og.Config(str(model_dir))
-    if threads is not None:  # genai_config.json's session options, overlaid
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(rows[0]) + steps + 2, batch_size=len(rows), do_sample=False)
-    gen = og.Generator(model, params)
-    ids = np.asarray(rows, np.int32)
-    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
-        gen.append_tokens(ids[:, start:start + (chunk or ids.shape[1])])
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        gen.generate_next_token()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return GenaiTimer(model_dir, rows, steps, threads, chunk).time(steps)
 
 
 def main(argv=None) -> int:

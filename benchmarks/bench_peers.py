@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from bench_decode import TinyserveTimer, prompts, time_genai  # noqa: E402
+from bench_decode import GenaiTimer, TinyserveTimer, prompts  # noqa: E402
 
 from tinyserve_dev.peers import llamacpp, machine  # noqa: E402
 from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table  # noqa: E402
@@ -83,6 +83,23 @@ def prefill_peer(peer, ids: list[int], notes: list[str]) -> int | None:
         return None
 
 
+def start_genai(args, rows: list[list[int]], notes: list[str]):
+    """A prefilled GenaiTimer, or None (no --genai-model, no onnxruntime_genai, or it failed: the
+    reason in ``notes``)."""
+    if args.genai_model is None:
+        return None
+    try:
+        return GenaiTimer(args.genai_model, rows, args.steps, args.threads, args.genai_chunk)
+    except ImportError:
+        reason = "genai skipped: onnxruntime_genai is not installed (pip install onnxruntime-genai==0.18.0)"
+    except Exception as e:  # out of memory at large batch x context, ...
+        reason = f"genai skipped at context {len(rows[0])} batch {len(rows)}: {str(e).splitlines()[0][:160]}"
+    if reason not in notes:
+        notes.append(reason)
+        print(reason, file=sys.stderr)
+    return None
+
+
 def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]:
     geometry, weights = StepGeometry.of_package(package), {}
     out = []
@@ -96,14 +113,11 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
         try:
             for batch in args.batches:
                 rows, best = prompts(package.vocab_size, context, batch), {}
+                genai = start_genai(args, rows, notes)
                 for _ in range(args.passes):
                     res = timer.time(rows, {"sparse": args.budget, "dense": 0}, args.steps)
-                    if args.genai_model is not None:
-                        try:
-                            res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads,
-                                                      args.genai_chunk)
-                        except Exception as e:  # out of memory at large batch x context, ...
-                            print(f"genai {context}x{batch}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
+                    if genai is not None:
+                        res["genai"] = genai.time(args.steps)
                     if peer is not None and batch == 1:
                         res["llama.cpp"] = statistics.median(peer.steps(context, first, args.steps))
                     for k, v in res.items():

@@ -94,3 +94,13 @@ def test_a_child_that_cannot_start_is_one_reason_for_every_context(llama, tmp_pa
     reasons = [x for x in text.splitlines() if "llama.cpp skipped" in x]
     assert len(reasons) == 1 and "No module named 'llama_cpp'" in reasons[0]
     assert cells(text, "| 40 | 1 |")[5] == cells(text, "| 48 | 1 |")[5] == "n/a"
+
+
+def test_a_genai_model_that_fails_is_one_reason(llama, tmp_path):
+    out = tmp_path / "peers.md"
+    assert load("bench_peers").main(["--model", str(llama[1]), "--genai-model", str(tmp_path / "no-genai"),
+                                     "--no-llamacpp", "--contexts", "40,48", "--budget", "16", "--steps", "2",
+                                     "--passes", "2", "--threads", "1", "--bandwidth-mib", "8", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert len([x for x in text.splitlines() if x.startswith("- genai skipped")]) in (1, 2)  # one per context at most
+    assert cells(text, "| 40 | 1 |")[4] == "n/a" and "- llama.cpp skipped: --no-llamacpp" in text

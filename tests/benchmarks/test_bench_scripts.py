@@ -318,3 +318,37 @@ def test_tinyserve_timer_prefills_the_prefix_once(llama):
         assert timer.engine.stats()["prefill_tokens"] - warm <= 2 * 4 * tail  # 2 budgets x 4 rows, tails only
     finally:
         timer.close()
+
+
+def fake_genai(log: list, rewind_ok: bool = True):
+    class Generator:
+        def __init__(self, model, params):
+            log.append("new")
+
+        def append_tokens(self, ids):
+            log.append(("append", np.asarray(ids).tolist()))
+
+        def rewind_to(self, n):
+            if not rewind_ok:
+                raise RuntimeError("Rewind is not supported for batch size > 1")
+            log.append(("rewind", n))
+
+        def generate_next_token(self):
+            log.append("step")
+
+    return types.SimpleNamespace(Config=lambda path: types.SimpleNamespace(overlay=lambda text: None),
+                                 Model=lambda config: config, Generator=Generator,
+                                 GeneratorParams=lambda model: types.SimpleNamespace(set_search_options=lambda **kw: 0))
+
+
+@pytest.mark.parametrize("rewind_ok", [True, False])
+def test_genai_timer_prefills_once_and_rewinds(monkeypatch, tmp_path, rewind_ok):
+    """Later passes rewind to the prompt instead of prefilling it again (or prefill again where GenAI refuses)."""
+    log = []
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake_genai(log, rewind_ok))
+    timer = load("bench_decode").GenaiTimer(tmp_path, [[1, 2, 3]], 2)
+    timer.time(2)
+    timer.time(2)
+    first = ["new", ("append", [[1, 2, 3]]), "step", "step"]
+    again = [("rewind", 2), ("append", [[3]])] if rewind_ok else ["new", ("append", [[1, 2, 3]])]
+    assert log == first + again + ["step", "step"]
