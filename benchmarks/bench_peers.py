@@ -225,14 +225,15 @@ def main(argv=None) -> int:
     header = TableHeader(
         title=f"{args.mode.capitalize()} on CPU: tinyserve beside ORT GenAI and llama.cpp, same weights",
         command="python benchmarks/bench_peers.py " + shlex.join(argv),
-        machine=f"{machine.machine_line(args.threads)}, onnxruntime {ort.__version__}", threads=args.threads,
+        machine=f"{machine.machine_line()}, onnxruntime {ort.__version__}", threads=args.threads,
         measure=(f"median of {args.steps} decode steps, best of {args.passes} passes" if args.mode == "decode"
                  else f"best of {args.passes} passes"),
         load=load, commit=machine.git_commit(HERE.parent), bandwidth=bandwidth,
         models=f"`{package.path.name}` ({package.num_layers} layers, {package.num_heads} heads / "
                f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}, budget {args.budget}, "
                f"sparse from {args.sparse_min_ratio} x budget)"
-               + (f"; GenAI `{args.genai_model.name}`" if args.genai_model else ""), notes=tuple(notes))
+               + (f"; GenAI `{args.genai_model.name}`" if args.genai_model else ""), notes=tuple(notes),
+        probe_mib=args.bandwidth_mib)
     out = args.out or OUT[args.mode]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(decode_table(header, rows) if args.mode == "decode" else prefill_table(header, rows))

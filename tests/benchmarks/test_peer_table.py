@@ -21,7 +21,7 @@ def test_decode_table_cells():
     assert lines[0] == "# Decode test"
     assert "Threads: 2 for every system. Median of 16 decode steps, best of 2 passes." in text
     assert "load at start 1.50 / 1.00 / 0.50; commit abc1234" in text
-    assert "Measured read bandwidth: 20.0 GB/s" in text
+    assert "Measured read bandwidth: 20.0 GB/s (numpy sum over 1024 MiB, 2 threads, best of 3)" in text
     assert "- llama.cpp skipped: no GGUF at /x.gguf" in text
     head = next(x for x in lines if x.startswith("| context"))
     cells = [c.strip() for c in head.strip("|").split("|")]

@@ -59,8 +59,8 @@ def git_commit(repo: str | Path) -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def machine_line(threads: int) -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, {threads} threads per system"
+def machine_line() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores"
 
 
 def reset_peak_rss() -> bool:

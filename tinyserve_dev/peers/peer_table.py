@@ -32,12 +32,13 @@ class TableHeader:
     bandwidth: float  # bytes/s, machine.read_bandwidth
     models: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    probe_mib: int = 1024  # the bandwidth probe's array
 
     def lines(self) -> list[str]:
         out = [f"# {self.title}", "", f"Command: `{self.command}`", "",
                f"Machine: {self.machine}; load at start {self.load}; commit {self.commit}. "
                f"Threads: {self.threads} for every system. {self.measure[0].upper() + self.measure[1:]}.",
-               f"Measured read bandwidth: {self.bandwidth / 1e9:.1f} GB/s (numpy sum over 1 GiB, "
+               f"Measured read bandwidth: {self.bandwidth / 1e9:.1f} GB/s (numpy sum over {self.probe_mib} MiB, "
                f"{self.threads} threads, best of 3).", f"Models: {self.models}."]
         out += [f"- {n}" for n in self.notes]
         return out + [""]
