@@ -123,6 +123,7 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                     for k, v in res.items():
                         if v is not None:
                             best[k] = min(best.get(k, float("inf")), v)
+                genai = None  # its model and cache go before the next batch's are made
                 w = weights.setdefault(batch, weight_bytes(package.model_path, batch))
                 dense = StepBytes(w, kv_bytes(geometry, context, batch))
                 sizes = {"sparse": StepBytes(w, kv_bytes(geometry, context, batch, args.budget, args.sparse_min_ratio)),
@@ -160,7 +161,12 @@ def run_prefill(args, package: ModelPackage, notes: list[str]) -> list[PrefillRo
                 llm.generate(prompt_token_ids=[ids], params=params)
                 best["tinyserve"] = min(best.get("tinyserve", float("inf")), time.perf_counter() - t0)
                 if peer is not None:
-                    reply = peer.eval(ids, start=0)
+                    try:
+                        reply = peer.eval(ids, start=0)
+                    except llamacpp.PeerError as e:
+                        notes.append(f"llama.cpp skipped at {n} tokens: {e}")
+                        peer = peer.close()
+                        continue
                     best["llama.cpp"] = min(best.get("llama.cpp", float("inf")), reply["seconds"])
                     rss["llama.cpp"] = reply["peak_rss"]
             rss["tinyserve"] = machine.peak_rss_bytes()
