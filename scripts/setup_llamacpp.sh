@@ -34,6 +34,9 @@ else
   "$VENV/bin/python" -c "import llama_cpp; print('built llama-cpp-python', llama_cpp.__version__)"
 fi
 [ -f "$SRC/convert_hf_to_gguf.py" ] || tar -xzf "$SDIST" -C "$DIR/src"
+# The converter runs on this python (it needs torch, transformers, safetensors: scripts/setup.sh) and
+# imports sentencepiece before it looks for a tokenizer.model, even for BPE tokenizers.
+python3 -c "import sentencepiece" 2>/dev/null || python3 -m pip install -q "sentencepiece==0.2.3"
 
 # convert HF_DIR OUT: an F32 GGUF of HF_DIR, redone only when a file of HF_DIR is newer than OUT.
 convert() {
