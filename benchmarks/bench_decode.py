@@ -170,10 +170,12 @@ def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: i
 
 
 class GenaiTimer:
-    """onnxruntime-genai on a batch of rows: the model loaded and the prompt prefilled once (in
-    ``chunk``-token pieces: in one piece its prefill materialises [batch, heads, S, S] fp32 scores,
-    60 GB for one 32K prompt of 14 heads); :meth:`time` times decode steps, each later call first
-    rewinding to the prompt (``rewind_to``; where GenAI refuses, a fresh generator prefills again).
+    """onnxruntime-genai on a batch of rows: the model loaded and the prompt prefilled once;
+    :meth:`time` times decode steps, each later call first rewinding to the prompt (``rewind_to``).
+    At batch 1 the prompt goes in ``chunk``-token pieces: in one piece its prefill materialises
+    [batch, heads, S, S] fp32 scores, 60 GB for one 32K prompt of 14 heads. GenAI 0.18 allows
+    neither at batch > 1 ("AppendTokens can only be called once for batch_size > 1"): there the
+    prompt goes in one piece and each later call prefills a fresh generator.
     ``threads``: its session's intra-op threads (None: its own default, every core)."""
 
     def __init__(self, model_dir: Path, rows: list[list[int]], max_new: int, threads: int | None = None,
@@ -192,7 +194,7 @@ class GenaiTimer:
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=ids.shape[1] + self.max_new + 2, batch_size=ids.shape[0], do_sample=False)
         gen = og.Generator(self.model, params)
-        piece = self.chunk or ids.shape[1]
+        piece = self.chunk if self.chunk and ids.shape[0] == 1 else ids.shape[1]
         for start in range(0, ids.shape[1], piece):
             gen.append_tokens(ids[:, start:start + piece])
         self._fresh = True
@@ -205,7 +207,7 @@ class GenaiTimer:
                 self.gen.rewind_to(self.rows.shape[1] - 1)
                 self.gen.append_tokens(self.rows[:, -1:])
                 self.rewinds += 1
-            except Exception:  # GenAI refuses to rewind (e.g. at batch > 1): prefill again
+            except Exception:  # GenAI refuses to rewind at batch > 1: prefill again
                 self.gen = self._prefilled()
         self._fresh = False
         times = []

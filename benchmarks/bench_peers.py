@@ -186,8 +186,8 @@ def parse(argv):
     ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--genai-model", type=Path, help="an onnxruntime-genai model dir of the same weights (decode)")
     ap.add_argument("--genai-chunk", type=int, default=1024,
-                    help="GenAI's prompt goes in pieces of this many tokens (untimed; in one piece a 16K prompt's "
-                         "attention scores alone need ~15 GB)")
+                    help="at batch 1 GenAI's prompt goes in pieces of this many tokens (untimed; in one piece a "
+                         "16K prompt's attention scores alone need ~15 GB); GenAI takes one piece at batch > 1")
     ap.add_argument("--gguf", type=Path, help="an F32 GGUF of the same weights (scripts/setup_llamacpp.sh)")
     ap.add_argument("--llamacpp-python", type=Path, default=llamacpp.default_python(),
                     help="the llama-cpp-python venv's python (default %(default)s)")

@@ -279,7 +279,8 @@ def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
 
 
 def test_genai_prefills_in_chunks(monkeypatch, tmp_path):
-    """A long prompt goes to GenAI in --genai-chunk pieces (one piece of 32K needs ~60 GB of scores)."""
+    """At batch 1 a long prompt goes to GenAI in --genai-chunk pieces (one piece of 32K needs ~60 GB of
+    scores); at batch > 1 GenAI takes one append only."""
     seen = []
 
     class Generator:
@@ -296,9 +297,12 @@ def test_genai_prefills_in_chunks(monkeypatch, tmp_path):
                                  Model=lambda config: config, Generator=Generator,
                                  GeneratorParams=lambda model: types.SimpleNamespace(set_search_options=lambda **kw: 0))
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
-    rows = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
-    load("bench_decode").time_genai(tmp_path, rows, 1, chunk=2)
-    assert seen == [[[1, 2], [6, 7]], [[3, 4], [8, 9]], [[5], [10]]]
+    bench = load("bench_decode")
+    bench.time_genai(tmp_path, [[1, 2, 3, 4, 5]], 1, chunk=2)
+    assert seen == [[[1, 2]], [[3, 4]], [[5]]]
+    seen.clear()
+    bench.time_genai(tmp_path, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], 1, chunk=2)
+    assert seen == [[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]]
 
 
 def test_tinyserve_timer_prefills_the_prefix_once(llama):
