@@ -44,7 +44,7 @@ from tinyserve_dev.peers import llamacpp, machine  # noqa: E402
 from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table  # noqa: E402
 from tinyserve_dev.peers.step_bytes import StepBytes, StepGeometry, kv_bytes, sparse_applies, weight_bytes  # noqa: E402
 from tinyserve_trt.runtime import SamplingParams  # noqa: E402
-from tinyserve_trt.runtime.config import EngineConfig  # noqa: E402
+from tinyserve_trt.runtime.config import EngineConfig, total_ram_bytes  # noqa: E402
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -83,12 +83,24 @@ def prefill_peer(peer, ids: list[int], notes: list[str]) -> int | None:
         return None
 
 
-def start_genai(args, rows: list[list[int]], notes: list[str]):
-    """A prefilled GenaiTimer, or None (no --genai-model, no onnxruntime_genai, or it failed: the
-    reason in ``notes``)."""
+def genai_scores_bytes(num_heads: int, rows: list[list[int]], chunk: int) -> int:
+    """fp32 attention scores GenAI's prefill materialises: [batch, heads, piece, S], the piece being
+    the whole prompt at batch > 1 (GenAI takes one append there)."""
+    batch, s = len(rows), len(rows[0])
+    return batch * num_heads * (min(chunk, s) if batch == 1 else s) * s * 4
+
+
+def start_genai(args, rows: list[list[int]], notes: list[str], num_heads: int):
+    """A prefilled GenaiTimer, or None (no --genai-model, no onnxruntime_genai, a prefill that
+    cannot fit in half the RAM - a one-piece 16K x 4 prefill would need 60 GB and meet the OOM
+    killer, not an exception - or another failure: the reason in ``notes``)."""
     if args.genai_model is None:
         return None
+    need = genai_scores_bytes(num_heads, rows, args.genai_chunk)
     try:
+        if need > total_ram_bytes() // 2:
+            raise MemoryError(f"its prefill needs {need / 2 ** 30:.0f} GiB of attention scores alone (half the RAM: "
+                              f"{total_ram_bytes() / 2 ** 31:.0f}); GenAI 0.18 takes the prompt in one piece at batch > 1")
         return GenaiTimer(args.genai_model, rows, args.steps, args.threads, args.genai_chunk)
     except ImportError:
         reason = "genai skipped: onnxruntime_genai is not installed (pip install onnxruntime-genai==0.18.0)"
@@ -113,7 +125,7 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
         try:
             for batch in args.batches:
                 rows, best = prompts(package.vocab_size, context, batch), {}
-                genai = start_genai(args, rows, notes)
+                genai = start_genai(args, rows, notes, package.num_heads)
                 for _ in range(args.passes):
                     res = timer.time(rows, {"sparse": args.budget, "dense": 0}, args.steps)
                     if genai is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,14 @@ def test_a_genai_model_that_fails_is_one_reason(llama, tmp_path):
     text = out.read_text()
     assert len([x for x in text.splitlines() if x.startswith("- genai skipped")]) in (1, 2)  # one per context at most
     assert cells(text, "| 40 | 1 |")[4] == "n/a" and "- llama.cpp skipped: --no-llamacpp" in text
+
+
+def test_genai_prefill_that_cannot_fit_is_skipped_before_it_runs(monkeypatch):
+    bench = load("bench_peers")
+    rows4 = [[1] * 16384] * 4
+    assert bench.genai_scores_bytes(14, rows4, 1024) == 4 * 14 * 16384 * 16384 * 4  # one piece at batch > 1
+    assert bench.genai_scores_bytes(14, rows4[:1], 1024) == 14 * 1024 * 16384 * 4  # pieces at batch 1
+    monkeypatch.setattr(bench, "GenaiTimer", lambda *a: pytest.fail("GenAI must not start"))
+    args, notes = types.SimpleNamespace(genai_model=Path("m"), genai_chunk=1024, steps=2, threads=1), []
+    assert bench.start_genai(args, rows4, notes, 14) is None
+    assert len(notes) == 1 and "genai skipped at context 16384 batch 4: its prefill needs 56 GiB" in notes[0]
