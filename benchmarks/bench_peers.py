@@ -99,8 +99,9 @@ def start_genai(args, rows: list[list[int]], notes: list[str], num_heads: int):
     need = genai_scores_bytes(num_heads, rows, args.genai_chunk)
     try:
         if need > total_ram_bytes() // 2:
+            half = total_ram_bytes() / 2 ** 31
             raise MemoryError(f"its prefill needs {need / 2 ** 30:.0f} GiB of attention scores alone (half the RAM: "
-                              f"{total_ram_bytes() / 2 ** 31:.0f}); GenAI 0.18 takes the prompt in one piece at batch > 1")
+                              f"{half:.0f}); GenAI 0.18 takes the prompt in one piece at batch > 1")
         return GenaiTimer(args.genai_model, rows, args.steps, args.threads, args.genai_chunk)
     except ImportError:
         reason = "genai skipped: onnxruntime_genai is not installed (pip install onnxruntime-genai==0.18.0)"
