@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -71,41 +72,61 @@ def prompts(vocab: int, context: int, batch: int, seed: int = 0) -> list[list[in
     return [base + [int(3 + (7 * b) % (vocab - 3))] for b in range(batch)]
 
 
+class TinyserveTimer:
+    """One engine whose prefix cache holds a prefilled shared prompt prefix (a warm-up request);
+    :meth:`time` runs a batch of rows that extend it, once per named budget (the budget is a
+    per-request parameter), so only the rows' last tokens are prefilled again - across budgets,
+    batches and passes alike. Pages for ``max_rows`` rows of ``len(prefix) + 1 + max_new`` tokens."""
+
+    def __init__(self, package: ModelPackage, prefix: list[int], max_rows: int, max_new: int, threads: int,
+                 sparse_min_ratio: float = EngineConfig.sparse_min_ratio):
+        ps = package.page_size
+        pages = (max_rows + 1) * -(-(len(prefix) + 1 + max_new + 2) // ps) + 8
+        page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim,
+                                            package.dtype)
+        self.engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=max_rows, threads=threads,
+                                                   prefill_chunk=512, max_tokens_per_step=2048,
+                                                   sparse_min_ratio=sparse_min_ratio))
+        self._ids = itertools.count()
+        warm = self.engine.add_request("prefix", list(prefix) + [1], SamplingParams(temperature=0, max_tokens=2))
+        while not warm.is_finished:
+            self.engine.step()
+
+    def time(self, rows: list[list[int]], budgets: dict[str, int], steps: int) -> dict[str, float]:
+        """Median seconds per decode step of the whole batch, per named budget (0 = dense)."""
+        engine, result = self.engine, {}
+        for name, budget in budgets.items():
+            params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, token_budget=budget)
+            seqs = [engine.add_request(f"{name}-{next(self._ids)}", r, params) for r in rows]
+            while any(s.num_output_tokens == 0 for s in seqs):
+                engine.step()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            while engine.has_unfinished():
+                engine.step()
+            result[name] = statistics.median(times)
+        return result
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def time_tinyserve(package: ModelPackage, rows: list[list[int]], budgets: dict[str, int], steps: int,
                    threads: int, sparse_min_ratio: float = EngineConfig.sparse_min_ratio,
                    stats: dict | None = None) -> dict[str, float]:
-    """Median seconds per decode step of the whole batch, per named budget (0 = dense); ``stats``,
-    if given, receives the engine's ``stats()`` at the end.
-
-    One engine: the shared prefix is prefilled once (a warm-up request) and stays in
-    the prefix cache; each budget then runs the batch over those pages (the budget
-    is a per-request parameter), so only the rows' last tokens are prefilled again."""
-    ps, context = package.page_size, len(rows[0])
-    pages = (len(rows) + 1) * -(-(context + steps + 2) // ps) + 8
-    page_bytes = CacheConfig.page_bytes(ps, package.num_layers, package.num_kv_heads, package.head_dim, package.dtype)
-    engine = Engine(package, EngineConfig(memory=pages * page_bytes, max_batch=len(rows), threads=threads,
-                                          prefill_chunk=512, max_tokens_per_step=2048,
-                                          sparse_min_ratio=sparse_min_ratio))
-    warm = engine.add_request("prefix", rows[0][:-1] + [1], SamplingParams(temperature=0, max_tokens=2))
-    while not warm.is_finished:
-        engine.step()
-    result = {}
-    for name, budget in budgets.items():
-        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, token_budget=budget)
-        seqs = [engine.add_request(f"{name}{i}", r, params) for i, r in enumerate(rows)]
-        while any(s.num_output_tokens == 0 for s in seqs):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        while engine.has_unfinished():
-            engine.step()
-        result[name] = statistics.median(times)
-    if stats is not None:
-        stats.update(engine.stats())
-    engine.close()
+    """Median seconds per decode step of the whole batch, per named budget (0 = dense), on a fresh
+    ``TinyserveTimer`` over the rows' shared prefix; ``stats``, if given, receives the engine's
+    ``stats()`` at the end."""
+    timer = TinyserveTimer(package, rows[0][:-1], len(rows), steps, threads, sparse_min_ratio)
+    try:
+        result = timer.time(rows, budgets, steps)
+        if stats is not None:
+            stats.update(timer.engine.stats())
+    finally:
+        timer.close()
     return result
 
 
@@ -148,23 +169,63 @@ def time_original(source: Path, source_io: dict, rows: list[list[int]], steps: i
     return statistics.median(times[1:])
 
 
-def time_genai(model_dir: Path, rows: list[list[int]], steps: int) -> float | None:
-    """onnxruntime-genai decode step (its own batch prefill: may not fit at large batch x context)."""
-    try:
+class GenaiTimer:
+    """onnxruntime-genai on a batch of rows: the model loaded and the prompt prefilled once;
+    :meth:`time` times decode steps, each later call first rewinding to the prompt (``rewind_to``).
+    At batch 1 the prompt goes in ``chunk``-token pieces: in one piece its prefill materialises
+    [batch, heads, S, S] fp32 scores, 60 GB for one 32K prompt of 14 heads. GenAI 0.18 allows
+    neither at batch > 1 ("AppendTokens can only be called once for batch_size > 1"): there the
+    prompt goes in one piece and each later call prefills a fresh generator.
+    ``threads``: its session's intra-op threads (None: its own default, every core)."""
+
+    def __init__(self, model_dir: Path, rows: list[list[int]], max_new: int, threads: int | None = None,
+                 chunk: int | None = None):
         import onnxruntime_genai as og
+
+        self.og, self.rows, self.max_new, self.chunk = og, np.asarray(rows, np.int32), max_new, chunk
+        config = og.Config(str(model_dir))
+        if threads is not None:  # genai_config.json's session options, overlaid
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.gen, self.rewinds = self._prefilled(), 0
+
+    def _prefilled(self):
+        og, ids = self.og, self.rows
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=ids.shape[1] + self.max_new + 2, batch_size=ids.shape[0], do_sample=False)
+        gen = og.Generator(self.model, params)
+        piece = self.chunk if self.chunk and ids.shape[0] == 1 else ids.shape[1]
+        for start in range(0, ids.shape[1], piece):
+            gen.append_tokens(ids[:, start:start + piece])
+        self._fresh = True
+        return gen
+
+    def time(self, steps: int) -> float:
+        """Median seconds per decode step of the whole batch over ``steps`` steps."""
+        if not self._fresh:
+            try:
+                self.gen.rewind_to(self.rows.shape[1] - 1)
+                self.gen.append_tokens(self.rows[:, -1:])
+                self.rewinds += 1
+            except Exception:  # GenAI refuses to rewind at batch > 1: prefill again
+                self.gen = self._prefilled()
+        self._fresh = False
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.gen.generate_next_token()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def time_genai(model_dir: Path, rows: list[list[int]], steps: int, threads: int | None = None,
+               chunk: int | None = None) -> float | None:
+    """onnxruntime-genai decode step on a fresh ``GenaiTimer``; None without onnxruntime_genai."""
+    try:
+        import onnxruntime_genai  # noqa: F401
     except ImportError:
         return None
-    model = og.Model(str(model_dir))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(rows[0]) + steps + 2, batch_size=len(rows), do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.asarray(rows, np.int32))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        gen.generate_next_token()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return GenaiTimer(model_dir, rows, steps, threads, chunk).time(steps)
 
 
 def main(argv=None) -> int:
@@ -201,7 +262,7 @@ def main(argv=None) -> int:
                                                     args.threads)
                 if args.genai_model is not None:
                     try:
-                        res["genai"] = time_genai(args.genai_model, rows, args.steps)
+                        res["genai"] = time_genai(args.genai_model, rows, args.steps, args.threads)
                     except Exception as e:  # out of memory at large batch x context, ...
                         print(f"genai {context}x{batch}: {str(e).splitlines()[0][:100]}", file=sys.stderr)
                 for k, v in res.items():

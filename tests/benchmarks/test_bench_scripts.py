@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +265,112 @@ def test_selection_probe_rows_parse_and_reject(capsys):
     with pytest.raises(SystemExit) as e:
         probe.main(["--rows", "query_aware:lots"])
     assert e.value.code == 2 and "query_aware:lots" in capsys.readouterr().err
+
+def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
+    """bench_decode.time_genai sets GenAI's intra-op threads (it used to run on every core)."""
+    seen = {}
+
+    class Config:
+        def __init__(self, path):
+            seen["path"] = path
+
+        def overlay(self, text):
+            seen["overlay"] = json.loads(text)
+
+    class Generator:
+        def __init__(self, model, params):
+            pass
+
+        def append_tokens(self, ids):
+            seen.setdefault("ids", []).append(np.asarray(ids).tolist())
+
+        def generate_next_token(self):
+            pass
+
+    params = types.SimpleNamespace(set_search_options=lambda **kw: seen.update(search=kw))
+    fake = types.SimpleNamespace(Config=Config, Model=lambda config: ("model", config),
+                                 GeneratorParams=lambda model: params, Generator=Generator)
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
+    assert load("bench_decode").time_genai(tmp_path, [[5, 6, 7]], 2, threads=2) >= 0
+    assert seen["overlay"] == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}
+    assert seen["ids"] == [[[5, 6, 7]]]
+
+
+def test_genai_prefills_in_chunks(monkeypatch, tmp_path):
+    """At batch 1 a long prompt goes to GenAI in --genai-chunk pieces (one piece of 32K needs ~60 GB of
+    scores); at batch > 1 GenAI takes one append only."""
+    seen = []
+
+    class Generator:
+        def __init__(self, model, params):
+            pass
+
+        def append_tokens(self, ids):
+            seen.append(np.asarray(ids).tolist())
+
+        def generate_next_token(self):
+            pass
+
+    fake = types.SimpleNamespace(Config=lambda path: types.SimpleNamespace(overlay=lambda text: None),
+                                 Model=lambda config: config, Generator=Generator,
+                                 GeneratorParams=lambda model: types.SimpleNamespace(set_search_options=lambda **kw: 0))
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake)
+    bench = load("bench_decode")
+    bench.time_genai(tmp_path, [[1, 2, 3, 4, 5]], 1, chunk=2)
+    assert seen == [[[1, 2]], [[3, 4]], [[5]]]
+    seen.clear()
+    bench.time_genai(tmp_path, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], 1, chunk=2)
+    assert seen == [[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]]
+
+
+def test_tinyserve_timer_prefills_the_prefix_once(llama):
+    """bench_peers reuses one engine per context: later batches and passes prefill only the rows' tails."""
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    bench = load("bench_decode")
+    package = ModelPackage.load(llama[1])
+    context, ps = 80, package.page_size
+    rows1, rows2 = bench.prompts(package.vocab_size, context, 1), bench.prompts(package.vocab_size, context, 2)
+    timer = bench.TinyserveTimer(package, rows2[0][:-1], 2, 3, 1)
+    try:
+        warm = timer.engine.stats()["prefill_tokens"]
+        for rows in (rows1, rows1, rows2):
+            assert set(timer.time(rows, {"sparse": 16, "dense": 0}, 3)) == {"sparse", "dense"}
+        tail = context - (context - 1) // ps * ps  # the tokens past the last full shared page
+        assert timer.engine.stats()["prefill_tokens"] - warm <= 2 * 4 * tail  # 2 budgets x 4 rows, tails only
+    finally:
+        timer.close()
+
+
+def fake_genai(log: list, rewind_ok: bool = True):
+    class Generator:
+        def __init__(self, model, params):
+            log.append("new")
+
+        def append_tokens(self, ids):
+            log.append(("append", np.asarray(ids).tolist()))
+
+        def rewind_to(self, n):
+            if not rewind_ok:
+                raise RuntimeError("Rewind is not supported for batch size > 1")
+            log.append(("rewind", n))
+
+        def generate_next_token(self):
+            log.append("step")
+
+    return types.SimpleNamespace(Config=lambda path: types.SimpleNamespace(overlay=lambda text: None),
+                                 Model=lambda config: config, Generator=Generator,
+                                 GeneratorParams=lambda model: types.SimpleNamespace(set_search_options=lambda **kw: 0))
+
+
+@pytest.mark.parametrize("rewind_ok", [True, False])
+def test_genai_timer_prefills_once_and_rewinds(monkeypatch, tmp_path, rewind_ok):
+    """Later passes rewind to the prompt instead of prefilling it again (or prefill again where GenAI refuses)."""
+    log = []
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", fake_genai(log, rewind_ok))
+    timer = load("bench_decode").GenaiTimer(tmp_path, [[1, 2, 3]], 2)
+    timer.time(2)
+    timer.time(2)
+    first = ["new", ("append", [[1, 2, 3]]), "step", "step"]
+    again = [("rewind", 2), ("append", [[3]])] if rewind_ok else ["new", ("append", [[1, 2, 3]])]
+    assert log == first + again + ["step", "step"]
