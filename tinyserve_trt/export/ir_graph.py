@@ -78,5 +78,4 @@ def replace(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], outputs: l
 
 def use_opset(model: ir.Model, domain: str, version: int) -> None:
     """``model`` imports ``domain`` (at ``version`` when it did not)."""
-    model.opset_imports.setdefault(domain, version)
     model.graph.opset_imports.setdefault(domain, version)
