@@ -82,11 +82,13 @@ def test_each_layer_adds_fewer_nodes(attrs, tmp_path):
 
 def test_shape_nodes_become_constants_or_shared_dims():
     import onnx_ir as ir
-    from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass, ShapeInferencePass
+    from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass
+
+    from tinyserve_trt.export.inferred_shapes import InferShapes
 
     model = _layers_model(2, schema.OpAttributes())
     work, share = ir.serde.deserialize_model(model), ShareShapeDims()
-    ir.passes.PassManager([InlinePass(), ShapeInferencePass(check_type=False, strict_mode=False), share,
+    ir.passes.PassManager([InlinePass(), InferShapes(), share,
                            RemoveUnusedNodesPass()])(work)
     prepared = ir.serde.serialize_model(work)
     assert share.rewritten > 0 and not prepared.functions

@@ -11,12 +11,13 @@ In order, and why there:
 1. ``native_switch.CollectNativeCalls`` (``native``): the op nodes the native CPU kernel
    takes, before inlining dissolves them.
 2. onnx-ir ``InlinePass``: the op's functions (and any other local function) inlined.
-3. onnx-ir ``ShapeInferencePass`` (onnx's inference, data propagation on, weights left out).
+3. ``inferred_shapes.InferShapes``: onnx's shape inference (data propagation on, weights left
+   out) types the main graph's values.
 4. ``shared_shapes.ShareShapeDims``: resolvable ``Shape`` nodes become constants or a
    graph input's dim, then onnx-ir ``RemoveUnusedNodesPass`` drops the dead Shapes.
 5. ``merge_nodes.MergeIdenticalNodes``: the layers' per-step values merged,
    also those If branches read.
-6. ``ShapeInferencePass`` again: the merged graph's shapes (folded Shapes resolve more dims).
+6. ``InferShapes`` again: the merged graph's shapes (folded Shapes resolve more dims).
 7. ``rotate_half.FuseRotateHalf``; with ``contrib_ops``, ``skip_norm.FuseSkipRmsNorm`` and
    ``rotary.FuseRotary`` (which reads the MatMuls rotate_half made); ``RemoveUnusedNodesPass``.
 8. ``native_switch.SwitchDecodeSteps`` (``native``) last: each layer's own body nodes (not
@@ -31,14 +32,12 @@ from __future__ import annotations
 
 def post_passes(contrib_ops: bool = True, native: bool = False) -> list:
     """The passes above, as instances (each an ``ir.passes.PassBase``), in order."""
-    from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass, ShapeInferencePass
+    from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass
 
+    from .inferred_shapes import InferShapes
     from .merge_nodes import MergeIdenticalNodes
     from .rotate_half import FuseRotateHalf
     from .shared_shapes import ShareShapeDims
-
-    def shapes():  # as onnx.shape_inference.infer_shapes(data_prop=True) types an exporter's graph
-        return ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)
 
     calls: list = []
     passes = []
@@ -46,8 +45,8 @@ def post_passes(contrib_ops: bool = True, native: bool = False) -> list:
         from .native_switch import CollectNativeCalls
 
         passes.append(CollectNativeCalls(calls))
-    passes += [InlinePass(), shapes(), ShareShapeDims(), RemoveUnusedNodesPass(), MergeIdenticalNodes(),
-               shapes(), FuseRotateHalf()]
+    passes += [InlinePass(), InferShapes(), ShareShapeDims(), RemoveUnusedNodesPass(), MergeIdenticalNodes(),
+               InferShapes(), FuseRotateHalf()]
     if contrib_ops:
         from .rotary import FuseRotary
         from .skip_norm import FuseSkipRmsNorm

@@ -41,7 +41,7 @@ F = ir.DataType.FLOAT
 class FuseRotary(ir.passes.InPlacePass):
     """Rewrite every matched rotary of the main graph in place (see the module doc); the Add
     becomes the RotaryEmbedding node, the rest is left for RemoveUnusedNodesPass. Reads the
-    shapes on the values (ShapeInferencePass before). ``count``: the last call's."""
+    shapes on the values (InferShapes before). ``count``: the last call's."""
 
     count = 0
 

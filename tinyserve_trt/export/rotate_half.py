@@ -65,7 +65,7 @@ def rotation(head_dim: int, dtype=np.float32) -> np.ndarray:
 class FuseRotateHalf(ir.passes.InPlacePass):
     """Rewrite every matched ``rotate_half`` of the main graph in place: the Concat becomes a
     MatMul by :func:`rotation` (the Slices and the Neg are left for RemoveUnusedNodesPass).
-    Reads the shapes on the values (ShapeInferencePass before). ``count``: the last call's."""
+    Reads the shapes on the values (InferShapes before). ``count``: the last call's."""
 
     count = 0
 

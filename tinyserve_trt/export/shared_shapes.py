@@ -15,7 +15,7 @@ a graph input also has (``sequence_length`` of ``input_ids``, ``batch`` of
 ORT's constant folding and CSE then compute the metadata once per step.
 
 An onnx-ir pass (:class:`ShareShapeDims`) of the ORT graph's pipeline (``ort_passes.py``),
-after ``onnx_ir``'s InlinePass and ShapeInferencePass (data propagation on): the portable model
+after ``onnx_ir``'s InlinePass and ``inferred_shapes.InferShapes`` (data propagation on): the portable model
 keeps its Shapes. Sound where shape inference is (equal dim names are equal sizes); the
 exporter validates the resulting graph against the source like the portable one.
 """

@@ -41,7 +41,7 @@ F = ir.DataType.FLOAT
 
 class FuseSkipRmsNorm(ir.passes.InPlacePass):
     """Rewrite every matched residual Add + RMSNorm of the main graph in place (see the module
-    doc); reads the shapes on the values (ShapeInferencePass before). ``count``: the last call's."""
+    doc); reads the shapes on the values (InferShapes before). ``count``: the last call's."""
 
     count = 0
 
