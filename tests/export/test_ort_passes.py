@@ -18,6 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tinyserve_trt.export.ort_graph import prepared_graph
 from tinyserve_trt.export.ort_passes import post_passes
 
 ROWS, COLS = 1024, 65536  # a 256 MiB float32 weight
@@ -89,3 +90,15 @@ def test_prepared_graph_reads_no_external_weight(tmp_path):
     assert got["external"] and got["raw"] == 0
     assert got["info"] == {"location": "model.onnx.data", "offset": "0", "length": str(ROWS * COLS * 4)}
     assert got["shapes"] == [["x"]]  # the passes ran: h's Shape became x's shared dim and a constant
+
+
+def test_a_large_inline_weight_comes_through_unchanged(tmp_path):
+    """Shape inference sees a large inline weight as a placeholder reference (inferred_shapes.py);
+    the weight itself is serialized back as it was, and the shapes were still inferred."""
+    model = onnx.load(str(_model(tmp_path, cols=64)))  # W: 256 KiB inline
+    w = np.random.default_rng(0).standard_normal((ROWS, 64)).astype(np.float32)
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w, "W"))
+    out = prepared_graph(model, native=False)
+    got = next(t for t in out.graph.initializer if t.name == "W")
+    assert got.data_location != TensorProto.EXTERNAL and np.array_equal(onnx.numpy_helper.to_array(got), w)
+    assert [list(n.input) for n in out.graph.node if n.op_type == "Shape"] == [["x"]]
