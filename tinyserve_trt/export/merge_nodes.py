@@ -32,7 +32,7 @@ class MergeIdenticalNodes(ir.passes.InPlacePass):
         graph = model.graph
         outputs = set(graph.outputs)
         seen: dict[tuple, ir.Node] = {}
-        removed = 0
+        dropped = []
         for node in list(graph):
             if node.op_type in NEVER or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
                                             for a in node.attributes.values()):
@@ -46,7 +46,7 @@ class MergeIdenticalNodes(ir.passes.InPlacePass):
                 continue
             for old, new in zip(node.outputs, earlier.outputs):
                 old.replace_all_uses_with(new)
-            graph.remove(node, safe=True)
-            removed += 1
-        self.removed = removed
-        return ir.passes.PassResult(model, modified=bool(removed))
+            dropped.append(node)
+        graph.remove(dropped, safe=True)  # at once: one by one, each removal walks the graph
+        self.removed = len(dropped)
+        return ir.passes.PassResult(model, modified=bool(dropped))

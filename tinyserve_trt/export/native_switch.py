@@ -70,17 +70,18 @@ class SwitchDecodeSteps(ir.passes.InPlacePass):
         from ..cpu.node import VERSION
 
         graph = model.graph
-        cond = None
+        cond, reads = None, {}  # node -> what it reads, kept across layers for the nodes left as they were
         for call in self.calls:
-            cond = _switch(graph, call, cond)
+            cond = _switch(graph, call, cond, reads)
         self.count = len(self.calls)
         if self.calls:
             model.graph.opset_imports.setdefault(NATIVE_DOMAIN, VERSION)
         return ir.passes.PassResult(model, modified=bool(self.calls))
 
 
-def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None) -> ir.Value:
-    """Switch one layer (``call``: its op node before inlining); returns the shared condition."""
+def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None, reads: dict) -> ir.Value:
+    """Switch one layer (``call``: its op node before inlining); returns the shared condition.
+    ``reads``: :func:`_reads` of the main graph's nodes, kept up to date here."""
     from ..cpu.node import input_names, make_decode_node
     from ..ops.node import node_attributes
 
@@ -90,7 +91,9 @@ def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None) -> ir.
     outputs = set(graph.outputs)
     outs = [by_name[o] for i, o in enumerate(call.output)
             if o and o in by_name and (i == 0 or by_name[o].uses() or by_name[o] in outputs)]
-    reads = {n: _reads(n, graph) for n in nodes}
+    for n in nodes:
+        if n not in reads:
+            reads[n] = _reads(n, graph)
     upstream, stack = set(), [v.producer() for v in outs if v.producer() is not None]
     while stack:
         n = stack.pop()
@@ -149,6 +152,10 @@ def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None) -> ir.
             branch_outs.append(ident.outputs[0])
         for n, i in readers:
             n.replace_input_with(i, result)
+            if n.graph is graph:
+                reads.pop(n, None)  # it reads the If's output now
+            else:  # a reader inside another node's branch: which main node holds it is not kept
+                reads.clear()
         for k, o in enumerate(graph.outputs):
             if o is v:
                 graph.outputs[k] = result
@@ -158,6 +165,8 @@ def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None) -> ir.
     after = nodes[nodes.index(body[-1]) + 1:]
     at = next((n for n in after if n not in inside), None)  # the If goes where the body ended
     graph.remove(body, safe=False)
+    for n in body:
+        reads.pop(n, None)
     then_g = ir.Graph([], list(native.outputs), nodes=[native], name=f"{tag}_decode")
     else_g = ir.Graph([], branch_outs, nodes=moved, name=f"{tag}_prefill")
     switch = ir.node("If", [cond], {"then_branch": then_g, "else_branch": else_g}, outputs=results,
