@@ -102,3 +102,26 @@ def test_a_large_inline_weight_comes_through_unchanged(tmp_path):
     got = next(t for t in out.graph.initializer if t.name == "W")
     assert got.data_location != TensorProto.EXTERNAL and np.array_equal(onnx.numpy_helper.to_array(got), w)
     assert [list(n.input) for n in out.graph.node if n.op_type == "Shape"] == [["x"]]
+
+
+def test_function_nodes_are_named_before_inlining():
+    """onnx-ir's InlinePass finds a free name by counting up from the original's: the op's unnamed
+    body nodes (all "node") made that quadratic in the layers; named, each collides once a layer."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import InlinePass
+
+    from tests.export.test_shared_shapes import _layers_model
+    from tinyserve_trt.export.ort_passes import NameFunctionNodes
+    from tinyserve_trt.ops import schema
+
+    model = ir.serde.deserialize_model(_layers_model(3, schema.OpAttributes()))
+    assert any(not n.name for f in model.functions.values() for n in f.all_nodes())  # as ops/ builds them
+    NameFunctionNodes()(model)
+    for f in model.functions.values():
+        names = [n.name for n in f.all_nodes()]
+        assert all(names) and len(set(names)) == len(names)
+    InlinePass()(model)
+    names = [n.name for n in model.graph.all_nodes() if n.name]  # the test model's own nodes are unnamed
+    assert len(set(names)) == len(names) and not any(n.startswith("node") for n in names)
+    passes = [type(p).__name__ for p in post_passes()]
+    assert passes.index("NameFunctionNodes") == passes.index("InlinePass") - 1
