@@ -11,10 +11,12 @@ length; an initializer ORT created (folded constants) goes to a small
 ``model.ort.onnx.data``. One copy of the weights, the fast start kept.
 
 Before ORT sees it, the graph is raised to ai.onnx opset 21 (``ort_opset.py``: the
-op's body then decodes the sub-page bounds with blocked ``DequantizeLinear``), the
-op's functions are inlined and resolvable ``Shape`` dims are made constants or
-shared graph-input dims (``shared_shapes.py``): ORT then computes the op's per-step
-page bookkeeping once per step instead of per layer.
+op's body then decodes the sub-page bounds with blocked ``DequantizeLinear``), then
+converted once to an ``onnx_ir.Model`` that the post-passes rewrite in place
+(``ort_passes.py``): the op's functions are inlined, resolvable ``Shape`` dims made
+constants or shared graph-input dims (``shared_shapes.py``) so ORT computes the op's
+per-step page bookkeeping once per step instead of per layer, the fusions applied; it
+is serialized once, its weights still references into ``model.onnx.data``.
 
 The graph is tied to the ONNX Runtime version and the CPU EP that wrote it
 (the manifest's ``ort_optimized`` records which); the runtime uses the portable
