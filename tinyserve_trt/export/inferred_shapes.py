@@ -1,9 +1,12 @@
 """onnx's shape inference typing an onnx-ir model's main-graph values, weights left unread.
 
-The ORT graph's passes read the shapes on the values (``shared_shapes.py``, the fusions):
+The ORT graph's passes read the values' shapes (``shared_shapes.py``, the fusions):
 :class:`InferShapes` runs ``onnx.shape_inference.infer_shapes`` (data propagation on, as
-the proto passes did) on one serialized copy of the model and sets each main-graph value's
-type and shape from the result, by name. A large inline initializer is serialized as a
+the proto passes did) on one serialized copy of the model and records each main-graph
+value's inferred type and dims, by name, in ``value.meta`` (``ir_graph.dims`` / ``dtype``
+read them). It does not change the graph: written as value_info, the inferred shapes
+made SmolLM2's ``model.ort.onnx`` 35% larger (524 more entries, kept by ORT) for the
+same nodes. A large inline initializer is serialized as a
 placeholder external reference for that call (inference reads dims and types, never
 bytes), so no weight is copied; an external one already is a reference.
 
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from .ir_graph import INFERRED
+
 DETACH_BYTES = 1 << 16  # an inline tensor this large goes to inference as a reference, not bytes
 
 
 class InferShapes(ir.passes.InPlacePass):
-    """Type the main graph's values by onnx shape inference (see the module doc). Leaves the
-    model unchanged when inference fails (the passes after then match less)."""
+    """Record the main graph's values' inferred types and dims (see the module doc); an earlier
+    record is replaced. When inference fails, the passes after see the values' own shapes."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnx import shape_inference
@@ -45,15 +50,14 @@ class InferShapes(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         values = {v.name: v for n in graph for v in n.outputs if v.name}
         values.update((v.name, v) for v in graph.inputs)
-        modified = False
-        for vi in [*typed.graph.value_info, *typed.graph.output]:
+        for v in values.values():
+            v.meta.pop(INFERRED, None)
+        for vi in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
             v = values.get(vi.name)
             if v is None or not vi.type.HasField("tensor_type"):
                 continue
             shape = ir.serde.deserialize_type_proto_for_shape(vi.type)
             kind = ir.serde.deserialize_type_proto_for_type(vi.type)
-            if shape is not None and shape != v.shape:
-                v.shape, modified = shape, True
-            if kind is not None and kind.dtype != ir.DataType.UNDEFINED and kind != v.type:
-                v.type, modified = kind, True
-        return ir.passes.PassResult(model, modified=modified)
+            elem = kind.dtype if kind is not None and kind.dtype != ir.DataType.UNDEFINED else None
+            v.meta[INFERRED] = (elem, None if shape is None else [d if isinstance(d, int) else d.value for d in shape])
+        return ir.passes.PassResult(model, modified=False)

@@ -1,6 +1,9 @@
 """Small onnx-ir helpers the ORT graph's post-passes share (``ort_passes.py``).
 
-They read values and constants of an ``onnx_ir`` graph without loading weight bytes:
+:func:`dims` and :func:`dtype` read what ``inferred_shapes.InferShapes`` inferred for a value
+(kept in ``value.meta``, never written into the graph: the serialized model keeps the
+source's value_info), else the value's own shape and type. They read values and constants
+of an ``onnx_ir`` graph without loading weight bytes:
 :func:`small_array` returns a constant's value only when it is inline and at most
 ``max_size`` elements, so an ``ir.ExternalTensor`` (a weight in ``model.onnx.data``)
 is never read.
@@ -12,18 +15,25 @@ import numpy as np
 import onnx_ir as ir
 
 STANDARD = ("", "ai.onnx")
+INFERRED = "tinyserve_inferred"  # value.meta key: (ir.DataType or None, dims or None) by shape inference
 
 
 def dims(value: ir.Value | None) -> list | None:
     """The value's dims as ints, dim names (str) or None (unknown); None without a shape."""
-    if value is None or value.shape is None:
+    if value is None:
         return None
-    return [d if isinstance(d, int) else d.value for d in value.shape]
+    if INFERRED in value.meta:
+        return value.meta[INFERRED][1]
+    return None if value.shape is None else [d if isinstance(d, int) else d.value for d in value.shape]
 
 
-def elem_type(value: ir.Value | None) -> int | None:
-    """The ONNX element type (``onnx.TensorProto`` enum) of a tensor value, None when unknown."""
-    return None if value is None or value.dtype is None else int(value.dtype)
+def dtype(value: ir.Value | None) -> ir.DataType | None:
+    """The value's element type (inferred, else its own), None when unknown."""
+    if value is None:
+        return None
+    if INFERRED in value.meta and value.meta[INFERRED][0] is not None:
+        return value.meta[INFERRED][0]
+    return value.dtype
 
 
 def node_of(value: ir.Value | None, op: str) -> ir.Node | None:

@@ -147,6 +147,7 @@ def _switch(graph: ir.Graph, call: onnx.NodeProto, cond: ir.Value | None, reads:
             branch_outs.append(v)
         else:  # made from per-step values alone (a dense layer's selected pages): passed through
             v.name = f"{name}_step"
+            v.type, v.shape = None, None  # its value_info is the If output's now, as the name's was
             ident = ir.node("Identity", [v], outputs=[ir.Value(name=f"{name}_function", type=ir.TensorType(t))])
             moved.append(ident)
             branch_outs.append(ident.outputs[0])

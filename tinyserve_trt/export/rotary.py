@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ir_graph import STANDARD, attr, constant_tensor, dims, initializer, node_of, small_array, use_opset
+from .ir_graph import STANDARD, attr, constant_tensor, dims, dtype, initializer, node_of, small_array, use_opset
 from .rotate_half import rotation
 
 MS_DOMAIN = "com.microsoft"
@@ -41,7 +41,7 @@ F = ir.DataType.FLOAT
 class FuseRotary(ir.passes.InPlacePass):
     """Rewrite every matched rotary of the main graph in place (see the module doc); the Add
     becomes the RotaryEmbedding node, the rest is left for RemoveUnusedNodesPass. Reads the
-    shapes on the values (InferShapes before). ``count``: the last call's."""
+    values' inferred shapes (InferShapes before). ``count``: the last call's."""
 
     count = 0
 
@@ -87,7 +87,7 @@ def _fuse(model: ir.Model) -> int:
             return None
         f = cat.inputs[0]
         fd = dims(f)
-        if f.dtype != F or not fd or len(fd) != 3 or attr(cat, "axis") not in (-1, 2) or fd[-1] not in (d // 2, None):
+        if dtype(f) != F or not fd or len(fd) != 3 or attr(cat, "axis") not in (-1, 2) or fd[-1] not in (d // 2, None):
             return None
         return t.op_type, f, scale
 
@@ -107,7 +107,7 @@ def _fuse(model: ir.Model) -> int:
                     continue
                 x = mm.inputs[0]
                 xd = dims(x)
-                if x.dtype != F or not xd or len(xd) != 4 or not isinstance(xd[-1], int) or xd[-1] % 2:
+                if dtype(x) != F or not xd or len(xd) != 4 or not isinstance(xd[-1], int) or xd[-1] % 2:
                     continue
                 d = xd[-1]
                 sin = trig(s, d)

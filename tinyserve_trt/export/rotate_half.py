@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ir_graph import STANDARD, attr, dims, initializer, replace, small_array
+from .ir_graph import STANDARD, attr, dims, dtype, initializer, replace, small_array
 
 FOLDABLE = {"Identity", "Unsqueeze", "Squeeze", "Div", "Mul", "Add", "Sub", "Concat", "Cast", "Gather",
             "Reshape", "Constant"}
@@ -65,7 +65,7 @@ def rotation(head_dim: int, dtype=np.float32) -> np.ndarray:
 class FuseRotateHalf(ir.passes.InPlacePass):
     """Rewrite every matched ``rotate_half`` of the main graph in place: the Concat becomes a
     MatMul by :func:`rotation` (the Slices and the Neg are left for RemoveUnusedNodesPass).
-    Reads the shapes on the values (InferShapes before). ``count``: the last call's."""
+    Reads the values' inferred shapes (InferShapes before). ``count``: the last call's."""
 
     count = 0
 
@@ -86,7 +86,7 @@ class FuseRotateHalf(ir.passes.InPlacePass):
                 return None
             x = node.inputs[0]
             d = dims(x)
-            if x.dtype != ir.DataType.FLOAT or not d or not isinstance(d[-1], int):
+            if dtype(x) != ir.DataType.FLOAT or not d or not isinstance(d[-1], int):
                 return None
             step = scalar(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else 1
             start, end = scalar(node.inputs[1]), scalar(node.inputs[2])

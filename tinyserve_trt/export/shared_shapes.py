@@ -32,7 +32,7 @@ PREFIX = "tinyserve_shared_shape"
 
 class ShareShapeDims(ir.passes.InPlacePass):
     """Rewrite the main graph's resolvable ``Shape`` nodes (and a ``Gather`` of one dim of a
-    whole-shape ``Shape``) by the shapes on its values (see the module doc); reads no weights.
+    whole-shape ``Shape``) by its values' inferred dims (see the module doc); reads no weights.
     ``rewritten``: how many the last call rewrote. The Shapes left dead are for RemoveUnusedNodesPass."""
 
     rewritten = 0

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ir_graph import STANDARD, attr, constant_tensor, dims, node_of, small_array, use_opset
+from .ir_graph import STANDARD, attr, constant_tensor, dims, dtype, node_of, small_array, use_opset
 
 MS_DOMAIN = "com.microsoft"
 FUSED = "SkipSimplifiedLayerNormalization"
@@ -41,7 +41,7 @@ F = ir.DataType.FLOAT
 
 class FuseSkipRmsNorm(ir.passes.InPlacePass):
     """Rewrite every matched residual Add + RMSNorm of the main graph in place (see the module
-    doc); reads the shapes on the values (InferShapes before). ``count``: the last call's."""
+    doc); reads the values' inferred shapes (InferShapes before). ``count``: the last call's."""
 
     count = 0
 
@@ -69,7 +69,7 @@ def _fuse(model: ir.Model) -> int:
         broadcast), and of rank 3 with the same ``D`` where its shape was inferred (ORT's kernel
         rejects a skip it cannot add, so an unproven operand fails loudly, never silently)."""
         got = dims(v)
-        if v is None or constant_tensor(v) is not None or v.dtype not in (F, None) or len(d) != 3:
+        if v is None or constant_tensor(v) is not None or dtype(v) not in (F, None) or len(d) != 3:
             return False
         return got is None or (len(got) == 3 and got[-1] == d[-1])
 
@@ -107,7 +107,7 @@ def _fuse(model: ir.Model) -> int:
                 continue
             s = through_float_cast(x)
             d = dims(s)
-            if s.dtype != F:
+            if dtype(s) != F:
                 continue
             if not d or not isinstance(d[-1], int) or axes is None:
                 continue
