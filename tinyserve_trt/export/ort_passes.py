@@ -34,7 +34,8 @@ import onnx_ir as ir
 
 
 class NameFunctionNodes(ir.passes.InPlacePass):
-    """Name each unnamed node of the model's local functions ``<function>/<overload>/<i>``.
+    """Name each unnamed node of the model's local functions ``f<k>.<i>`` (short: the names
+    are written into ``model.ort.onnx``, once per layer).
 
     onnx-ir's InlinePass names an inlined node after its original, adding the first free
     ``_<k>`` suffix by counting up: the op's body nodes are unnamed (all "node"), so each call
@@ -43,10 +44,10 @@ class NameFunctionNodes(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         named = 0
-        for function in model.functions.values():
+        for k, function in enumerate(model.functions.values()):
             for i, node in enumerate(function.all_nodes()):
                 if not node.name:
-                    node.name = f"{function.name}/{function.overload}/{i}"
+                    node.name = f"f{k}.{i}"
                     named += 1
         return ir.passes.PassResult(model, modified=bool(named))
 
@@ -88,4 +89,7 @@ def run_post_passes(model, contrib_ops: bool = True, native: bool = False):
 
     work = ir.serde.deserialize_model(model)
     ir.passes.PassManager(post_passes(contrib_ops, native))(work)
+    for v in work.graph.initializers.values():  # a tensor carries its own type: onnx-ir would also
+        if not (v.is_graph_input() or v.is_graph_output()):  # write each as value_info, which ORT keeps
+            v.type, v.shape = None, None
     return ir.serde.serialize_model(work)
