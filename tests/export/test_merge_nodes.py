@@ -1,4 +1,4 @@
-"""merge_identical_nodes: duplicate per-step nodes collapse, If branches follow the rename,
+"""MergeIdenticalNodes: duplicate per-step nodes collapse, If branches follow the rename,
 graph outputs keep their names, and the outputs do not change."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tinyserve_trt.export.merge_nodes import merge_identical_nodes
-from tinyserve_trt.export.shared_shapes import live
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from tinyserve_trt.export.merge_nodes import MergeIdenticalNodes
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -40,14 +42,22 @@ def _model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def _apply(proto: onnx.ModelProto, pass_) -> onnx.ModelProto:
+    model = ir.serde.deserialize_model(proto)
+    pass_(model)
+    return ir.serde.serialize_model(model)
+
+
 @pytest.mark.parametrize("past", [0, 4])
 def test_duplicates_merge_and_subgraphs_follow(past):
-    model, merged = _model(), _model()
-    assert merge_identical_nodes(merged) == 2  # n1 and n1f; n_out is a graph output
+    model = _model()
+    merged = _apply(model, MergeIdenticalNodes())
+    assert len(model.graph.node) - len(merged.graph.node) == 2  # n1 and n1f; n_out is a graph output
     onnx.checker.check_model(merged, full_check=True)
     branch_reads = {i for a in next(n for n in merged.graph.node if n.op_type == "If").attribute for n in a.g.node
                     for i in n.input}
     assert "n0f" in branch_reads and "n1f" not in branch_reads
+    assert [o.name for o in merged.graph.output] == [o.name for o in model.graph.output]
     feeds = {"x": np.arange(3, dtype=np.float32), "past": np.array(past, np.int64)}
     def run(m):
         return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
@@ -56,7 +66,7 @@ def test_duplicates_merge_and_subgraphs_follow(past):
         np.testing.assert_array_equal(got, want)
 
 
-def test_live_keeps_what_only_a_branch_reads():
+def test_dead_node_removal_keeps_what_only_a_branch_reads():
     model = _model()  # n1f is read by the If's branches only
-    kept = live(list(model.graph.node), {o.name for o in model.graph.output})
-    assert "n1f" in {o for n in kept for o in n.output} and len(kept) == len(model.graph.node)
+    kept = _apply(model, RemoveUnusedNodesPass())
+    assert "n1f" in {o for n in kept.graph.node for o in n.output} and len(kept.graph.node) == len(model.graph.node)

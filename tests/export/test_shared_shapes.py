@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from tinyserve_dev.cases import CaseSpec, make_case
 from tinyserve_trt.export.ort_graph import prepared_graph
-from tinyserve_trt.export.shared_shapes import share_shape_dims
+from tinyserve_trt.export.shared_shapes import ShareShapeDims
 from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.node import attach_functions, make_node
 
@@ -81,9 +81,17 @@ def test_each_layer_adds_fewer_nodes(attrs, tmp_path):
 
 
 def test_shape_nodes_become_constants_or_shared_dims():
+    import onnx_ir as ir
+    from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass
+
+    from tinyserve_trt.export.inferred_shapes import InferShapes
+
     model = _layers_model(2, schema.OpAttributes())
-    prepared, rewritten = share_shape_dims(model)
-    assert rewritten > 0 and not prepared.functions
+    work, share = ir.serde.deserialize_model(model), ShareShapeDims()
+    ir.passes.PassManager([InlinePass(), InferShapes(), share,
+                           RemoveUnusedNodesPass()])(work)
+    prepared = ir.serde.serialize_model(work)
+    assert share.rewritten > 0 and not prepared.functions
     shapes = [n for n in prepared.graph.node if n.op_type == "Shape"]
     # what is left reads a graph input's own dims or a per-layer activation, never a pool's static dims
     for n in shapes:

@@ -11,10 +11,12 @@ length; an initializer ORT created (folded constants) goes to a small
 ``model.ort.onnx.data``. One copy of the weights, the fast start kept.
 
 Before ORT sees it, the graph is raised to ai.onnx opset 21 (``ort_opset.py``: the
-op's body then decodes the sub-page bounds with blocked ``DequantizeLinear``), the
-op's functions are inlined and resolvable ``Shape`` dims are made constants or
-shared graph-input dims (``shared_shapes.py``): ORT then computes the op's per-step
-page bookkeeping once per step instead of per layer.
+op's body then decodes the sub-page bounds with blocked ``DequantizeLinear``), then
+converted once to an ``onnx_ir.Model`` that the post-passes rewrite in place
+(``ort_passes.py``): the op's functions are inlined, resolvable ``Shape`` dims made
+constants or shared graph-input dims (``shared_shapes.py``) so ORT computes the op's
+per-step page bookkeeping once per step instead of per layer, the fusions applied; it
+is serialized once, its weights still references into ``model.onnx.data``.
 
 The graph is tied to the ONNX Runtime version and the CPU EP that wrote it
 (the manifest's ``ort_optimized`` records which); the runtime uses the portable
@@ -48,35 +50,17 @@ def prepared_graph(model, contrib_ops: bool = True, opset: int | None = None, na
     ``native_decode.py``); sessions then need its library (``native_decode.session_options``).
     The exporter validates this graph against the source too, and drops the contrib ops, the
     raise or the native kernel when one alone takes a model past the tolerance (``ort_validation.py``)."""
-    from .merge_nodes import merge_identical_nodes
-    from .rotate_half import fuse_rotate_half
-    from .shared_shapes import inferred, live, share_shape_dims
-    from .rotary import fuse_rotary
-    from .skip_norm import fuse_skip_rms_norm
+    from .ort_passes import run_post_passes
 
     if opset is not None:
         from .ort_opset import raise_opset
 
-        model = raise_opset(model, opset)  # before inlining: the op's bodies are rebuilt at ``opset``
-    calls = None
-    if native:  # the op nodes the native kernel takes, before inlining dissolves them
-        from .native_decode import native_calls, switch_decode_steps
+        # on the proto, before the conversion: onnx.version_converter has no onnx-ir form, and the
+        # op's bodies are rebuilt at ``opset`` before the passes inline them
+        model = raise_opset(model, opset)
+    return run_post_passes(model, contrib_ops, native)
 
-        calls = native_calls(model)
-    prepared = share_shape_dims(model)[0]
-    merge_identical_nodes(prepared)  # the layers' per-step values, also those If branches read
-    shapes = inferred(prepared)
-    fused = fuse_rotate_half(prepared, shapes)
-    if contrib_ops:
-        fused += fuse_skip_rms_norm(prepared, shapes)
-        fused += fuse_rotary(prepared, shapes)  # reads the MatMuls rotate_half made
-    if fused:
-        nodes = live(list(prepared.graph.node), {o.name for o in prepared.graph.output})
-        del prepared.graph.node[:]
-        prepared.graph.node.extend(nodes)
-    if calls:  # last: each layer's own body nodes (not the merged per-step ones) go in its prefill branch
-        switch_decode_steps(prepared, calls)
-    return prepared
+
 MIN_EXTERNAL_BYTES = 1024
 INLINE_MAX_BYTES = 1 << 16  # a made constant this small (rotate_half's matrix: 16 KiB) stays in the graph file
 

@@ -18,6 +18,8 @@ opset, with a note in the manifest, when conversion or validation fails
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import onnx
 
 from ..ops import schema
@@ -37,8 +39,6 @@ def raise_opset(model: onnx.ModelProto, target: int = ORT_OPSET) -> onnx.ModelPr
     bodies rebuilt at ``target``. A model already at ``target`` or later is returned as is.
     Does not modify ``model``; raises :class:`OpsetRaiseError` when the converter fails."""
     from onnx import inliner, version_converter
-
-    from .shared_shapes import weights_detached
 
     if onnx_opset(model) >= target:
         return model
@@ -60,6 +60,20 @@ def raise_opset(model: onnx.ModelProto, target: int = ORT_OPSET) -> onnx.ModelPr
         if t.name in big:
             t.raw_data = big[t.name]
     return attach_functions(converted)
+
+
+@contextmanager
+def weights_detached(model: onnx.ModelProto):
+    """Large initializers' bytes taken out for the block (copying and converting read none);
+    yields name -> bytes; restores them after."""
+    big = [(t, t.raw_data) for t in model.graph.initializer if len(t.raw_data) > (1 << 16)]
+    try:
+        for t, _ in big:
+            t.ClearField("raw_data")
+        yield {t.name: data for t, data in big}
+    finally:
+        for t, data in big:
+            t.raw_data = data
 
 
 def opset_note(source_opset: int, reason: str) -> str:

@@ -15,6 +15,11 @@ whose outputs keep the original MatMuls' names. The concatenated initializer
 REPLACES the originals (the package keeps one copy of the weights). Each output
 column is the same dot product as before; the exporter validates the result
 against the source. Standard ops only, so TensorRT reads the same graph.
+
+A proto pass of the rewrite stage (``pipeline.py``, on ``model.onnx`` before it is
+written), not one of the ORT graph's onnx-ir post-passes (``ort_passes.py``): it is the
+one pass that reads and concatenates weight bytes, and an onnx-ir tensor of them would
+be copied once more by ``ir.to_proto`` while the IR model still holds it.
 """
 
 from __future__ import annotations
