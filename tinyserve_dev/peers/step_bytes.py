@@ -23,7 +23,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "float16": 2}
+import numpy as np
+
+from tinyserve_trt.runtime.config import KV_DTYPES
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class StepGeometry:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(KV_DTYPES)}, got {self.dtype!r}")
         if self.sub_page_size and self.page_size % self.sub_page_size:
             raise ValueError(f"sub_page_size {self.sub_page_size} must divide page_size {self.page_size}")
 
@@ -103,7 +105,7 @@ def sparse_applies(context: int, budget: int, sparse_min_ratio: float) -> bool:
 def kv_bytes(g: StepGeometry, context: int, batch: int, budget: int = 0, sparse_min_ratio: float = 0.0,
              kv_dtype: str | None = None) -> int:
     """KV bytes one decode step of ``batch`` sequences at ``context`` cached tokens reads."""
-    es = DTYPE_BYTES[kv_dtype or g.dtype]
+    es = np.dtype(kv_dtype or g.dtype).itemsize
     row = g.num_kv_heads * g.head_dim * es
     dense_layer = 2 * context * row
     if not sparse_applies(context, budget, sparse_min_ratio):
