@@ -89,3 +89,16 @@ def replace(graph: ir.Graph, node: ir.Node, new_nodes: list[ir.Node], outputs: l
 def use_opset(model: ir.Model, domain: str, version: int) -> None:
     """``model`` imports ``domain`` (at ``version`` when it did not)."""
     model.graph.opset_imports.setdefault(domain, version)
+
+
+class CountingRewrite(ir.passes.InPlacePass):
+    """An in-place pass whose work is :meth:`rewrite` (model -> rewrites made); ``count``: the last call's."""
+
+    count = 0
+
+    def rewrite(self, model: ir.Model) -> int:
+        raise NotImplementedError
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.count = self.rewrite(model)
+        return ir.passes.PassResult(model, modified=bool(self.count))

@@ -31,23 +31,21 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ir_graph import STANDARD, attr, constant_tensor, dims, dtype, initializer, node_of, small_array, use_opset
+from .ir_graph import (STANDARD, CountingRewrite, attr, constant_tensor, dims, dtype, initializer, node_of,
+                       small_array, use_opset)
 from .rotate_half import rotation
 
 MS_DOMAIN = "com.microsoft"
 F = ir.DataType.FLOAT
 
 
-class FuseRotary(ir.passes.InPlacePass):
+class FuseRotary(CountingRewrite):
     """Rewrite every matched rotary of the main graph in place (see the module doc); the Add
     becomes the RotaryEmbedding node, the rest is left for RemoveUnusedNodesPass. Reads the
     values' inferred shapes (InferShapes before). ``count``: the last call's."""
 
-    count = 0
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.count = _fuse(model)
-        return ir.passes.PassResult(model, modified=bool(self.count))
+    def rewrite(self, model: ir.Model) -> int:
+        return _fuse(model)
 
 
 def _fuse(model: ir.Model) -> int:

@@ -32,22 +32,19 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .ir_graph import STANDARD, attr, constant_tensor, dims, dtype, node_of, small_array, use_opset
+from .ir_graph import STANDARD, CountingRewrite, attr, constant_tensor, dims, dtype, node_of, small_array, use_opset
 
 MS_DOMAIN = "com.microsoft"
 FUSED = "SkipSimplifiedLayerNormalization"
 F = ir.DataType.FLOAT
 
 
-class FuseSkipRmsNorm(ir.passes.InPlacePass):
+class FuseSkipRmsNorm(CountingRewrite):
     """Rewrite every matched residual Add + RMSNorm of the main graph in place (see the module
     doc); reads the values' inferred shapes (InferShapes before). ``count``: the last call's."""
 
-    count = 0
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.count = _fuse(model)
-        return ir.passes.PassResult(model, modified=bool(self.count))
+    def rewrite(self, model: ir.Model) -> int:
+        return _fuse(model)
 
 
 def _fuse(model: ir.Model) -> int:
