@@ -298,3 +298,14 @@ def test_artifact_int8_layers_validation():
     with pytest.raises(ArtifactError, match="layer_kl has 2 entries for 3 layers"):
         CalibrationArtifact(**{**art.__dict__, "layer_kl": [0.1, 0.2]})
     assert CalibrationArtifact(**{**art.__dict__, "int8_layers": [2, 0]}).int8_layers == [0, 2]
+
+
+def test_replayed_selection_dense_layer_indices():
+    """A layer named in dense_layers selects every page, as its exported dense node does."""
+    rng = np.random.default_rng(5)
+    T, L = 37, 3
+    q = rng.standard_normal((L, H, T, D)).astype(np.float32)
+    k = rng.standard_normal((L, HKV, T, D)).astype(np.float32)
+    sel = replay_selection(q, k, [36], PS, 2 * PS, schema.OpAttributes(), dense_layers=(1,))
+    n = -(-36 // PS)
+    assert sel[0, 1, :, :n].all() and not sel[0, 0, :, :n].all() and not sel[0, 2, :, :n].all()

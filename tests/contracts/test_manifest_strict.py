@@ -50,6 +50,12 @@ def test_the_full_manifest_loads(tmp_path):
     assert m.eos_token_id == [2, 3] and m.dense_layers == 1
 
 
+def test_dense_layer_indices_load(tmp_path):
+    data = full()
+    data["dense_layers"] = [1]
+    assert _load(tmp_path, data).dense_layers == [1]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(eos_token_id=[None]), "eos_token_id must be a token id"),
     (lambda d: d.update(eos_token_id="2"), "eos_token_id must be a token id"),
@@ -66,7 +72,10 @@ def test_the_full_manifest_loads(tmp_path):
     (lambda d: d.update(policy="fast"), "policy must be one of"),
     (lambda d: d.update(dense_layers=3), "dense_layers must be an int in [0, 2]"),
     (lambda d: d.update(dense_layers=-1), "dense_layers must be an int in [0, 2]"),
-    (lambda d: d.update(dense_layers=[0, 0]), "dense_layers must be an int in [0, 2]"),
+    (lambda d: d.update(dense_layers=[0, 0]), "dense_layers repeats a layer"),
+    (lambda d: d.update(dense_layers=[0, 5]), "dense_layers [5] out of range: the model has 2 layers"),
+    (lambda d: d.update(dense_layers=["1"]), "dense_layers indices must be ints >= 0"),
+    (lambda d: d.update(dense_layers="1"), "dense_layers must be a count or a list of layer indices"),
     (lambda d: d.update(sink_pages="1"), "sink_pages must be an int >= 0"),
     (lambda d: d.update(backend="tensorflow"), "backend must be one of"),
     (lambda d: d.update(candidate_share=2.0), "candidate_share"),

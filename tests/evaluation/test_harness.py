@@ -96,3 +96,15 @@ def test_light_import():
     code = ("import sys, tinyserve_dev.evaluation, tinyserve_dev.evaluation.results, "
             "tinyserve_dev.evaluation.texts; assert 'torch' not in sys.modules; print('ok')")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+
+
+def test_dense_layer_indices_are_dense(tiny):
+    """Naming every layer by index is all dense; naming some is neither all dense nor the count form."""
+    model, ids = tiny
+    spec = SelectionSpec("window", budget=8, page_size=8, sink_pages=0)
+    n = model.config.num_hidden_layers
+    every = logits(model, ids, SparseAttentionHarness(spec, dense_layers=tuple(range(n)), decode_from=10))
+    torch.testing.assert_close(every, logits(model, ids), atol=1e-5, rtol=1e-5)
+    last = logits(model, ids, SparseAttentionHarness(spec, dense_layers=(n - 1,), decode_from=10))
+    first = logits(model, ids, SparseAttentionHarness(spec, dense_layers=1, decode_from=10))
+    assert (last - first).abs().max() > 1e-4 and (last - every).abs().max() > 1e-4

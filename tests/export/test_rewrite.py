@@ -69,6 +69,28 @@ def test_dense_layers_and_scale(export_fixture, tmp_path):
     assert scales == [0.0, 0.0]  # 1/sqrt(16) found in the graph is the op's default
 
 
+def test_dense_layer_indices(export_fixture, tmp_path):
+    """--dense-layers as indices: the named layer is dense, a leading one is not (the count form
+    could not say that), and the manifest keeps the list for calibration and the harness."""
+    src = export_fixture("llama", "legacy_eager")
+    export_model(src / "model.onnx", tmp_path / "pkg", ExportConfig(page_size=4, dense_layers=(1,)), quiet=True)
+    model = onnx.load(str(tmp_path / "pkg" / "model.onnx"))
+    ops = [n for n in model.graph.node if n.op_type == schema.OP_TYPE]
+    policies = [onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "policy")) for n in ops]
+    assert policies == [b"query_aware", b"dense"]
+    manifest = json.loads((tmp_path / "pkg" / "tinyserve.json").read_text())
+    assert manifest["dense_layers"] == [1]
+
+
+def test_dense_layer_past_the_model_is_input_error(export_fixture, tmp_path):
+    from tinyserve_trt.export.errors import InputError
+
+    src = export_fixture("llama", "legacy_eager")
+    with pytest.raises(InputError, match=r"dense_layers \[5\] out of range: the model has 2 layers"):
+        export_model(src / "model.onnx", tmp_path / "pkg", ExportConfig(page_size=4, dense_layers=(0, 5)), quiet=True)
+    assert not (tmp_path / "pkg").exists()
+
+
 def test_sparse_budget_changes_logits(export_fixture, tmp_path):
     """The rewritten model really selects pages: a small budget on long prompts moves the logits."""
     import onnxruntime as ort

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve_trt.contracts.dense_layers import dense_layer_indices
+
 from .decode_attention import DENSE, SelectionSpec, decode_attention
 
 _names = itertools.count()
@@ -27,17 +29,18 @@ _names = itertools.count()
 @dataclass
 class SparseAttentionHarness:
     spec: SelectionSpec = DENSE
-    dense_layers: int = 0
+    dense_layers: int | tuple[int, ...] = 0  # the leading count, or indices (contracts.dense_layers)
     decode_from: int = 0  # absolute position of the first decode step
     chunk: int = 256  # query rows per block: memory ~ heads * chunk * context floats
     probe: object = None  # a recall.RecallProbe fed by every decode row of every layer
 
     def __post_init__(self):
-        if self.dense_layers < 0 or self.decode_from < 0 or self.chunk < 1:
-            raise ValueError("dense_layers and decode_from must be >= 0, chunk >= 1")
+        dense_layer_indices(self.dense_layers)  # a count or layer indices
+        if self.decode_from < 0 or self.chunk < 1:
+            raise ValueError("decode_from must be >= 0, chunk >= 1")
 
     def layer_spec(self, layer: int) -> SelectionSpec:
-        return DENSE if layer < self.dense_layers else self.spec
+        return DENSE if layer in dense_layer_indices(self.dense_layers) else self.spec
 
     def __call__(self, module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kwargs):
         """query [1, H, S, D], key/value [1, Hkv, P + S, D] -> ([1, S, H, D], None)."""

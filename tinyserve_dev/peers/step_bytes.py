@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.runtime.config import KV_DTYPES
 
 
@@ -56,7 +57,8 @@ class StepGeometry:
     def of_package(cls, package) -> StepGeometry:
         s = package.spec
         share = s.candidate_share if s.candidate_share is not None else cls.candidate_share
-        return cls(s.num_layers, s.num_kv_heads, s.head_dim, s.page_size, s.dtype, min(s.dense_layers, s.num_layers),
+        return cls(s.num_layers, s.num_kv_heads, s.head_dim, s.page_size, s.dtype,
+                   len(dense_layer_indices(s.dense_layers, s.num_layers)),
                    s.sub_page_size, share, s.sink_pages, s.recent_pages)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from tinyserve_trt.calibration.source import ObservationSource
 from tinyserve_trt.contracts.calibration import CalibrationArtifact
+from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.contracts.cold_tier import (DEFAULT_HOT_FRACTION, INT4_GROUP_SIZE, TierConfig, cold_page_bytes,
                                                default_int8_layers_count)
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
@@ -62,7 +63,7 @@ class CalibrationConfig:
     cold_format: str = "int4"  # tinyserve-export's default for the ort backend
     group_size: int = INT4_GROUP_SIZE
     sub_page_size: int = 0
-    dense_layers: int = 0
+    dense_layers: int | tuple[int, ...] = 0  # a count (the leading ones) or indices: contracts.dense_layers
     int8_layers_count: int | None = None  # None: default_int8_layers_count(layers)
 
     def __post_init__(self):
@@ -70,7 +71,8 @@ class CalibrationConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("token_budget", "sink_pages", "sub_page_size", "dense_layers", "int8_layers_count"):
+        dense_layer_indices(self.dense_layers)  # a count or layer indices (ValueError, one line)
+        for name in ("token_budget", "sink_pages", "sub_page_size", "int8_layers_count"):
             v = getattr(self, name)
             if v is None and name == "int8_layers_count":
                 continue
@@ -104,7 +106,7 @@ class CalibrationConfig:
 
     def keys_on_codes(self, layer: int) -> bool:
         """Whether ``layer``'s node is two-level (INT4 keys quantize on its sub-page codes)."""
-        return bool(self.sub_page_size and self.sub_page_size < self.page_size and layer >= self.dense_layers)
+        return bool(self.sub_page_size and self.sub_page_size < self.page_size and layer not in dense_layer_indices(self.dense_layers))
 
 
 def _no_progress(it, desc):

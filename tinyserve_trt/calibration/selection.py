@@ -10,21 +10,25 @@ two-level included - so the selections are the op's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.ops.reference import decode_keep
 
 
 def replay_selection(queries: np.ndarray, keys: np.ndarray, positions, page_size: int, token_budget: int,
-                     attrs: schema.OpAttributes, dense_layers: int = 0) -> np.ndarray:
+                     attrs: schema.OpAttributes, dense_layers: int | Sequence[int] = 0) -> np.ndarray:
     """``[steps, L, Hkv, NP]`` bool selections at decode ``positions``.
 
     queries: ``[L, H, T, D]`` after rotary; keys: ``[L, Hkv, T, D]``; NP covers the last step.
     ``attrs``: the sparse layers' op attributes (``sub_page_size`` not 0 or ``page_size``: two-level;
-    a page is selected when any of its sub-pages is); the leading ``dense_layers`` run the dense
-    policy, as an exported package's do (every page selected).
+    a page is selected when any of its sub-pages is); ``dense_layers`` (the leading count, or
+    indices: ``contracts.dense_layers``) run the dense policy, as an exported package's do (every
+    page selected).
     """
     L, H, T, D = queries.shape
     Hkv = keys.shape[1]
@@ -39,12 +43,13 @@ def replay_selection(queries: np.ndarray, keys: np.ndarray, positions, page_size
     r = ps // attrs.sub_page_size if two_level else 1
     scale = schema.resolve_scale(attrs.scale, D)
     NP = -(-max(positions) // ps)
+    dense = dense_layer_indices(dense_layers, L)
     out = np.zeros((len(positions), L, Hkv, NP), bool)
     for i, t in enumerate(positions):
         n = -(-t // ps)
         pad = n * ps - t
         for layer in range(L):
-            if layer < dense_layers:
+            if layer in dense:
                 out[i, layer, :, :n] = True
                 continue
             k = keys[layer, :, :t]  # [Hkv, t, D]

@@ -8,6 +8,7 @@ The op's policies, its ``candidate_share`` range and its version come from ``ops
 from __future__ import annotations
 
 from tinyserve_trt.contracts.package_paths import PackageError
+from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.ops import schema
 
 BACKENDS = ("ort", "trt")
@@ -92,7 +93,15 @@ def check_scalars(m) -> None:
     """The manifest's policy, layer counts, backend, two-level share and informational sections."""
     if m.policy not in schema.POLICIES:
         raise PackageError(f"policy must be one of {schema.POLICIES}, got {m.policy!r}")
-    check_int("dense_layers", m.dense_layers, 0, m.num_layers)
+    if isinstance(m.dense_layers, int) and not isinstance(m.dense_layers, bool):
+        check_int("dense_layers", m.dense_layers, 0, m.num_layers)  # a count: the leading ones
+    elif not isinstance(m.dense_layers, list):
+        raise PackageError(f"dense_layers must be a count or a list of layer indices, got {m.dense_layers!r}")
+    else:
+        try:
+            dense_layer_indices(m.dense_layers, m.num_layers)
+        except ValueError as e:
+            raise PackageError(str(e)) from None
     check_int("sink_pages", m.sink_pages, 0)
     check_int("recent_pages", m.recent_pages, 0)
     if m.backend not in BACKENDS:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..contracts.dense_layers import parse_dense_layers
 from ..ops import schema
 from ..ops.policies import selecting
 from .config import BACKENDS, INT8_LAYER_CHOICES, ExportConfig
@@ -42,8 +43,10 @@ def parser() -> argparse.ArgumentParser:
                         "the model's own (max_position_embeddings in the config.json beside it), else 8192")
     p.add_argument("--token-budget", type=int, default=DEFAULTS.token_budget,
                    help="default decode token budget the runtime uses (0 = dense); default %(default)s")
-    p.add_argument("--dense-layers", type=int, default=DEFAULTS.dense_layers,
-                   help="leading layers that keep dense attention (Quest keeps 2); default %(default)s")
+    p.add_argument("--dense-layers", default=str(DEFAULTS.dense_layers),
+                   help="layers that keep dense attention: N (the leading N; Quest keeps 2) or comma-separated "
+                        "indices, e.g. the ones benchmarks/selection_probe.py --layer-sensitivity ranks first; "
+                        "default %(default)s")
     p.add_argument("--policy", default=DEFAULTS.policy, choices=selecting(),
                    help="page selection policy of the sparse layers; default %(default)s")
     p.add_argument("--sink-pages", type=int, default=DEFAULTS.sink_pages, help="leading pages always kept")
@@ -88,7 +91,8 @@ def parser() -> argparse.ArgumentParser:
 def _config(args) -> ExportConfig:
     page_size = args.page_size if args.page_size == "auto" else _int(args.page_size, "--page-size")
     try:
-        return ExportConfig(page_size=page_size, token_budget=args.token_budget, dense_layers=args.dense_layers,
+        return ExportConfig(page_size=page_size, token_budget=args.token_budget,
+                            dense_layers=parse_dense_layers(args.dense_layers),
                             policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
                             fp16=args.fp16, fp32_kv=args.fp32_kv, validate=not args.no_validate, backend=args.backend,
                             cold_pages=args.cold_pages is not None, calibration=args.calibration,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..contracts.cold_tier import check_int8_layers
+from ..contracts.dense_layers import dense_layer_indices
 from ..ops import policies, schema
 
 BACKENDS = ("ort", "trt")
@@ -55,7 +56,8 @@ def resolve_max_context(config: ExportConfig, source: Path) -> tuple[ExportConfi
 class ExportConfig:
     page_size: int | str = DEFAULT_PAGE_SIZE  # or "auto"
     token_budget: int = 1024  # the runtime's default decode budget (0 = dense)
-    dense_layers: int = 2  # leading layers kept dense, as Quest does
+    # layers kept dense: the leading N (Quest keeps 2), or layer indices (contracts.dense_layers)
+    dense_layers: int | tuple[int, ...] = 2
     policy: str = "query_aware"
     sink_pages: int = 1
     recent_pages: int = 1
@@ -106,8 +108,9 @@ class ExportConfig:
             raise ValueError(f"page_size must be a power of two or 'auto', got {self.page_size!r}")
         if self.token_budget < 0:
             raise ValueError(f"token_budget must be >= 0 (0 = dense), got {self.token_budget}")
-        if self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        if not isinstance(self.dense_layers, int):
+            object.__setattr__(self, "dense_layers", dense_layer_indices(self.dense_layers))
+        dense_layer_indices(self.dense_layers)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "trt" and self.policy not in policies.implemented_by("cuda"):
@@ -170,8 +173,8 @@ class ExportConfig:
         elif self.int8_layers is None and calibrated is not None:
             layers, where = tuple(calibrated), "from calibration (layer sensitivity)"
         elif self.int8_layers == "dense":
-            n = min(self.dense_layers, num_layers)
-            layers, where = tuple(range(n)), f"the dense layers (the leading {n})"
+            layers = self.dense_layer_set(num_layers)
+            where = f"the dense layers ({', '.join(map(str, layers)) or 'none'})"
         elif self.int8_layers is None:  # a calibration artifact that names none (an INT8 one)
             layers, where = (), "the calibration names none"
         elif self.int8_layers == "none":
@@ -182,6 +185,10 @@ class ExportConfig:
         if bad:
             raise ValueError(f"int8 layers {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
         return tuple(sorted(layers)), where
+
+    def dense_layer_set(self, num_layers: int) -> tuple[int, ...]:
+        """The dense layers of a ``num_layers`` model (ValueError for an index past its layers)."""
+        return dense_layer_indices(self.dense_layers, num_layers)
 
     def tolerance(self) -> float:
         """FP16 pages round K/V to 11 significant bits; SmolLM2's logits then move by
@@ -221,7 +228,7 @@ class ExportConfig:
 
     def layer_attributes(self, layer: int, scale: float) -> schema.OpAttributes:
         """Dense layers, and a sub-page size equal to the page size, are single-level (no fine bounds)."""
-        policy = "dense" if layer < self.dense_layers else self.policy
+        policy = "dense" if layer in dense_layer_indices(self.dense_layers) else self.policy
         sp = self.resolved_sub_page_size()
         two_level = policy != "dense" and sp not in (0, self.resolved_page_size())
         return schema.OpAttributes(scale=scale, policy=policy, sink_pages=self.sink_pages,

@@ -18,13 +18,14 @@ import onnx_ir as ir
 
 from .. import __version__
 from ..contracts.cold_tier import describe_format, tier_codecs
+from ..contracts.dense_layers import manifest_value as manifest_dense_layers
 from ..contracts.manifest import ENGINE_FILE, MODEL_FILE, ColdTier, Manifest, PackageIO
 from ..ops import schema
 from ..ops.node import attach_functions
 from . import checks
 from .calibration_artifact import load_calibration, with_calibration
 from .config import ExportConfig, resolve_max_context
-from .errors import UnsupportedError
+from .errors import InputError, UnsupportedError
 from .kv_io import LayerPlan, rewrite
 from .native_decode import decode_summary
 from .tier_fields import cold_tier_fields, two_level_fields
@@ -195,7 +196,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         tool_version=__version__, op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
         num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
         vocab_size=dims["vocab"], page_size=done.page_size, token_budget=config.token_budget,
-        dense_layers=min(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
+        dense_layers=manifest_dense_layers(config.dense_layers, len(plans)), policy=config.policy, sink_pages=config.sink_pages,
         recent_pages=config.recent_pages, dtype=done.kv_dtype,
         max_context=config.max_context, io=PackageIO(done.paged.inputs, done.paged.outputs, done.paged.layers),
         source=dict(path=source.name, sha256=sha, rules=dict(counts), opset=_onnx_opset(proto)),
@@ -324,6 +325,10 @@ def _plan_layers(model, matches, io, past_inputs, config: ExportConfig):
             for m in matches:
                 checks.check_masks(m, long, past, 1)
             break
+    try:
+        config.dense_layer_set(len(matches))
+    except ValueError as e:
+        raise InputError(f"--dense-layers: {e}") from None
     plans = []
     for i, m in enumerate(matches):
         q, k = values[m.query.name], values[m.key.new.name]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..contracts.cold_tier import INT4_GROUP_SIZE, TierConfig, cold_page_bytes, cold_page_ratio
+from ..contracts.dense_layers import describe as describe_dense_layers
 from ..ops import fine_bounds
 from ..ops.cold_codec import INT4_FORMAT_VERSION
 from .config import ExportConfig
@@ -24,7 +25,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("bytes / token / KV head", _bytes_per_token(report, config)),
              ("cold page", _cold_page(report, config)),
              ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
-             ("dense layers", str(min(config.dense_layers, report.layers))),
+             ("dense layers", describe_dense_layers(config.dense_layers, report.layers)),
              ("validation max |logit diff|",
               f"{report.validation:.2e} (<= {report.tolerance or config.tolerance():.3g}"
               + (f"; the source's own noise {report.source_noise:.1e}" if report.source_noise is not None else "") + ")"
