@@ -46,6 +46,39 @@ def parse_row(text: str) -> dict:
     return row
 
 
+def cover_list(costs: list[float], cover: float) -> list[int]:
+    """The fewest layers, costliest first, whose positive costs sum to ``cover`` of all positive costs."""
+    total = sum(c for c in costs if c > 0)
+    chosen, acc = [], 0.0
+    for layer in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        if costs[layer] <= 0 or acc >= cover * total:
+            break
+        chosen.append(layer)
+        acc += costs[layer]
+    return sorted(chosen)
+
+
+def layer_sensitivity(pp, spec, num_layers: int, dense_nll: float, cover: float) -> tuple[list[str], str]:
+    """Rows ``| layer | ppl | NLL cost | rank |`` of ``spec`` in one layer at a time, plus the list line."""
+    costs, ppls = [], []
+    for layer in range(num_layers):
+        t0 = time.perf_counter()
+        others = tuple(i for i in range(num_layers) if i != layer)
+        r = pp.run(spec, dense_layers=others)
+        costs.append(r.nll - dense_nll)
+        ppls.append(r.ppl)
+        print(f"layer {layer}: NLL cost {costs[-1]:+.5f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rank = {layer: i + 1 for i, layer in enumerate(sorted(range(num_layers), key=lambda i: -costs[i]))}
+    lines = [f"| {i} | {ppls[i]:.4f} | {costs[i]:+.5f} | {rank[i]} |" for i in range(num_layers)]
+    chosen = cover_list(costs, cover)
+    lines.append(f"\nSummed positive cost {sum(c for c in costs if c > 0):.5f} nats; the layers covering {cover:.0%} "
+                 f"of it: `--dense-layers {','.join(map(str, chosen))}`.")
+    print(f"--dense-layers {','.join(map(str, chosen))}")
+    head = (f"Each layer alone under `{spec.label()}`, every other layer dense: the NLL it adds (nats/token).\n\n"
+            "| layer | ppl | NLL cost | rank |\n|---|---|---|---|\n")
+    return lines, head
+
+
 def main(argv=None) -> int:
     defaults = ExportConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -61,6 +94,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-layers", type=int, default=defaults.dense_layers)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=128, help="query rows per attention block (memory)")
+    ap.add_argument("--dense-layer-list", default=None,
+                    help="comma-separated dense layer indices instead of the leading --dense-layers")
+    ap.add_argument("--layer-sensitivity", action="store_true",
+                    help="per layer, the first row's selection in that layer alone (the rest dense): its NLL cost, "
+                         "ranked, and the --dense-layers list that covers --cover of the summed cost")
+    ap.add_argument("--cover", type=float, default=0.8, help="--layer-sensitivity: share of the summed cost to cover")
     ap.add_argument("--out", type=Path, default=RESULTS / "selection_probe.md")
     args = ap.parse_args(argv)
     try:
@@ -100,13 +139,21 @@ def main(argv=None) -> int:
     pp = PrefixPerplexity(model, ids, args.context - 1 - args.eval_tokens, chunk=args.chunk)
     dense = pp.run(DENSE)
     print(f"dense ppl {dense.ppl:.4f} ({time.perf_counter() - t_start:.0f} s with the prefill)", flush=True)
-    lines = []
-    for row, spec in zip(names, specs):
-        t0 = time.perf_counter()
-        r = pp.run(spec, dense_layers=args.dense_layers)
-        lines.append(f"| `{row}` | {r.ppl:.4f} | {r.ppl / dense.ppl:.4f} |")
-        print(f"{row}: ppl {r.ppl:.4f} = {r.ppl / dense.ppl:.4f}x dense ({time.perf_counter() - t0:.0f} s)",
-              flush=True)
+    dense_layers = args.dense_layers
+    if args.dense_layer_list:
+        from tinyserve_trt.contracts.dense_layers import parse_dense_layers
+
+        dense_layers = parse_dense_layers(args.dense_layer_list)
+    if args.layer_sensitivity:
+        lines, table_head = layer_sensitivity(pp, specs[0], model.config.num_hidden_layers, dense.nll, args.cover)
+    else:
+        lines, table_head = [], "| selection (policy:budget:sub:share) | ppl | ratio to dense |\n|---|---|---|\n"
+        for row, spec in zip(names, specs):
+            t0 = time.perf_counter()
+            r = pp.run(spec, dense_layers=dense_layers)
+            lines.append(f"| `{row}` | {r.ppl:.4f} | {r.ppl / dense.ppl:.4f} |")
+            print(f"{row}: ppl {r.ppl:.4f} = {r.ppl / dense.ppl:.4f}x dense ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     header = (f"\n<!-- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ} -->\n"
@@ -114,8 +161,8 @@ def main(argv=None) -> int:
               f"Command: `python benchmarks/selection_probe.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
               f"({platform.machine()}, commit {commit}, wall {time.perf_counter() - t_start:.0f} s). "
               f"Page {args.page_size}, sinks {args.sink_pages}, recent {args.recent_pages}, "
-              f"dense layers {args.dense_layers}.\n\n| selection (policy:budget:sub:share) | ppl | ratio to dense |\n|---|---|---|\n"
-              f"| dense | {dense.ppl:.4f} | 1.0000 |\n")
+              f"dense layers {dense_layers}.\n\n{table_head}"
+              + (f"| dense | {dense.ppl:.4f} | 1.0000 |\n" if not args.layer_sensitivity else ""))
     if not args.out.exists():
         args.out.write_text("# Selection probe: perplexity under several page selections (HF torch harness)\n\n"
                             "`python benchmarks/selection_probe.py` appends one section per run.\n")

@@ -266,6 +266,16 @@ def test_selection_probe_rows_parse_and_reject(capsys):
         probe.main(["--rows", "query_aware:lots"])
     assert e.value.code == 2 and "query_aware:lots" in capsys.readouterr().err
 
+
+def test_selection_probe_cover_list():
+    """The costliest layers first until they cover the share of the summed positive cost; gains ignored."""
+    probe = load("selection_probe")
+    costs = [0.003, 0.0, 0.009, -0.004, 0.018, 0.001]  # positive sum 0.031
+    assert probe.cover_list(costs, 0.5) == [4]  # 0.018 >= 0.0155
+    assert probe.cover_list(costs, 0.8) == [2, 4]  # 0.027 >= 0.0248
+    assert probe.cover_list(costs, 1.0) == [0, 2, 4, 5]  # never the free or helpful layers
+    assert probe.cover_list([-0.1, 0.0], 0.8) == []
+
 def test_genai_runs_on_the_given_threads(monkeypatch, tmp_path):
     """bench_decode.time_genai sets GenAI's intra-op threads (it used to run on every core)."""
     seen = {}
