@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -93,6 +94,11 @@ def _old_graphs(jobs: list[tuple[Path, tuple]], tmp: Path) -> list[onnx.ModelPro
     archive = subprocess.run(["git", "-C", str(REPO), "archive", OLD_COMMIT, "tinyserve_trt"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    # the op's definition (its function bodies, which the old passes inline and re-attach) is
+    # today's: the comparison is of the passes alone, not of the op as it was at OLD_COMMIT
+    shutil.rmtree(old / "tinyserve_trt" / "ops")
+    shutil.copytree(REPO / "tinyserve_trt" / "ops", old / "tinyserve_trt" / "ops",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     spec = [(str(src), str(tmp / f"old{i}.onnx"), plan) for i, (src, plan) in enumerate(jobs)]
     subprocess.run([sys.executable, "-c", OLD_SCRIPT, str(old), json.dumps(spec)], check=True,
                    env=dict(os.environ, PYTHONPATH=str(old)), cwd=tmp)
