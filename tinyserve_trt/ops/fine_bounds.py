@@ -104,8 +104,8 @@ def pages_sub_bounds(keys: np.ndarray, sub_page_size: int, page_min: np.ndarray,
     r = ps // sub_page_size
     k = keys.astype(np.float32).reshape(U, Hkv, r, sub_page_size, D)
     written = (np.arange(ps)[None, :] < np.asarray(valid).reshape(U, 1)).reshape(U, 1, r, sub_page_size, 1)
-    smin = np.where(written, k, np.inf).min(axis=3)
-    smax = np.where(written, k, -np.inf).max(axis=3)
+    smin = k.min(axis=3, where=written, initial=np.inf)  # where=: no masked copies of the keys
+    smax = k.max(axis=3, where=written, initial=-np.inf)
     empty = ~written.any(axis=3)  # [U, 1, r, 1]
     kmin32 = np.broadcast_to(page_min.astype(np.float32)[:, :, None, :], smin.shape)
     kmax32 = np.broadcast_to(page_max.astype(np.float32)[:, :, None, :], smax.shape)

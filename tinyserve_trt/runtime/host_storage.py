@@ -227,8 +227,9 @@ class HostKVStorage(KVStorage):
         valid = np.asarray(valid)
         mask = (np.arange(self.page_size) < valid[..., None])[..., None, :, None]
         big = np.array(np.inf, keys.dtype)
-        kmin = self._key_min[layer, pages] = np.where(mask, keys, big).min(axis=-2)
-        kmax = self._key_max[layer, pages] = np.where(mask, keys, -big).max(axis=-2)
+        # reductions with where=: no masked copy of every written page (a prefill writes them all)
+        kmin = self._key_min[layer, pages] = keys.min(axis=-2, where=mask, initial=big)
+        kmax = self._key_max[layer, pages] = keys.max(axis=-2, where=mask, initial=-big)
         if self.sub_page_size:  # after min/max: the codes are relative to them
             h, ps, d = keys.shape[-3:]
             codes = pages_sub_bounds(keys.reshape(-1, h, ps, d), self.sub_page_size, kmin.reshape(-1, h, d),
