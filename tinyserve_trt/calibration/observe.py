@@ -106,7 +106,8 @@ class CalibrationConfig:
 
     def keys_on_codes(self, layer: int) -> bool:
         """Whether ``layer``'s node is two-level (INT4 keys quantize on its sub-page codes)."""
-        return bool(self.sub_page_size and self.sub_page_size < self.page_size and layer not in dense_layer_indices(self.dense_layers))
+        return bool(self.sub_page_size and self.sub_page_size < self.page_size
+                    and layer not in dense_layer_indices(self.dense_layers))
 
 
 def _no_progress(it, desc):

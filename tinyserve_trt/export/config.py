@@ -108,9 +108,9 @@ class ExportConfig:
             raise ValueError(f"page_size must be a power of two or 'auto', got {self.page_size!r}")
         if self.token_budget < 0:
             raise ValueError(f"token_budget must be >= 0 (0 = dense), got {self.token_budget}")
-        if not isinstance(self.dense_layers, int):
-            object.__setattr__(self, "dense_layers", dense_layer_indices(self.dense_layers))
-        dense_layer_indices(self.dense_layers)
+        indices = dense_layer_indices(self.dense_layers)  # ValueError, one line, for a bad value
+        if not isinstance(self.dense_layers, int):  # indices: sorted, a tuple (the config stays hashable)
+            object.__setattr__(self, "dense_layers", indices)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "trt" and self.policy not in policies.implemented_by("cuda"):

@@ -43,7 +43,7 @@ F = TensorProto.FLOAT
 I64 = TensorProto.INT64
 MIN_OPSET = 15  # CastLike
 # what a layer attends: gathered K/V [B, Hkv, K, ps|sp, D], selected pages, which of the T key slots are real
-_KEPT = dict(keys=None, vals=None, selected=TensorProto.BOOL, tok_ok=TensorProto.BOOL, T=I64)  # None: the pool's
+_KEPT = dict(keys=None, vals=None, selected=TensorProto.BOOL, tok_ok=TensorProto.BOOL)  # None: the pool's
 
 
 def _attr_protos() -> list[onnx.AttributeProto]:
@@ -156,19 +156,23 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         cached = b.op("Slice", probs, i64(0), b.op("Mul", NP, ps), i64(3))
         return b.reduce("ReduceSum", b.op("Reshape", cached, b.cat(B, Hkv, i64(-1), NP, ps)), [4])
 
-    def attention_probs(keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
-        # Cached and new keys are scored by separate MatMuls and only the logits are
-        # concatenated: a Concat of the keys would copy every gathered page once more.
+    def masked_logits(queries, keys, tok_ok):  # keys [B,Hkv,T,D], tok_ok bool [B|1, Hkv|1, 1, T]
+        """(cached [B, Hkv, GS, T], new [B, Hkv, GS, S]) logits of ``queries`` [B, Hkv, GS, D], -inf where masked.
+        Cached and new keys are scored by separate MatMuls (a Concat of the keys would copy every
+        gathered page once more), each part masked where it is made by a 0 / -inf bias built on the
+        small mask tensor: a broadcast Add over the logits is ORT CPU's vectorized path, a Where with
+        a broadcast bool condition ~1.4x slower here, and no expanded [B, Hkv, GS, T+S] mask."""
         def logits_of(x):
-            return b.op("MatMul", qg, b.op("Transpose", x, perm=[0, 1, 3, 2]))
+            return b.op("MatMul", queries, b.op("Transpose", x, perm=[0, 1, 3, 2]))
         s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
         causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]),
                       b.unsqueeze(s_of_row, [1]))  # [GS, S]: new token j visible from row (g, s) iff j <= s
-        # Each part masked where it is made (the masks broadcast): no expanded [B, Hkv, GS, T+S] mask.
-        neg_inf = b.const(-np.inf, np.float32)
-        cached = b.op("Where", tok_ok, logits_of(keys), neg_inf)
-        new = b.op("Where", b.unsqueeze(causal, [0, 1]), logits_of(kf), neg_inf)
-        return b.op("Softmax", b.op("Mul", b.op("Concat", cached, new, axis=3), scale), axis=-1)
+        zero_f, neg_inf = b.const(0.0, np.float32), b.const(-np.inf, np.float32)
+        return (b.op("Add", logits_of(keys), b.op("Where", tok_ok, zero_f, neg_inf)),
+                b.op("Add", logits_of(kf), b.op("Where", b.unsqueeze(causal, [0, 1]), zero_f, neg_inf)))
+
+    def attention_probs(keys, tok_ok):  # [B, Hkv, GS, T+S] probabilities (the oracle's page mass)
+        return b.op("Softmax", b.op("Mul", b.op("Concat", *masked_logits(qg, keys, tok_ok), axis=3), scale), axis=-1)
 
     page_idx_f = b.op("Reshape", b.op("Cast", page_idx, to=F), i64(1, 1, 1, -1))
     valid3, forced3 = b.unsqueeze(valid, [1]), b.unsqueeze(forced, [1])
@@ -192,20 +196,19 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         ok = b.op("Expand", b.op("Less", rank, b.op("Reshape", k_per_seq, i64(-1, 1, 1))), b.cat(B, Hkv, kmax))
         return top, ok, kmax, vals
 
-    def attended(keys, vals, selected, tok_first, tok_len, tok_ok_rank, n_slots):
-        """The kept slots' K/V with the mask of their real tokens ``tok_ok [B, Hkv, 1, T]`` and ``T``."""
+    def attended(keys, vals, selected, tok_first, tok_len, tok_ok_rank):
+        """The kept slots' K/V with the mask of their real tokens ``tok_ok [B, Hkv, 1, T]``."""
         tok = b.op("Add", b.unsqueeze(tok_first, [3]),
                    b.op("Reshape", b.op("Range", zero, b.scalar(tok_len), one), i64(1, 1, 1, -1)))  # [B, Hkv, K, len]
         tok_ok = b.op("And", b.op("Less", tok, b.op("Reshape", past64, i64(-1, 1, 1, 1))),
                       b.unsqueeze(tok_ok_rank, [3]))
         tok_ok = b.op("Reshape", tok_ok, b.cat(B, Hkv, i64(1, -1)))  # [B, Hkv, 1, K*len]
-        T = b.op("Mul", n_slots, tok_len)  # cached key slots gathered: from shared counts, not a Shape per layer
-        return dict(keys=keys, vals=vals, selected=selected, tok_ok=tok_ok, T=T)
+        return dict(keys=keys, vals=vals, selected=selected, tok_ok=tok_ok)
 
     def every_page():  # all valid pages in page-table order: no scores, no TopK
         every = b.op("Expand", valid3, b.cat(B, Hkv, NP))
         return attended(gather_pages(kc, pt_bh, flat=False), gather_pages(vc, pt_bh, flat=False), every,
-                        b.op("Mul", b.op("Reshape", page_idx, i64(1, 1, -1)), ps), ps, every, NP)
+                        b.op("Mul", b.op("Reshape", page_idx, i64(1, 1, -1)), ps), ps, every)
 
     def kept_pages():  # the policy's pages (or sub-pages): scores -> TopK
         per_head = policy.score_onnx(OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass))
@@ -216,19 +219,19 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         fill = b.op("Where", forced3, b.const(np.inf, np.float32), b.const(-np.inf, np.float32))
         scores = b.op("Expand", b.op("Where", ranked, scores, fill), b.cat(B, Hkv, NP))
         if not two_level:
-            top, rank_ok, n_slots, _ = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
+            top, rank_ok, _, _ = top_k(scores, k_b, NP)  # [B, Hkv, K] logical pages
             selected = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, NP)), top,
                             rank_ok, axis=2)
             phys = b.op("GatherElements", pt_bh, top, axis=2)
             return attended(gather_pages(kc, phys, flat=False), gather_pages(vc, phys, flat=False), selected,
-                            b.op("Mul", top, ps), ps, rank_ok, n_slots)
+                            b.op("Mul", top, ps), ps, rank_ok)
         sel = two_level_selection(
             b, counts=counts, scores=scores, coarse_per_head=per_head, top_k=top_k, pt_bh=pt_bh, kmin=kmin, kmax=kmax,
             sub_bounds=schema.TWO_LEVEL_INPUTS[0], gather_rows=gather_rows, policy=policy, qg=qg, reduce_op=reduce_op,
             ps=ps, NP=NP, n_b=n_b, forced=forced, keep_n=keep_n, B=B, Hkv=Hkv, D=D, GS=GS)
         sub = (sel["j"], sel["r"])
         return attended(gather_pages(kc, sel["phys"], sub, False), gather_pages(vc, sel["phys"], sub, False),
-                        sel["selected"], sel["first_token"], sel["sp"], sel["ok"], sel["slots"])
+                        sel["selected"], sel["first_token"], sel["sp"], sel["ok"])
 
     # A step where every row keeps all its pages (short contexts, budget 0, prefill) skips the
     # selection: an If on the per-step dense switch (the same for every layer) - bit-for-bit the
@@ -255,17 +258,7 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
     # [.., D] queries instead of the logits - four fewer passes over the largest tensor a prefill
     # chunk makes (SmolLM2, a 512-token chunk at 2K: those passes were ~45% of the chunk's time).
     # Every row sees its own token, so the max is finite and the denominator >= 1.
-    q_s = b.op("Mul", qg, scale)
-    neg_inf = b.const(-np.inf, np.float32)
-    s_of_row = b.op("Mod", b.op("Range", zero, b.scalar(GS), one), b.scalar(S))
-    causal = b.op("LessOrEqual", b.unsqueeze(b.op("Range", zero, b.scalar(S), one), [0]), b.unsqueeze(s_of_row, [1]))
-    # masks as additive 0 / -inf biases made on the small mask tensors: a broadcast Add over the logits
-    # is ORT CPU's vectorized path, a Where with a broadcast bool condition ~1.4x slower here
-    zero_f = b.const(0.0, np.float32)
-    cached = b.op("Add", b.op("MatMul", q_s, b.op("Transpose", keys, perm=[0, 1, 3, 2])),
-                  b.op("Where", tok_ok, zero_f, neg_inf))
-    new = b.op("Add", b.op("MatMul", q_s, b.op("Transpose", kf, perm=[0, 1, 3, 2])),
-               b.op("Where", b.unsqueeze(causal, [0, 1]), zero_f, neg_inf))
+    cached, new = masked_logits(b.op("Mul", qg, scale), keys, tok_ok)
     m = b.op("Max", b.reduce("ReduceMax", cached, [3], keepdims=1), b.reduce("ReduceMax", new, [3], keepdims=1))
     e_cached, e_new = (b.op("Exp", b.op("Sub", x, m)) for x in (cached, new))
     den = b.op("Add", b.reduce("ReduceSum", e_cached, [3], keepdims=1), b.reduce("ReduceSum", e_new, [3], keepdims=1))

@@ -55,7 +55,7 @@ def two_level_selection(b, *, counts, scores, coarse_per_head, top_k, pt_bh, kmi
     ``[B, Hkv, G*S, NP]`` the policy's per-head scores before the group reduce; forced ``[B, NP]``;
     keep_n ``[B]`` = ``max(budget // ps, #forced)``; ``top_k(x, k_b, width)`` -> (indices, rank < k_b,
     Kmax, values). Returns ``phys``/``j`` (physical page, sub-page in it) ``[B, Hkv, K2]``, ``ok``
-    (bool, slot used), ``slots`` (``K2``, ``[1]``), ``first_token`` (logical token index of each
+    (bool, slot used), ``first_token`` (logical token index of each
     slot), ``selected`` ``[B, Hkv, NP]`` (page has a kept sub-page), ``r`` and ``sp`` (``[1]``
     int64): the sub-pages per page and the slot's tokens.
     """
@@ -102,5 +102,5 @@ def two_level_selection(b, *, counts, scores, coarse_per_head, top_k, pt_bh, kmi
     marks = b.op("ScatterElements", b.op("Expand", b.const(False, np.bool_), b.cat(B, Hkv, b.op("Add", NP, one))),
                  target, b.op("Expand", b.const(True, np.bool_), b.cat(B, Hkv, k2)), axis=2)
     return dict(selected=b.op("Slice", marks, i64(0), NP, i64(2)), phys=b.op("GatherElements", phys1, slot, axis=2),
-                j=j, ok=ok2, slots=k2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)),
+                j=j, ok=ok2, first_token=b.op("Add", b.op("Mul", logical, ps), b.op("Mul", j, sp)),
                 r=r, sp=sp)
