@@ -125,3 +125,23 @@ def test_dense_steps_skip_the_selection(sub_page_size):
     assert "TopK" not in ops(body)  # the selection lives in its branch only
     dense = make_op_model("float32", schema.OpAttributes(policy="dense")).functions[0].node
     assert not {"If", "TopK"} & set(ops(dense))
+
+
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_dense_step_reads_only_pages_that_hold_cached_tokens(rng, new_tokens):
+    """A dense step gathers the table's first ceil(past / page_size) columns only: the columns
+    after them (the pages this step writes, padding) hold no cached token. Poisoned with NaN,
+    they must not reach the output - the old body gathered every column and masked them
+    afterwards (NaN + -inf is NaN), half the attention work of a first prefill chunk."""
+    spec = CaseSpec((40,), 8, 2, 16, 16, new_tokens, "float32", budget=0)
+    case = make_case(spec, rng)
+    ref_out, _ = sparse_attention_ref(**case, attrs=schema.OpAttributes())
+    poisoned = dict(case)
+    for name in ("key_cache", "value_cache", "key_min", "key_max"):
+        pool = case[name]
+        poisoned[name] = np.concatenate([pool, np.full((1,) + pool.shape[1:], np.nan, pool.dtype)])
+    table = np.concatenate([case["page_table"][:, :3], np.full((1, 2), len(case["key_cache"]), np.int32)], 1)
+    poisoned["page_table"] = table  # 40 tokens: pages 0-2 cached, columns 3-4 the poisoned page
+    out, sel = run_op(poisoned, schema.OpAttributes(), "float32")
+    np.testing.assert_allclose(out, ref_out, **schema.TOLERANCES["float32"])
+    assert [int(x) for x in sel[0, 0]] == [1, 1, 1, 0, 0]

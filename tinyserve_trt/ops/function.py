@@ -206,9 +206,16 @@ def make_function(attrs: schema.OpAttributes, cold_pages: bool = False, opset: i
         return dict(keys=keys, vals=vals, selected=selected, tok_ok=tok_ok)
 
     def every_page():  # all valid pages in page-table order: no scores, no TopK
+        # Only the first max_b n_b columns of the table hold cached tokens (the rest are the pages
+        # this step writes, or padding): gathering and scoring them would attend nothing - half
+        # the attention of a first prefill chunk. At least one page, so no tensor is empty.
         every = b.op("Expand", valid3, b.cat(B, Hkv, NP))
-        return attended(gather_pages(kc, pt_bh, flat=False), gather_pages(vc, pt_bh, flat=False), every,
-                        b.op("Mul", b.op("Reshape", page_idx, i64(1, 1, -1)), ps), ps, every)
+        n_max = b.op("Max", b.reduce("ReduceMax", n_b, [0], keepdims=1), one)  # [1]
+        used = b.op("Slice", every, i64(0), n_max, i64(2))  # [B, Hkv, n_max]
+        phys = b.op("Slice", pt_bh, i64(0), n_max, i64(2))
+        first = b.op("Mul", b.op("Reshape", b.op("Slice", page_idx, i64(0), n_max, i64(0)), i64(1, 1, -1)), ps)
+        return attended(gather_pages(kc, phys, flat=False), gather_pages(vc, phys, flat=False), every,
+                        first, ps, used)
 
     def kept_pages():  # the policy's pages (or sub-pages): scores -> TopK
         per_head = policy.score_onnx(OnnxScoreContext(b, qg, page_idx_f, minmax_T, dense_page_mass))
