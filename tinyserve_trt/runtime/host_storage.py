@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tinyserve_trt.cpu import append as native_append
 from tinyserve_trt.ops.cold_codec import ColdCodec
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
 from tinyserve_trt.runtime.append_bounds import append_bounds
@@ -165,6 +166,17 @@ class HostKVStorage(KVStorage):
         if before is not None and _one_append_per_page(page, off, pages, before):
             append_bounds(self._k, self._key_min, self._key_max, self._sub if self.sub_page_size else None,
                           page, off, k)
+        else:
+            self._refresh_pages(pages, valid)
+
+    def _refresh_pages(self, pages: np.ndarray, valid: np.ndarray) -> None:
+        """:meth:`_refresh_minmax` of ``pages`` in every layer (``valid [L, U]``): natively for a
+        float32 pool (``cpu/append.py``'s ``page_bounds``, bit for bit, no copy of the pages) when
+        the library is available, else in numpy."""
+        sub = self._sub if self.sub_page_size else None
+        if native_append.qualifies(self._k, self._key_min, self._key_max, sub, self._k) \
+                and native_append.available() is None:
+            native_append.page_bounds(self._k, self._key_min, self._key_max, sub, pages, valid)
         else:
             self._refresh_minmax(slice(None), pages, self._k[:, pages], valid)
 

@@ -153,3 +153,67 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
   }
   return kOk;
 }
+
+// tinyserve_page_bounds: key_min/key_max and sub-page codes of whole pages, recomputed from the
+// pool over each page's valid tokens - the C form of host_storage's _refresh_minmax for every
+// layer (numpy min/max with where= and initial=+-inf, then fine_bounds.pages_sub_bounds), equal
+// to it bit for bit (tests/cpu/test_native_page_bounds.py). What a prefill chunk's write needs:
+// it fills pages, so no append rule applies. keys [L, N, H, ps, D] float32; key_min/key_max
+// [L, Nm, H, D]; sub [L, Nm, H, r, D] uint8 or null; pages [U] int64; valid [L, U] int64 in
+// [0, ps]. Returns 0, or a Status (1: a page id outside the pool, 2: a valid count outside
+// [0, ps]; both checked before anything is written; 4: as tinyserve_append_bounds).
+extern "C" __attribute__((visibility("default"))) int tinyserve_page_bounds(
+    const float* keys, float* key_min, float* key_max, uint8_t* sub, const int64_t* pages, const int64_t* valid,
+    int64_t L, int64_t N, int64_t Nm, int64_t H, int64_t ps, int64_t D, int64_t U, int64_t r) {
+  for (int64_t u = 0; u < U; ++u)
+    if (pages[u] < 0 || pages[u] >= N || pages[u] >= Nm) return kBadPage;
+  for (int64_t i = 0; i < L * U; ++i)
+    if (valid[i] < 0 || valid[i] > ps) return kBadOffset;
+  const int64_t sp = sub ? ps / r : ps;
+  std::vector<float> smin(D), smax(D);
+  std::vector<int32_t> lo(D), hi(D);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t p = pages[u], n = valid[l * U + u];
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kp = keys + ((l * N + p) * H + h) * ps * D;
+        float* mn = key_min + ((l * Nm + p) * H + h) * D;
+        float* mx = key_max + ((l * Nm + p) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          mn[d] = INFINITY;
+          mx[d] = -INFINITY;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const float* row = kp + i * D;
+          for (int64_t d = 0; d < D; ++d) {
+            mn[d] = np_min(mn[d], row[d]);
+            mx[d] = np_max(mx[d], row[d]);
+          }
+        }
+        if (!sub) continue;
+        uint8_t* codes = sub + ((l * Nm + p) * H + h) * r * D;
+        for (int64_t s = 0; s < r; ++s) {
+          const int64_t t0 = s * sp, t1 = (s + 1) * sp < n ? (s + 1) * sp : n;
+          if (t0 >= t1) {  // no written token: the coarse bound, code 0
+            for (int64_t d = 0; d < D; ++d) codes[s * D + d] = 0;
+            continue;
+          }
+          for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
+          for (int64_t i = t0 + 1; i < t1; ++i) {
+            const float* row = kp + i * D;
+            for (int64_t d = 0; d < D; ++d) {
+              smin[d] = np_min(smin[d], row[d]);
+              smax[d] = np_max(smax[d], row[d]);
+            }
+          }
+          first_codes(smin.data(), smax.data(), mn, mx, D, lo.data(), hi.data());
+          for (int64_t d = 0; d < D; ++d) {
+            if (smin[d] < mn[d] || smax[d] > mx[d]) return kOutsidePage;
+            codes[s * D + d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
+          }
+        }
+      }
+    }
+  }
+  return kOk;
+}
