@@ -90,6 +90,20 @@ def test_two_level_at_smollm2_shapes(rng):
         check_case(case, schema.OpAttributes(sub_page_size=4, candidate_share=share))
 
 
+@pytest.mark.parametrize("sp", [0, 4])
+def test_peaked_softmax_over_the_whole_exp_range(rng, sp):
+    """Queries scaled so each head's logits minus their max reach about -200: every exp the
+    softmax takes (the kernel's vectorized one, 8 lanes at a time, and its scalar tail) from 1 down
+    past float32's smallest normal, where it must give 0. The output is then a few rows' mix, so
+    a wrong exponent or polynomial moves it far outside the tolerance."""
+    for past in (7, 300, 2000):
+        case = make_case(CaseSpec((past, 45), 9, 3, 64, 16, budget=256, sub_page_size=sp), rng)
+        case["query"] = case["query"] * np.float32(12.0)
+        check_case(case, schema.OpAttributes(sub_page_size=sp))
+        if not sp:
+            check_case(case, schema.OpAttributes(policy="dense"))
+
+
 @pytest.mark.parametrize("head_dim", [4, 20])
 def test_head_dim_not_a_multiple_of_the_vector_width(rng, head_dim):
     for sp in (0, 4):

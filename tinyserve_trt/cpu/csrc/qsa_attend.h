@@ -86,7 +86,8 @@ inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, 
     float* l = &logits[g * (T + kW)];
     float* out = part + g * (2 + D);
     float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
+    exp_shifted(l, T, m);
+    for (int64_t t = 0; t < T; ++t) sum += l[t];
     out[0] = m, out[1] = sum;
     vf acc[kMaxChunks] = {};
     for (int64_t t = 0; t < T; ++t) {
