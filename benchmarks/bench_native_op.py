@@ -4,8 +4,10 @@ Same inputs, side by side in one process: SmolLM2 shapes (H 9, Hkv 3, D 64), --c
 tokens per sequence, batch sizes --batches, the two-level default (ps 32, sp 4) and single-level
 ps 16, token budget --budget. ``function`` = a single-node model with the op's function body
 (ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
-(tinyserve_trt/cpu). Both checked against each other before timing. Median of --repeats runs,
-interleaved; ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS (read once per process; set
+(tinyserve_trt/cpu); ``dense`` = the dense policy (the calibrated dense layers). With --baseline-lib,
+another build of the library beside them (a kernel change measured against the last one in one run).
+All checked against each other before timing. Median of --repeats runs,
+interleaved (the order turning each repeat); ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS (read once per process; set
 it with --native-threads). Appends to benchmarks/results/native_op_cpu.md; the LAST line printed is
 ``RESULT worst_native_over_function=<the largest native / function time ratio>``.
 """
@@ -27,10 +29,11 @@ from tinyserve_dev.cases import CaseSpec, make_case  # noqa: E402
 from tinyserve_trt.ops import schema  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = (("two-level ps32/sp4", 32, 4), ("single-level ps16", 16, 0))
+CONFIGS = (("two-level ps32/sp4", 32, 4, "query_aware"), ("single-level ps16", 16, 0, "query_aware"),
+           ("dense ps32", 32, 0, "dense"))  # dense: the calibrated dense layers, every cached token
 
 
-def session(model, threads: int, native_lib: bool):
+def session(model, threads: int, native_lib: bool | str):
     import onnxruntime as ort
 
     from tinyserve_trt.cpu import native
@@ -41,20 +44,25 @@ def session(model, threads: int, native_lib: bool):
     # Two sessions alternate: an idle one's spinning threads would steal the other's cores
     # (measured: the native node 8.9 -> 4.8 ms, the function 16 -> 8.5 ms at batch 8 on 2 cores).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if native_lib:
+    if isinstance(native_lib, str):  # another build of the library (--baseline-lib)
+        so.register_custom_ops_library(native_lib)
+    elif native_lib:
         native.register(so)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
+    """Median ms of each callable, interleaved; the order turns each repeat (a call right after
+    another that read the same pages would find them in cache)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    keys = list(fns)
+    for r in range(repeats):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
             t0 = time.perf_counter()
-            fn()
+            fns[k]()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
@@ -68,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads")
     ap.add_argument("--native-threads", type=int, default=None, help="sets TINYSERVE_NATIVE_THREADS")
+    ap.add_argument("--baseline-lib", type=Path, default=None,
+                    help="another build of libtinyserve_cpu.so (e.g. the last commit's, from the native cache) "
+                         "timed in the same run: the table adds its ms and native / baseline")
     ap.add_argument("--out", type=Path, default=RESULTS / "native_op_cpu.md")
     args = ap.parse_args(argv)
     if args.native_threads is not None:
@@ -87,12 +98,18 @@ def main(argv=None) -> int:
              f"{os.environ.get('TINYSERVE_NATIVE_THREADS', '1')} thread(s)\n",
              f"{platform.machine()}, {os.cpu_count()} cores, onnxruntime {ort.__version__}; ms per call, "
              f"median of {args.repeats}, interleaved, no spinning.\n",
-             "| config | batch | function ms | native ms | native / function |", "|---|---|---|---|---|"]
+             "| config | batch | function ms | native ms | native / function |"
+             + (" baseline native ms | native / baseline |" if args.baseline_lib else ""),
+             "|---|---|---|---|---|" + ("---|---|" if args.baseline_lib else "")]
+    if args.baseline_lib:
+        lines.insert(2, f"baseline: {args.baseline_lib}\n")
     ratios = []
-    for label, ps, sp in CONFIGS:
-        attrs = schema.OpAttributes(sub_page_size=sp)
+    for label, ps, sp, policy in CONFIGS:
+        attrs = schema.OpAttributes(sub_page_size=sp, policy=policy)
         fn = session(make_op_model("float32", attrs, head_dim=64, with_selected=False), args.threads, False)
         nat = session(make_decode_model(attrs, with_selected=False), args.threads, True)
+        base = session(make_decode_model(attrs, with_selected=False), args.threads, str(args.baseline_lib)) \
+            if args.baseline_lib else None
         for batch in args.batches:
             case = make_case(CaseSpec((args.context,) * batch, 9, 3, 64, ps, budget=args.budget, sub_page_size=sp),
                              rng)
@@ -100,10 +117,16 @@ def main(argv=None) -> int:
             n_feeds = {n: case[n] for n in input_names(attrs.two_level) if n}  # "": a skipped optional input
             f_out, n_out = fn.run(None, f_feeds)[0], nat.run(None, n_feeds)[0]
             np.testing.assert_allclose(n_out, f_out, atol=1e-4, rtol=1e-4)
-            ms = interleaved_medians({"function": lambda: fn.run(None, f_feeds),
-                                      "native": lambda: nat.run(None, n_feeds)}, args.warmup, args.repeats)
+            fns = {"function": lambda: fn.run(None, f_feeds), "native": lambda: nat.run(None, n_feeds)}
+            if base is not None:  # its own copy of the pages: none read warm from the other build's call
+                b_feeds = {n: np.array(v) for n, v in n_feeds.items()}
+                np.testing.assert_allclose(base.run(None, b_feeds)[0], f_out, atol=1e-4, rtol=1e-4)
+                fns["baseline"] = lambda: base.run(None, b_feeds)
+            ms = interleaved_medians(fns, args.warmup, args.repeats)
             row = (f"| {label} | {batch} | {ms['function']:.3f} | {ms['native']:.3f} | "
                    f"{ms['native'] / ms['function']:.3f} |")
+            if base is not None:
+                row += f" {ms['baseline']:.3f} | {ms['native'] / ms['baseline']:.3f} |"
             print(row, flush=True)
             lines.append(row)
             ratios.append(ms["native"] / ms["function"])
