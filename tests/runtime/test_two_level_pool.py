@@ -59,11 +59,13 @@ def test_codes_follow_appends_copies_and_demotions():
     pool.check_integrity([[a], [a], [b], [c]], check_data=True)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_write_step_equals_per_layer_writes(dtype):
+def test_write_step_equals_per_layer_writes(dtype, stacked):
     """One call for every layer (decode appends take ``append_bounds``' update path; a prefill
     chunk, an overwrite and a page's first token the full recompute) leaves K/V, min/max and
-    sub-page codes bit-identical to ``write_batch`` layer by layer, and the codes fresh."""
+    sub-page codes bit-identical to ``write_batch`` layer by layer, and the codes fresh - given a
+    list of layers or one stacked ``[L, B, Hkv, T, D]`` array (the ORT backend's bound outputs)."""
     rng = np.random.default_rng(3)
     step_pool, layer_pool = _pool(dtype, tiered=False), _pool(dtype, tiered=False)
     pages = [step_pool.allocate(2) for _ in range(2)]
@@ -80,7 +82,8 @@ def test_write_step_equals_per_layer_writes(dtype):
             lens[row] += n - overwrite
         ks = [(rng.standard_normal((2, H, width, D)) * (1 + 3 * (rng.random(D) < 0.3))).astype(dtype)
               for _ in range(L)]
-        step_pool.write_step(slots, ks, [k + 1 for k in ks])
+        vs = [k + 1 for k in ks]
+        step_pool.write_step(slots, np.stack(ks) if stacked else ks, np.stack(vs) if stacked else vs)
         for layer, k in enumerate(ks):
             layer_pool.write_batch(layer, slots, k, k + 1)
 

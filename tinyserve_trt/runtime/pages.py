@@ -268,14 +268,18 @@ class PagePool:
             self.storage.write_tokens(layer, phys, k, v, upages, new[0])
             self._num_valid[layer, upages] = new[0]
 
-    def write_step(self, slot_mapping: np.ndarray, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+    def write_step(self, slot_mapping: np.ndarray, keys: Sequence[np.ndarray] | np.ndarray,
+                   values: Sequence[np.ndarray] | np.ndarray) -> None:
         """:meth:`write_batch` of every layer in one call (``keys``/``values``: one array per
-        layer): the page checks run once and the storage writes all layers together."""
+        layer, or one ``[layers, batch, kv_heads, new, head_dim]`` array - the backend's outputs
+        bound into one buffer - which is read without stacking): the page checks run once and
+        the storage writes all layers together."""
         slot_mapping = np.asarray(slot_mapping)
         b, t = slot_mapping.shape
         want = (b, self.num_kv_heads, t, self.head_dim)
-        if len(keys) != self.num_layers or len(values) != self.num_layers or any(
-                x.shape != want for x in (*keys, *values)):
+        stacked = all(isinstance(x, np.ndarray) and x.shape == (self.num_layers, *want) for x in (keys, values))
+        if not stacked and (len(keys) != self.num_layers or len(values) != self.num_layers or any(
+                x.shape != want for x in (*keys, *values))):
             raise ValueError(f"keys/values must be {self.num_layers} layers of {want} for slot_mapping "
                              f"{slot_mapping.shape}")
         keep = slot_mapping >= 0
@@ -283,8 +287,11 @@ class PagePool:
         if plan is None:
             return
         phys, upages, new = plan
-        k_tok = np.stack([np.swapaxes(k, 1, 2)[keep] for k in keys])  # [L, tokens, Hkv, D]
-        v_tok = np.stack([np.swapaxes(v, 1, 2)[keep] for v in values])
+        if stacked:  # one gather per array: [L, B, T, Hkv, D][:, keep] -> [L, tokens, Hkv, D]
+            k_tok, v_tok = np.swapaxes(keys, 2, 3)[:, keep], np.swapaxes(values, 2, 3)[:, keep]
+        else:
+            k_tok = np.stack([np.swapaxes(k, 1, 2)[keep] for k in keys])  # [L, tokens, Hkv, D]
+            v_tok = np.stack([np.swapaxes(v, 1, 2)[keep] for v in values])
         self.storage.write_layers(phys, k_tok, v_tok, upages, new, before=self._num_valid[:, upages])
         self._num_valid[:, upages] = new
 

@@ -253,8 +253,6 @@ class OrtBackend(Backend):
             return self._out
         pkg = self.package
         shapes = {pkg.logits: (b, 1 if "logits_index" in self._inputs else s, pkg.vocab_size)}
-        for names in pkg.layers:
-            shapes[names["new_key"]] = shapes[names["new_value"]] = (b, pkg.num_kv_heads, s, pkg.head_dim)
         if self._want_selected:
             shapes.update({n["selected_pages"]: (b, pkg.num_kv_heads, width) for n in pkg.layers})
         self._binding.clear_binding_outputs()
@@ -262,6 +260,19 @@ class OrtBackend(Backend):
         for name, shape in shapes.items():
             out = self._out[name] = np.empty(shape, self._out_types.get(name, np.float32))
             self._binding.bind_output(name, "cpu", 0, out.dtype, shape, out.ctypes.data)
+        # every layer's new K (and V) in one [L, B, Hkv, S, D] buffer, which write_step reads
+        # without stacking (per-layer arrays when the layers' dtypes differ)
+        self._new_kv = []
+        for role in ("new_key", "new_value"):
+            names = [n[role] for n in pkg.layers]
+            dtypes = {self._out_types.get(n, np.float32) for n in names}
+            one = (b, pkg.num_kv_heads, s, pkg.head_dim)
+            arrays = np.empty((len(names), *one), dtypes.pop()) if len(dtypes) == 1 else \
+                [np.empty(one, self._out_types.get(n, np.float32)) for n in names]
+            for name, out in zip(names, arrays):
+                self._out[name] = out
+                self._binding.bind_output(name, "cpu", 0, out.dtype, one, out.ctypes.data)
+            self._new_kv.append(arrays)
         self._out_shape = (b, s, width)
         return self._out
 
@@ -291,8 +302,7 @@ class OrtBackend(Backend):
         logits = np.array(logits[:, 0] if "logits_index" in self._inputs else logits[np.arange(len(batch)), last],
                           np.float32)
         layers = self.package.layers
-        self.pool.write_step(batch.slot_mapping, [out[n["new_key"]] for n in layers],
-                             [out[n["new_value"]] for n in layers])
+        self.pool.write_step(batch.slot_mapping, *self._new_kv)
         selected = [out[n["selected_pages"]].copy() for n in layers] if self._want_selected else None
         return StepOutput(logits, selected)
 
