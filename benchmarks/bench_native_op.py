@@ -6,9 +6,10 @@ ps 16, token budget --budget. ``function`` = a single-node model with the op's f
 (ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
 (tinyserve_trt/cpu); ``dense`` = the dense policy (the calibrated dense layers). With --baseline-lib,
 another build of the library beside them (a kernel change measured against the last one in one run).
-All checked against each other before timing. Median of --repeats runs,
-interleaved (the order turning each repeat); ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS (read once per process; set
-it with --native-threads). Appends to benchmarks/results/native_op_cpu.md; the LAST line printed is
+All checked against each other before timing. Median of --repeats runs, interleaved (the order
+turning each repeat); ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS
+(read once per process; set it with --native-threads). Appends to
+benchmarks/results/native_op_cpu.md; the LAST line printed is
 ``RESULT worst_native_over_function=<the largest native / function time ratio>``.
 """
 

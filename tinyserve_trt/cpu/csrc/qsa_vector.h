@@ -85,7 +85,8 @@ inline void axpy(float w, const float* x, float* o, int64_t n) {
 // polynomial for e^r, 2^n from the exponent bits. Within 2 ulp of expf over the softmax's
 // range (x <= 0); exp(x) = 0 below -88.38 (expf: denormals or 0), NaN stays NaN, +inf clamps
 // (never reached: the logits minus their max are <= 0). std::exp here was one libm call per
-// logit: ~30% of a dense layer's attention at 8K (72K calls per KV head group).
+// logit (a dense layer at 8K: 72K per KV head group); on 8 lanes the node is 5-14% faster at 8K
+// (bench_native_op.py --baseline-lib, benchmarks/results/native_op_cpu.md).
 inline vf vexp(vf x) {
   const vf hi = vf{} + 88.3762626647949f, lo = vf{} + -88.3762626647949f;
   const vf nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
