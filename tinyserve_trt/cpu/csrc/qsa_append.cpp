@@ -68,6 +68,29 @@ inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float k
 inline float np_min(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b < a ? b : a)); }
 inline float np_max(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b > a ? b : a)); }
 
+// The codes of one sub-page - its written tokens [t0, t1) of the page's keys kp [ps, D] - in the
+// channels `moved` marks (every channel when null) into codes [D], against the page bounds mn/mx
+// (fine_bounds.encode); smin/smax/lo/hi: [D] scratch. False when a token lies outside the bounds
+// (the encoder's precondition: a stale page bound), with the channels before it written.
+bool encode_sub_page(const float* kp, int64_t t0, int64_t t1, int64_t D, const float* mn, const float* mx,
+                     const uint8_t* moved, float* smin, float* smax, int32_t* lo, int32_t* hi, uint8_t* codes) {
+  for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
+  for (int64_t i = t0 + 1; i < t1; ++i) {
+    const float* row = kp + i * D;
+    for (int64_t d = 0; d < D; ++d) {
+      smin[d] = np_min(smin[d], row[d]);
+      smax[d] = np_max(smax[d], row[d]);
+    }
+  }
+  first_codes(smin, smax, mn, mx, D, lo, hi);
+  for (int64_t d = 0; d < D; ++d) {
+    if (moved && !moved[d]) continue;
+    if (smin[d] < mn[d] || smax[d] > mx[d]) return false;
+    codes[d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
+  }
+  return true;
+}
+
 }  // namespace
 
 // keys [L, N, H, ps, D] float32 (the hot pool, tokens written); key_min/key_max [L, Nm, H, D]
@@ -130,20 +153,9 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
         }
         for (int64_t s = (n_moved && !few) ? 0 : j; s <= j; ++s) {
           const int64_t t0 = s * sp, t1 = (s + 1) * sp < valid ? (s + 1) * sp : valid;
-          for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
-          for (int64_t i = t0 + 1; i < t1; ++i) {
-            const float* row = kp + i * D;
-            for (int64_t d = 0; d < D; ++d) {
-              smin[d] = np_min(smin[d], row[d]);
-              smax[d] = np_max(smax[d], row[d]);
-            }
-          }
-          first_codes(smin.data(), smax.data(), mn, mx, D, lo.data(), hi.data());
-          for (int64_t d = 0; d < D; ++d) {
-            if (s != j && !moved[d]) continue;
-            if (smin[d] < mn[d] || smax[d] > mx[d]) return kOutsidePage;
-            codes[s * D + d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
-          }
+          if (!encode_sub_page(kp, t0, t1, D, mn, mx, s != j ? moved.data() : nullptr, smin.data(), smax.data(),
+                               lo.data(), hi.data(), codes + s * D))
+            return kOutsidePage;
         }
         for (int64_t s = j + 1; s < r; ++s)  // no written token: the coarse bound, code 0
           for (int64_t d = 0; d < D; ++d)
@@ -198,19 +210,9 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_page_bounds(
             for (int64_t d = 0; d < D; ++d) codes[s * D + d] = 0;
             continue;
           }
-          for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
-          for (int64_t i = t0 + 1; i < t1; ++i) {
-            const float* row = kp + i * D;
-            for (int64_t d = 0; d < D; ++d) {
-              smin[d] = np_min(smin[d], row[d]);
-              smax[d] = np_max(smax[d], row[d]);
-            }
-          }
-          first_codes(smin.data(), smax.data(), mn, mx, D, lo.data(), hi.data());
-          for (int64_t d = 0; d < D; ++d) {
-            if (smin[d] < mn[d] || smax[d] > mx[d]) return kOutsidePage;
-            codes[s * D + d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
-          }
+          if (!encode_sub_page(kp, t0, t1, D, mn, mx, nullptr, smin.data(), smax.data(), lo.data(), hi.data(),
+                               codes + s * D))
+            return kOutsidePage;
         }
       }
     }
