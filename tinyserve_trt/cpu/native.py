@@ -2,8 +2,8 @@
 
 The library (``csrc/qsa_decode_cpu.cpp``) registers ``tinyserve.cpu::QueryAwareSparseAttentionDecode``
 (``DOMAIN``, ``OP_TYPE``) and exports ``tinyserve_append_bounds`` and ``tinyserve_page_bounds``
-(``csrc/qsa_append.cpp``, loaded with ctypes by ``append.py``). The C++ contract headers it shares with the CUDA kernels exist once,
-in ``plugins/`` (``SHARED_HEADERS``: the schema header generated from ops/schema.py, the element math
+(``csrc/qsa_append.cpp``, loaded with ctypes by ``append.py``). The C++ contract headers it shares
+with the CUDA kernels exist once, in ``plugins/`` (``SHARED_HEADERS``: the schema header generated from ops/schema.py, the element math
 and the selection math); the build takes them with ``-I`` from a source checkout's ``plugins/`` or
 an installed wheel's copy of it, ``tinyserve_trt/cuda/plugin_sources/`` (:func:`include_dirs`).
 It is compiled on first use with the host C++ compiler
@@ -65,7 +65,8 @@ PREBUILT_DIR = Path(__file__).resolve().parent / PREBUILT_DIR_NAME
 PREBUILT_MARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}
 ENV_ARCH = "TINYSERVE_NATIVE_ARCH"
 ENV_CACHE = "TINYSERVE_CACHE"
-SYMBOLS = ("RegisterCustomOps", "tinyserve_append_bounds", "tinyserve_page_bounds")  # what ORT and append.py look up
+# what ORT and append.py look up
+SYMBOLS = ("RegisterCustomOps", "tinyserve_append_bounds", "tinyserve_page_bounds")
 log = logging.getLogger("tinyserve.cpu")
 
 
