@@ -4,8 +4,10 @@ several page selections, through the HF torch harness (``tinyserve_dev.evaluatio
 Cheaper than ``tinyserve eval`` (one dense prefill, then each selection in ~30-60 s at 8K on 2 cores), so
 it is where defaults are explored; ``tinyserve eval`` through the package's runtime is where they are
 confirmed (benchmarks/results/long_context.md). Rows name a selection as
-``policy:budget[:sub_page_size[:candidate_share]]`` (sub_page_size 0: single level), with the export's
-page size, sinks, recent pages and dense layers unless given. The oracle row (exact attention mass of
+``policy:budget[:sub_page_size[:candidate_share[:group_select]]]`` (sub_page_size 0: single level;
+group_select ``head`` / ``union``: each query head of a GQA group selects alone, and attends its own
+choice or the group's union - candidate rules, not in the op yet), with the export's page size, sinks,
+recent pages and dense layers unless given. The oracle row (exact attention mass of
 each page) separates the budget's cost from the ranking's.
 
     python benchmarks/selection_probe.py --hf-dir /tmp/qwen-hf --text KJV.txt --context 8192 \\
@@ -31,10 +33,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_row(text: str) -> dict:
-    """``policy:budget[:sub[:share]]`` -> SelectionSpec keywords (ValueError with the row on bad input)."""
+    """``policy:budget[:sub[:share[:group_select]]]`` -> SelectionSpec keywords (ValueError with the row
+    on bad input)."""
     parts = text.split(":")
-    if not 2 <= len(parts) <= 4:
-        raise ValueError(f"row {text!r}: expected policy:budget[:sub_page_size[:candidate_share]]")
+    if not 2 <= len(parts) <= 5:
+        raise ValueError(f"row {text!r}: expected policy:budget[:sub_page_size[:candidate_share[:group_select]]]")
+    if len(parts) == 5:
+        from tinyserve_dev.evaluation.decode_attention import GROUP_SELECTS  # torch: only for such a row
+
+        if parts[4] not in GROUP_SELECTS:
+            raise ValueError(f"row {text!r}: group_select must be one of {', '.join(GROUP_SELECTS)}")
+        if parts[4] != "shared":
+            return dict(parse_row(":".join(parts[:4])), group_select=parts[4])
     try:
         row = dict(policy=parts[0], budget=int(parts[1]))
         sub = int(parts[2]) if len(parts) > 2 else ExportConfig().resolved_sub_page_size()
@@ -87,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=512)
     ap.add_argument("--rows", default="query_aware:1024,query_aware:1024:0,oracle:1024:0",
-                    help="comma list of policy:budget[:sub_page_size[:candidate_share]]")
+                    help="comma list of policy:budget[:sub_page_size[:candidate_share[:group_select]]]")
     ap.add_argument("--page-size", type=int, default=defaults.resolved_page_size())
     ap.add_argument("--sink-pages", type=int, default=defaults.sink_pages)
     ap.add_argument("--recent-pages", type=int, default=defaults.recent_pages)
@@ -147,7 +157,8 @@ def main(argv=None) -> int:
     if args.layer_sensitivity:
         lines, table_head = layer_sensitivity(pp, specs[0], model.config.num_hidden_layers, dense.nll, args.cover)
     else:
-        lines, table_head = [], "| selection (policy:budget:sub:share) | ppl | ratio to dense |\n|---|---|---|\n"
+        lines = []
+        table_head = "| selection (policy:budget:sub:share[:select]) | ppl | ratio to dense |\n|---|---|---|\n"
         for row, spec in zip(names, specs):
             t0 = time.perf_counter()
             r = pp.run(spec, dense_layers=dense_layers)

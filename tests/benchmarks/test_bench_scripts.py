@@ -259,7 +259,11 @@ def test_selection_probe_rows_parse_and_reject(capsys):
     assert probe.parse_row("query_aware:512") == dict(policy="query_aware", budget=512,
                                                       sub_page_size=default.resolved_sub_page_size(),
                                                       candidate_share=default.candidate_share)
-    for bad in ("query_aware", "query_aware:lots", "a:1:2:3:4", "query_aware:1:x"):
+    assert probe.parse_row("query_aware:1024:4:1.0:head") == dict(policy="query_aware", budget=1024, sub_page_size=4,
+                                                                  candidate_share=1.0, group_select="head")
+    assert probe.parse_row("query_aware:1024:4:1.0:shared") == probe.parse_row("query_aware:1024:4:1.0")
+    for bad in ("query_aware", "query_aware:lots", "a:1:2:3:4", "query_aware:1:x", "a:1:2:3:4:5",
+                "query_aware:1024:4:1.0:each"):
         with pytest.raises(ValueError, match="row"):
             probe.parse_row(bad)
     with pytest.raises(SystemExit) as e:

@@ -1,5 +1,7 @@
 """The all-positions harness against the op's numpy reference run as real decode steps."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -239,3 +241,71 @@ def test_reuse_steps_rows_attend_the_anchor_selection(rng):
         logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
         want = (torch.softmax(logits, -1) @ v[:, :t + 1]).reshape(H, D)
         torch.testing.assert_close(reused[:, t - start], want, atol=1e-6, rtol=1e-6)
+
+
+KV_HEAD_INPUTS = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "key_sub_bounds")  # axis 1
+GROUP_SPECS = [
+    SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidate_share=1.0),
+    SelectionSpec("query_aware", budget=12, page_size=PS, sub_page_size=4, sink_pages=0),
+    SelectionSpec("query_aware", budget=24, page_size=PS),
+]
+
+
+@pytest.mark.parametrize("spec", GROUP_SPECS, ids=["all-candidates", "share50-nosink", "single-level"])
+def test_head_selection_rows_are_each_query_head_alone(rng, spec):
+    """``group_select="head"``: every query head's rows are the op's reference decode steps with that
+    head alone in its group (GQA as MHA), on the same cache - and they differ from the shared rows."""
+    q, k, v = random_qkv(rng)
+    q_start, G = 20, H // HKV
+    args = (torch.from_numpy(q[:, q_start:]), torch.from_numpy(k), torch.from_numpy(v), q_start)
+    got = decode_attention(*args, replace(spec, group_select="head"), D ** -0.5, chunk=16).numpy()
+    shared = decode_attention(*args, spec, D ** -0.5, chunk=16).numpy()
+    attrs = schema.OpAttributes(policy=spec.policy, sink_pages=spec.sink_pages, recent_pages=spec.recent_pages,
+                                sub_page_size=spec.sub_page_size, candidate_share=spec.candidate_share)
+    for t in range(q_start, T):
+        case = decode_step_case(q, k, v, t, spec.budget, rng)
+        if spec.sub_page_size:
+            case = _with_sub_bounds(case, spec.sub_page_size)
+        for h in range(H):
+            alone = dict(case, query=case["query"][:, h:h + 1], **{  # KV inputs: the head's KV head
+                name: case[name][:, h // G:h // G + 1] for name in KV_HEAD_INPUTS if name in case})
+            ref, _ = sparse_attention_ref(**alone, attrs=attrs)
+            np.testing.assert_allclose(got[h, t - q_start], ref[0, 0, 0], rtol=1e-9, atol=1e-9,
+                                       err_msg=f"step {t} head {h}")
+    assert np.abs(got - shared).max() > 1e-3  # heads really choose differently from their group
+
+
+def test_union_selection_attends_the_group_union_of_head_choices(rng):
+    """``group_select="union"``: each head attends the union of its group's per-head choices (each the
+    op's reference ``decode_keep`` with one query head), computed here by hand."""
+    from tinyserve_trt.ops.reference import decode_keep
+
+    spec = SelectionSpec("query_aware", budget=16, page_size=PS, sub_page_size=2, candidate_share=0.5)
+    q, k, v = random_qkv(rng)
+    q_start, G, sp, scale = 20, H // HKV, 2, D ** -0.5
+    got = decode_attention(torch.from_numpy(q[:, q_start:]), torch.from_numpy(k), torch.from_numpy(v), q_start,
+                           replace(spec, group_select="union"), scale, chunk=16).numpy()
+    attrs = schema.OpAttributes(policy=spec.policy, sub_page_size=sp, candidate_share=spec.candidate_share)
+    wider = 0
+    for t in range(q_start, T):
+        case = _with_sub_bounds(decode_step_case(q, k, v, t, spec.budget, rng), sp)
+        ids = case["page_table"][0, :-(-t // PS)]
+        for h in range(HKV):
+            keeps = [decode_keep(q[h * G + g, t][None], case["key_min"][ids, h], case["key_max"][ids, h], k[h, :t],
+                                 k[h, t], t, spec.budget, PS, attrs, scale, case["key_sub_bounds"][ids, h])
+                     for g in range(G)]
+            union = np.logical_or.reduce(keeps)
+            wider += union.sum() > max(x.sum() for x in keeps)
+            allowed = np.append(np.repeat(union, sp)[:t], True)  # plus the token itself
+            for g in range(G):
+                logits = k[h, :t + 1][allowed] @ q[h * G + g, t] * scale
+                p = np.exp(logits - logits.max())
+                np.testing.assert_allclose(got[h * G + g, t - q_start], (p / p.sum()) @ v[h, :t + 1][allowed],
+                                           rtol=1e-9, atol=1e-9, err_msg=f"step {t} head {h * G + g}")
+    assert wider  # the union is larger than any one head's choice somewhere
+
+
+def test_group_select_is_validated_and_labelled():
+    with pytest.raises(ValueError, match="group_select"):
+        SelectionSpec("query_aware", budget=16, page_size=8, group_select="each")
+    assert SelectionSpec("query_aware", budget=16, page_size=8, group_select="head").label() == "query_aware/head@16"

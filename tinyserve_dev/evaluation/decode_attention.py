@@ -26,6 +26,7 @@ from tinyserve_trt.ops import fine_bounds, schema, two_level
 from tinyserve_trt.ops.policies import get_policy
 
 NEG_INF = float("-inf")
+GROUP_SELECTS = ("shared", "head", "union")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class SelectionSpec:
     sub_page_size: int = 0  # > 0: two-level selection, the op's (``select_sub_pages``)
     candidate_share: float = schema.attribute("candidate_share").default  # two-level: share of pages as candidates
     reuse_steps: int = 1  # > 1: a step reuses the selection of the last step whose offset is a multiple (LServe)
+    # How a GQA group's query heads share a choice. "shared": the op's rule (one choice per KV head from
+    # the group_reduce of its heads' scores); "head": each query head selects alone (the op's rule with
+    # a group of one); "union": each head selects alone and the group attends the union. "head" and
+    # "union" are candidate rules measured here (benchmarks/selection_probe.py), not in the op yet.
+    group_select: str = "shared"
 
     def __post_init__(self):
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
@@ -59,6 +65,8 @@ class SelectionSpec:
             raise ValueError(f"page_fraction must be in (0, 1], got {self.page_fraction}")
         if not isinstance(self.reuse_steps, int) or self.reuse_steps < 1:
             raise ValueError(f"reuse_steps must be an int >= 1, got {self.reuse_steps!r}")
+        if self.group_select not in GROUP_SELECTS:
+            raise ValueError(f"group_select must be one of {GROUP_SELECTS}, got {self.group_select!r}")
         if self.sub_page_size and (self.sub_page_size < 0 or self.page_size % self.sub_page_size):
             raise ValueError(f"sub_page_size must divide page_size {self.page_size}; got {self.sub_page_size}")
 
@@ -71,7 +79,8 @@ class SelectionSpec:
             return "dense"
         size = f"{self.page_fraction:.0%}" if self.page_fraction is not None else str(self.budget)
         level = f"[{self.page_size}->{self.sub_page_size}]" if self.sub_page_size else ""
-        return f"{self.policy}{level}@{size}"
+        heads = "" if self.group_select == "shared" else f"/{self.group_select}"
+        return f"{self.policy}{level}{heads}@{size}"
 
 
 DENSE = SelectionSpec(policy="dense", budget=0)
@@ -100,7 +109,8 @@ def page_mass(probs: torch.Tensor, page_size: int, n_pages: int) -> torch.Tensor
 
 
 def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
-    """The group's combined page scores ``[Hkv, C, NP]`` under ``spec.policy``.
+    """The group's combined page scores ``[Hkv, C, NP]`` under ``spec.policy``; unless
+    ``spec.group_select`` is "shared", each query head's own: ``[Hkv * G, C, NP]``.
 
     q: [Hkv, G, C, D] the chunk's queries; kmin/kmax: [Hkv, NP, D];
     mass: ``page_mass`` of the dense attention (read by a policy that
@@ -112,6 +122,8 @@ def page_scores(spec: SelectionSpec, q, kmin, kmax, mass=None) -> torch.Tensor:
     if not policy.selects:
         raise ValueError(f"policy {spec.policy!r} does not select pages")
     per_head = policy.score_torch(q, kmin, kmax, mass)
+    if spec.group_select != "shared":
+        return per_head.flatten(0, 1)
     return per_head.amax(dim=1) if spec.group_reduce == "max" else per_head.sum(dim=1)
 
 
@@ -202,11 +214,21 @@ def select_sub_pages(spec: SelectionSpec, positions: torch.Tensor, coarse: torch
     return torch.from_numpy(keep)
 
 
+def group_keep(spec: SelectionSpec, keep: torch.Tensor, groups: int) -> torch.Tensor:
+    """Kept units ``[Hkv, 1|G, C, N]`` from a selection over KV heads ``[Hkv, C, N]`` ("shared") or
+    over query heads ``[Hkv * G, C, N]`` ("head": each its own; "union": the group's union)."""
+    if spec.group_select == "shared":
+        return keep[:, None]
+    keep = keep.unflatten(0, (-1, groups))
+    return keep.any(dim=1, keepdim=True) if spec.group_select == "union" else keep
+
+
 def two_level_keep(spec: SelectionSpec, positions: torch.Tensor, q, kmin, kmax, lo, hi, mass=None) -> torch.Tensor:
     """What a two-level decode step attends: kept sub-pages ``[Hkv, C, NP * r]`` plus each step's own
     sub-page (``positions // sub_page_size``: the token itself; its cached neighbours there sit in the
     last page, which is forced). q ``[Hkv, G, C, D]``; kmin/kmax ``[Hkv, NP, D]``; lo/hi
-    (:func:`sub_page_bounds`) ``[Hkv, >= NP * r, D]``; mass: ``page_mass``, for a policy that reads it."""
+    (:func:`sub_page_bounds`) ``[Hkv, >= NP * r, D]``; mass: ``page_mass``, for a policy that reads it.
+    Unless ``spec.group_select`` is "shared", the rows are the query heads' (``[Hkv * G, C, NP * r]``)."""
     sp = spec.sub_page_size
     n_sub = kmin.shape[1] * (spec.page_size // sp)
     coarse = page_scores(spec, q, kmin, kmax, mass)
@@ -288,14 +310,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
             sp = spec.sub_page_size
             keep = two_level_keep(spec, positions, qc, kmin[:, :n_np], kmax[:, :n_np], lo, hi, mass)
             keep = reuse_selection(spec, positions, q_start, keep, sp)
-            keep = keep | (torch.arange(keep.shape[-1])[None, :] == (positions // sp)[:, None])
-            logits.view(Hkv, G, C, n_np * (ps // sp), sp).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            keep = group_keep(spec, keep | (torch.arange(keep.shape[-1])[None, :] == (positions // sp)[:, None]), G)
+            logits.view(Hkv, G, C, n_np * (ps // sp), sp).masked_fill_(~keep[..., None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)
         else:
             keep = select_pages(spec, positions, page_scores(spec, qc, kmin[:, :n_np], kmax[:, :n_np], mass))
             keep = reuse_selection(spec, positions, q_start, keep, ps)
             keep = keep | (torch.arange(n_np)[None, :] == (positions // ps)[:, None])  # own page: the token itself
-            logits.view(Hkv, G, C, n_np, ps).masked_fill_(~keep[:, None, :, :, None], NEG_INF)
+            logits.view(Hkv, G, C, n_np, ps).masked_fill_(~group_keep(spec, keep, G)[..., None], NEG_INF)
             probs = torch.softmax(logits, dim=-1)
         out[:, c0:c1] = torch.bmm(probs.view(Hkv, G * C, width), v_pad[:, :width]).view(H, C, D)
     return out

@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from .decode_attention import SelectionSpec, page_scores, select_pages, sub_page_bounds, two_level_keep
+from .decode_attention import (SelectionSpec, group_keep, page_scores, select_pages, sub_page_bounds,
+                               two_level_keep)
 
 
 def unit_mass(probs: torch.Tensor, unit: int) -> torch.Tensor:
@@ -29,10 +30,11 @@ def unit_mass(probs: torch.Tensor, unit: int) -> torch.Tensor:
 
 
 def kept_mass(keep: torch.Tensor, positions: torch.Tensor, unit: int, mass: torch.Tensor) -> torch.Tensor:
-    """``[Hkv, G, C]`` mass on the kept blocks ``keep [Hkv, C, N]`` plus each step's own block
-    (``positions // unit``: the token's own share, always attended); mass ``[Hkv, G, C, N]``."""
+    """``[Hkv, G, C]`` mass on the kept blocks ``keep [Hkv, 1|G, C, N]`` (``group_keep``) plus each
+    step's own block (``positions // unit``: the token's own share, always attended); mass
+    ``[Hkv, G, C, N]``."""
     own = torch.arange(mass.shape[-1])[None, :] == (positions // unit)[:, None]
-    return (mass * (keep | own)[:, None]).sum(-1)
+    return (mass * (keep | own)).sum(-1)
 
 
 def step_recall(spec: SelectionSpec, positions, scores, mass) -> torch.Tensor:
@@ -42,7 +44,8 @@ def step_recall(spec: SelectionSpec, positions, scores, mass) -> torch.Tensor:
     of the dense causal attention ``[Hkv, G, C, NP]`` (keys ``0..t`` per row, so
     page ``t // ps`` holds the token's own share, which is always attended).
     """
-    return kept_mass(select_pages(spec, positions, scores), positions, spec.page_size, mass)
+    return kept_mass(group_keep(spec, select_pages(spec, positions, scores), mass.shape[1]), positions,
+                     spec.page_size, mass)
 
 
 def step_recall_two_level(spec: SelectionSpec, positions, q, kmin, kmax, lo, hi, probs) -> torch.Tensor:
@@ -52,7 +55,7 @@ def step_recall_two_level(spec: SelectionSpec, positions, q, kmin, kmax, lo, hi,
     probs: the dense causal attention ``[Hkv, G, C, NP * ps]`` (keys ``0..t`` per row).
     """
     mass = unit_mass(probs, spec.page_size)
-    keep = two_level_keep(spec, positions, q, kmin, kmax, lo, hi, mass)
+    keep = group_keep(spec, two_level_keep(spec, positions, q, kmin, kmax, lo, hi, mass), q.shape[1])
     return kept_mass(keep, positions, spec.sub_page_size, unit_mass(probs, spec.sub_page_size))
 
 
