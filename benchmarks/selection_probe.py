@@ -38,13 +38,12 @@ def parse_row(text: str) -> dict:
     parts = text.split(":")
     if not 2 <= len(parts) <= 5:
         raise ValueError(f"row {text!r}: expected policy:budget[:sub_page_size[:candidate_share[:group_select]]]")
-    if len(parts) == 5:
+    select = parts.pop() if len(parts) == 5 else "shared"
+    if select != "shared":
         from tinyserve_dev.evaluation.decode_attention import GROUP_SELECTS  # torch: only for such a row
 
-        if parts[4] not in GROUP_SELECTS:
+        if select not in GROUP_SELECTS:
             raise ValueError(f"row {text!r}: group_select must be one of {', '.join(GROUP_SELECTS)}")
-        if parts[4] != "shared":
-            return dict(parse_row(":".join(parts[:4])), group_select=parts[4])
     try:
         row = dict(policy=parts[0], budget=int(parts[1]))
         sub = int(parts[2]) if len(parts) > 2 else ExportConfig().resolved_sub_page_size()
@@ -53,6 +52,8 @@ def parse_row(text: str) -> dict:
                        else ExportConfig().candidate_share)
     except ValueError:
         raise ValueError(f"row {text!r}: budget and sub_page_size are integers, candidate_share a float") from None
+    if select != "shared":
+        row["group_select"] = select
     return row
 
 
