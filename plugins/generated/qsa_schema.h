@@ -47,8 +47,9 @@
 #define QSA_POLICY_NAMES {"query_aware", "window", "dense", "oracle"}
 #define QSA_GROUP_REDUCE_MAX 0
 #define QSA_GROUP_REDUCE_SUM 1
-#define QSA_NUM_GROUP_REDUCTIONS 2
-#define QSA_GROUP_REDUCE_NAMES {"max", "sum"}
+#define QSA_GROUP_REDUCE_HEAD 2
+#define QSA_NUM_GROUP_REDUCTIONS 3
+#define QSA_GROUP_REDUCE_NAMES {"max", "sum", "head"}
 
 /* Cold-page formats (schema.COLD_FORMATS order; ops/cold_codec.py is the rule). */
 #define QSA_COLD_FORMAT_INT8 0

@@ -113,6 +113,9 @@ int32_t qsa_check(const QsaForwardParams* p) {
     if (!cold_ok(*p) || !two_level_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
     const bool decode = p->dims.new_tokens == 1;
     if (decode && !decode_policy_implemented(p->attrs.policy)) return QSA_ERR_UNSUPPORTED;
+    // group_reduce "head" (each query head selects alone) runs in the ONNX function and the CPU node;
+    // these kernels select per KV head only: refused, never run as a shared selection.
+    if (decode && p->attrs.group_reduce == QSA_GROUP_REDUCE_HEAD) return QSA_ERR_UNSUPPORTED;
     if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
     return QSA_OK;
 }
@@ -164,7 +167,8 @@ const char* qsa_status_string(int32_t status) {
         case QSA_OK: return "ok";
         case QSA_ERR_INVALID_ARGUMENT:
             return "invalid argument (dims, pointers, dtype, attributes, cold tier or two-level sub-page bounds)";
-        case QSA_ERR_UNSUPPORTED: return "unsupported here (oracle policy on decode, or group*head_dim too large)";
+        case QSA_ERR_UNSUPPORTED:
+            return "unsupported here (oracle policy or group_reduce head on decode, or group*head_dim too large)";
         case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
         case QSA_ERR_CUDA: return "CUDA launch failed";
         case QSA_ERR_BAD_PAGE_ID: return "a page id outside the pools (from error_flags)";

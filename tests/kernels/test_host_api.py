@@ -50,6 +50,13 @@ def test_oracle_is_reference_only_for_decode(host_lib, attrs, S, status):
     assert _check(host_lib, _params(attrs, S)) == status
 
 
+@pytest.mark.parametrize("S,status", [(1, 2), (4, 0)])
+def test_per_head_selection_is_refused_not_run_as_max(host_lib, S, status):
+    """group_reduce "head" (each query head selects alone) is not in the CUDA kernels yet: a decode
+    step is QSA_ERR_UNSUPPORTED, never a shared selection; prefill attends every page either way."""
+    assert _check(host_lib, _params(schema.OpAttributes(group_reduce="head"), S)) == status
+
+
 def _fake_pointers(names):
     return {n: 0x1000 + 0x100 * i for i, n in enumerate(names)}
 

@@ -4,7 +4,7 @@ For a source whose graph does not contain the op (the HF model), position
 ``t`` is treated as a decode step over a cache of tokens ``[0, t)``: page
 metadata from those keys as a page pool writes it (``key_min/key_max``, and
 for a two-level ``attrs`` the 4-bit ``key_sub_bounds`` of ``fine_bounds``),
-then ``reference.decode_keep`` - the numpy reference op's own selection rule,
+then ``reference.group_keeps`` (``decode_keep`` per group or query head) - the numpy reference op's own selection rule,
 two-level included - so the selections are the op's.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
-from tinyserve_trt.ops.reference import decode_keep
+from tinyserve_trt.ops.reference import group_keeps
 
 
 def replay_selection(queries: np.ndarray, keys: np.ndarray, positions, page_size: int, token_budget: int,
@@ -60,7 +60,7 @@ def replay_selection(queries: np.ndarray, keys: np.ndarray, positions, page_size
                 codes = pages_sub_bounds(np.swapaxes(kp, 0, 1), attrs.sub_page_size, np.swapaxes(kmin, 0, 1),
                                          np.swapaxes(kmax, 0, 1), np.minimum(ps, t - np.arange(n) * ps))
             for h in range(Hkv):
-                keep = decode_keep(queries[layer, h * G:(h + 1) * G, t], kmin[h], kmax[h], k[h], keys[layer, h, t],
+                keep = group_keeps(queries[layer, h * G:(h + 1) * G, t], kmin[h], kmax[h], k[h], keys[layer, h, t],
                                    t, token_budget, ps, attrs, scale, None if codes is None else codes[:, h])
-                out[i, layer, h, :n] = keep.reshape(n, r).any(axis=1)
+                out[i, layer, h, :n] = keep.reshape(len(keep), n, r).any(axis=(0, 2))  # group_reduce head: union
     return out

@@ -310,7 +310,12 @@ class KeySpread(SelectionPolicy):
 
 
 def reduce_group(scores: np.ndarray, how: str) -> np.ndarray:
-    """Combine per-head scores ``[G, n]`` into one per KV head ``[n]``."""
+    """Combine per-head scores ``[G, n]`` into one per KV head ``[n]`` ("head": each query head
+    selects alone - the caller passes one head's scores, ``[1, n]``)."""
+    if how == "head":
+        if scores.shape[0] != 1:
+            raise ValueError(f"group_reduce 'head' scores one query head at a time, got {scores.shape[0]}")
+        return scores[0]
     if how == "max":
         return scores.max(axis=0)
     if how == "sum":

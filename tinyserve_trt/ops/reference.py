@@ -43,6 +43,9 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
                          value_scale=None, key_sub_bounds=None, *, attrs: schema.OpAttributes | None = None):
     """Return ``(output [B, H, S, D], selected_pages [B, Hkv, NP] bool)``. Inputs as in ``schema.INPUTS``.
 
+    ``group_reduce="head"``: each query head attends the units it selects alone; ``selected_pages``
+    marks a page any head of the group attends.
+
     Two-level (``attrs.sub_page_size`` not 0 or ps): ``selected_pages`` marks a
     page when any of its sub-pages is attended."""
     attrs = attrs or schema.OpAttributes()
@@ -79,17 +82,17 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
             vals = np.concatenate([v for _, v in kv])[:past] if kv else np.zeros((0, D))
             q = query[b, h * G:(h + 1) * G].astype(np.float64)  # [G, S, D]
             if S == 1:
-                keep = decode_keep(q[:, 0], key_min[pages, h], key_max[pages, h], keys, key[b, h, 0], past,
-                                   int(token_budget[b]), ps, attrs, scale,
-                                   None if sp == ps else key_sub_bounds[pages, h])
+                keeps = group_keeps(q[:, 0], key_min[pages, h], key_max[pages, h], keys, key[b, h, 0], past,
+                                    int(token_budget[b]), ps, attrs, scale,
+                                    None if sp == ps else key_sub_bounds[pages, h])
             else:
-                keep = np.ones(n * (ps // sp), dtype=bool)
-            selected[b, h, :n] = keep.reshape(n, ps // sp).any(axis=1)
-            tok_keep = np.repeat(keep, sp)[:past]
-            k_all = np.concatenate([keys[tok_keep], key[b, h].astype(np.float64)])  # [T + S, D]
-            v_all = np.concatenate([vals[tok_keep], value[b, h].astype(np.float64)])
-            t = int(tok_keep.sum())
+                keeps = np.ones((1, n * (ps // sp)), dtype=bool)
+            selected[b, h, :n] = keeps.reshape(len(keeps), n, ps // sp).any(axis=(0, 2))
             for g in range(G):
+                tok_keep = np.repeat(keeps[g % len(keeps)], sp)[:past]  # one row per query head, or shared
+                k_all = np.concatenate([keys[tok_keep], key[b, h].astype(np.float64)])  # [T + S, D]
+                v_all = np.concatenate([vals[tok_keep], value[b, h].astype(np.float64)])
+                t = int(tok_keep.sum())
                 for s in range(S):
                     visible = t + s + 1  # cached kept tokens, then new tokens up to and including s
                     logits = k_all[:visible] @ q[g, s] * scale
@@ -98,12 +101,24 @@ def sparse_attention_ref(query, key, value, key_cache, value_cache, key_min, key
     return out.astype(query.dtype), selected
 
 
+def group_keeps(q, page_min, page_max, keys, new_key, past: int, budget: int, page_size: int,
+                attrs: schema.OpAttributes, scale: float, sub_codes=None) -> np.ndarray:
+    """The decode-step selections of one sequence and KV head ``[1 | G, n * r]`` (bool): one row
+    shared by the group's ``G`` query heads (``q [G, D]``), or with ``group_reduce="head"`` one per
+    query head, each :func:`decode_keep` of that head alone. Arguments as in :func:`decode_keep`."""
+    if attrs.group_reduce != "head":
+        return decode_keep(q, page_min, page_max, keys, new_key, past, budget, page_size, attrs, scale, sub_codes)[None]
+    return np.stack([decode_keep(q[g:g + 1], page_min, page_max, keys, new_key, past, budget, page_size, attrs, scale,
+                                 sub_codes) for g in range(q.shape[0])])
+
+
 def decode_keep(q, page_min, page_max, keys, new_key, past: int, budget: int, page_size: int,
                 attrs: schema.OpAttributes, scale: float, sub_codes=None) -> np.ndarray:
     """The op's decode-step selection for one sequence and KV head: kept units ``[n * r]`` (bool;
     pages, or with ``sub_codes`` sub-pages of ``attrs.sub_page_size`` tokens, ``r = ps / sp``).
 
-    q: ``[G, D]`` the group's queries; page_min/page_max: ``[n, D]`` the pages' ``key_min/key_max``;
+    q: ``[G, D]`` the group's queries (``group_reduce="head"``: one head's, ``[1, D]``;
+    :func:`group_keeps` makes a row per head); page_min/page_max: ``[n, D]`` the pages' ``key_min/key_max``;
     keys: ``[past, D]`` the cached keys the op attends (dequantized); new_key: ``[D]``; sub_codes:
     ``[n, r, D]`` the pages' ``key_sub_bounds`` (None: single level). The one definition: the
     reference and calibration's replay (``calibration/selection.py``) call it. Does not modify inputs.

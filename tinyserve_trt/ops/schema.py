@@ -112,7 +112,9 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 # QSA_POLICY_* ids of the generated C header, only for the policies the C code knows.
 POLICIES = _policies.registered()
 POLICY_IDS = _policies.native_ids()
-GROUP_REDUCTIONS = ("max", "sum")
+# "head": every query head of a GQA group selects alone (its own pages, its own attention);
+# selected_pages marks the group's union. "max"/"sum": one selection shared by the group.
+GROUP_REDUCTIONS = ("max", "sum", "head")
 # Cold-page formats: the element types of COLD_INPUTS and the last dims of the pools and scales
 # (int4: two values per byte, float16 scales per channel group; ops/cold_codec.py is the rule).
 COLD_FORMATS = ("int8", "int4")
@@ -125,7 +127,8 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("recent_pages", "int", 1, "Trailing pages always kept; the last, partial page is one.",
                   min=1, max=1 << 16),
     AttributeSpec("group_reduce", "string", "max",
-                  "How a GQA group's query heads' page scores combine into one per KV head.",
+                  "How a GQA group's query heads' page scores combine into one selection per KV head (max, "
+                  "sum), or head: each query head selects and attends its own pages (selected_pages: the union).",
                   choices=GROUP_REDUCTIONS),
     AttributeSpec("sub_page_size", "int", 0,
                   "Two-level selection: re-rank the candidate pages' sub-pages of this many tokens "

@@ -30,6 +30,7 @@ from tinyserve_dev.kernels.references import (
     attention_with_selection_ref,
     selection_score_gap,
 )
+from tinyserve_trt.cuda.library import CUDA_GROUP_REDUCTIONS
 from tinyserve_trt.ops import schema, sparse_attention_ref
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -110,7 +111,7 @@ def random_case(seed: int) -> dict:
     case["token_budget"] = rng.integers(0, 7, B).astype(np.int32) * ps  # 0: dense
     attrs = schema.OpAttributes(
         scale=float(rng.choice([0.0, 0.2])), sink_pages=int(rng.integers(0, 3)), recent_pages=int(rng.integers(1, 3)),
-        group_reduce=str(rng.choice(schema.GROUP_REDUCTIONS)), sub_page_size=4 if two_level else 0,
+        group_reduce=str(rng.choice(CUDA_GROUP_REDUCTIONS)), sub_page_size=4 if two_level else 0,
         candidate_share=float(rng.choice([0.25, 0.5, 1.0])), cold_format=cold or "int8")
     names = list(schema.node_input_names(cold_pages=bool(cold), two_level=two_level))
     if two_level and not cold and seed % 2:  # a parser that drops skipped inputs: key_sub_bounds at 10

@@ -12,14 +12,15 @@
 
 namespace qsa {
 
-// Softmax attention of (sequence b, KV head h)'s G queries over `count` kept rows (K rows
-// krows[t], V rows vrows[t]) and, if with_new, the new token: per query, part[0] = the max logit m,
-// part[1] = sum exp(logit - m), part[2..2+D) = sum exp(logit - m) * v. Part layout [G][2 + D].
-inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int64_t h, const float* const* krows,
+// Softmax attention of a task's gn queries (sequence b, KV head h, query heads g0 .. g0 + gn of its
+// group) over `count` kept rows (K rows krows[t], V rows vrows[t]) and, if with_new, the new token:
+// per query, part[0] = the max logit m, part[1] = sum exp(logit - m), part[2..2+D) = sum
+// exp(logit - m) * v. Part layout [gn][2 + D].
+inline void attend_part_generic(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
                                 const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits,
                                 float* part) {
-  const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
-  const float* q = p.q + (b * p.H + h * G) * D;
+  const int64_t D = p.D, G = task.gn, T = count + (with_new ? 1 : 0), new_row = (task.b * p.Hkv + task.h) * D;
+  const float* q = p.q + (task.b * p.H + task.h * p.G + task.g0) * D;
   const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   logits.resize(G * T);
   // Kept sub-pages are scattered over the pools: prefetch the K and V rows kAhead ahead (V
@@ -52,13 +53,14 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, int64_t b, int
 // for 8 dot products instead of 8), and each head's output accumulated in registers over all
 // rows (no load/store of the output per row). For D a multiple of 8, D <= 128; same sums in
 // another order (float32 rounding, within schema.TOLERANCES).
-inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, const float* const* krows,
+inline void attend_part(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
                         const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits, float* part) {
 #ifdef __AVX2__
-  const int64_t D = p.D, G = p.G, T = count + (with_new ? 1 : 0), new_row = (b * p.Hkv + h) * D;
-  if (D % kW != 0 || D / kW > kMaxChunks) return attend_part_generic(p, a, b, h, krows, vrows, count, with_new, logits, part);
+  const int64_t D = p.D, G = task.gn, T = count + (with_new ? 1 : 0), new_row = (task.b * p.Hkv + task.h) * D;
+  if (D % kW != 0 || D / kW > kMaxChunks)
+    return attend_part_generic(p, a, task, krows, vrows, count, with_new, logits, part);
   const int64_t C = D / kW;
-  const float* q = p.q + (b * p.H + h * G) * D;
+  const float* q = p.q + (task.b * p.H + task.h * p.G + task.g0) * D;
   const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   logits.resize(G * (T + kW));
   auto krow = [&](int64_t t) { return t < count ? krows[t] : p.k + new_row; };
@@ -98,14 +100,14 @@ inline void attend_part(const Problem& p, const Attrs& a, int64_t b, int64_t h, 
     for (int64_t c = 0; c < C; ++c) vstore(out + 2 + c * kW, acc[c]);
   }
 #else
-  attend_part_generic(p, a, b, h, krows, vrows, count, with_new, logits, part);
+  attend_part_generic(p, a, task, krows, vrows, count, with_new, logits, part);
 #endif
 }
 
-// output[b, h*G + g] from the chunks' parts [chunks][G][2 + D] (flash-decoding's merge).
-inline void merge_parts(const Problem& p, int64_t b, int64_t h, const float* parts, int64_t chunks) {
-  const int64_t D = p.D, G = p.G, stride = G * (2 + D);
-  float* out = p.out + (b * p.H + h * G) * D;
+// output[b, h*G + g0 + g] from the chunks' parts [chunks][gn][2 + D] (flash-decoding's merge).
+inline void merge_parts(const Problem& p, const Task& task, const float* parts, int64_t chunks) {
+  const int64_t D = p.D, G = task.gn, stride = G * (2 + D);
+  float* out = p.out + (task.b * p.H + task.h * p.G + task.g0) * D;
   for (int64_t g = 0; g < G; ++g) {
     float m = -INFINITY, sum = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) m = std::max(m, parts[c * stride + g * (2 + D)]);

@@ -117,8 +117,9 @@ OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void
   a.cold_int4 = cold == kColdFormats[QSA_COLD_FORMAT_INT4];
   if (policy != kPolicies[QSA_POLICY_QUERY_AWARE] && policy != kPolicies[QSA_POLICY_DENSE])
     return error(api, "policy '" + policy + "' is not supported (query_aware, dense)");
-  if (reduce != kReductions[QSA_GROUP_REDUCE_MAX] && reduce != kReductions[QSA_GROUP_REDUCE_SUM])
-    return error(api, "group_reduce must be max or sum, got '" + reduce + "'");
+  if (reduce != kReductions[QSA_GROUP_REDUCE_MAX] && reduce != kReductions[QSA_GROUP_REDUCE_SUM] &&
+      reduce != kReductions[QSA_GROUP_REDUCE_HEAD])
+    return error(api, "group_reduce must be max, sum or head, got '" + reduce + "'");
   for (const std::string& e :
        {out_of_range(QSA_ATTR_SCALE_NAME, a.scale, QSA_ATTR_SCALE_MIN, INFINITY),
         out_of_range(QSA_ATTR_SINK_PAGES_NAME, a.sink_pages, QSA_ATTR_SINK_PAGES_MIN, QSA_ATTR_SINK_PAGES_MAX),
@@ -130,6 +131,7 @@ OrtStatus* create_kernel_impl(const OrtApi* api, const OrtKernelInfo* info, void
     if (!e.empty()) return error(api, e);
   a.dense = policy == kPolicies[QSA_POLICY_DENSE];
   a.reduce_sum = reduce == kReductions[QSA_GROUP_REDUCE_SUM];
+  a.per_head = reduce == kReductions[QSA_GROUP_REDUCE_HEAD];
   if (a.dense && a.sub_page_size > 0) return error(api, "sub_page_size > 0 (two-level) needs policy query_aware");
   *kernel = new Kernel{api, a};
   return nullptr;

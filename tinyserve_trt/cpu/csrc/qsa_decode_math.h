@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "qsa_attend.h"
@@ -52,18 +53,19 @@ inline void keep_best(std::vector<int64_t>& cand, const float* score, size_t k, 
   for (size_t i = 0; i < k; ++i) keep[qsa_math::rank_index(keys[i])] = 1;
 }
 
-// One (sequence, KV head): selection, then attention over the kept tokens.
+// One task (a sequence's KV head and its group's query heads, or one query head: Task): the
+// selection of its query heads, then the rows they attend.
 class HeadStep {
  public:
-  HeadStep(const Problem& p, const Attrs& a, Scratch& s, int64_t b, int64_t h)
-      : p_(p), a_(a), s_(s), b_(b), h_(h), past_(p.past[b]), n_((past_ + p.ps - 1) / p.ps),
-        pages_(p.table + b * p.NP), q_(p.q + (b * p.H + h * p.G) * p.D) {}
+  HeadStep(const Problem& p, const Attrs& a, Scratch& s, const Task& t)
+      : p_(p), a_(a), s_(s), b_(t.b), h_(t.h), gn_(t.gn), past_(p.past[t.b]), n_((past_ + p.ps - 1) / p.ps),
+        pages_(p.table + t.b * p.NP), q_(p.q + (t.b * p.H + t.h * p.G + t.g0) * p.D) {}
 
-  // Selects, marks selected_pages, and fills `rows` with the kept K/V rows (logical order).
-  void select_rows(Rows& rows) {
+  // Selects, marks the task's attended pages in sel [NP] (if not null), and fills `rows` with the
+  // kept K/V rows (logical order).
+  void select_rows(Rows& rows, bool* sel) {
     select();
-    if (p_.selected) {
-      bool* sel = p_.selected + (b_ * p_.Hkv + h_) * p_.NP;
+    if (sel) {
       std::fill(sel, sel + p_.NP, false);
       for (int64_t u = 0; u < n_ * p_.r; ++u)
         if (s_.keep[u]) sel[u / p_.r] = true;
@@ -96,7 +98,7 @@ class HeadStep {
   float reduce(float acc, float x, int64_t g) const { return qsa_math::group_combine(acc, x, g == 0, a_.reduce_sum); }
 
   void split_query() {
-    const int64_t GD = p_.G * p_.D;
+    const int64_t GD = gn_ * p_.D;
     s_.qpos.resize(GD), s_.qneg.resize(GD);
     for (int64_t i = 0; i < GD; ++i) s_.qpos[i] = qsa_math::query_pos(q_[i]), s_.qneg[i] = qsa_math::query_neg(q_[i]);
   }
@@ -104,7 +106,7 @@ class HeadStep {
   float coarse_score(int64_t page) const {
     const float *lo = meta(p_.kmin, page), *hi = meta(p_.kmax, page);
     float s = 0.0f;
-    for (int64_t g = 0; g < p_.G; ++g)
+    for (int64_t g = 0; g < gn_; ++g)
       s = reduce(s, bound(&s_.qpos[g * p_.D], &s_.qneg[g * p_.D], lo, hi, p_.D), g);
     return s;
   }
@@ -172,7 +174,7 @@ class HeadStep {
       const uint8_t* codes = p_.sub + (pages_[i] * p_.Hkv + h_) * r * D;
       const int64_t nsub = std::min(r, written - i * r);
 #ifdef __AVX2__
-      if (D % kW == 0 && D / kW <= kMaxChunks && r <= kW && p_.G <= kMaxFusedGroup) {
+      if (D % kW == 0 && D / kW <= kMaxChunks && r <= kW && gn_ <= kMaxFusedGroup) {
         page_fine_scores(kmin, kmax, codes, nsub, &s_.fine[i * r]);
         for (int64_t j = 0; j < nsub; ++j) s_.cand.push_back(i * r + j);
         continue;
@@ -185,7 +187,7 @@ class HeadStep {
           s_.lo[d] = qsa_math::sub_lo(kmin[d], qsa_math::code_lo(c[d]), s_.step[d]);
           s_.hi[d] = qsa_math::sub_hi(kmax[d], qsa_math::code_hi(c[d]), s_.step[d]);
         }
-        for (int64_t g = 0; g < p_.G; ++g)
+        for (int64_t g = 0; g < gn_; ++g)
           s = reduce(s, bound(&s_.qpos[g * D], &s_.qneg[g * D], s_.lo.data(), s_.hi.data(), D), g);
         s_.fine[i * r + j] = s;
         s_.cand.push_back(i * r + j);
@@ -212,7 +214,7 @@ class HeadStep {
         hi_c[j][c] = __builtin_convertvector(qsa_math::nibble_hi(ci), vf);
       }
     vf best = {};
-    for (int64_t g = 0; g < p_.G; ++g) {
+    for (int64_t g = 0; g < gn_; ++g) {
       const float *qp = &s_.qpos[g * D], *qn = &s_.qneg[g * D];
       vf wlo[kMaxChunks], whi[kMaxChunks];
       for (int64_t c = 0; c < C; ++c) {
@@ -238,18 +240,60 @@ class HeadStep {
   const Problem& p_;
   const Attrs& a_;
   Scratch& s_;
-  const int64_t b_, h_, past_, n_;
+  const int64_t b_, h_, gn_, past_, n_;
   const int32_t* pages_;
   const float* q_;
 };
 
-// Every (sequence, KV head) of the call over the pool's threads. With fewer than 2 of them per
-// thread (batch 1), the selection runs one task per (sequence, KV head) and the attention
-// splits each one's kept rows into chunks, merged after. Returns false when a task could not
-// allocate its scratch (nothing may throw into ORT or out of a pool thread).
+// The selected_pages rows of a call's tasks: the output's own rows for shared selections; with
+// per-head tasks (the query heads of a group run on different threads) a row per task in `marks`,
+// OR-ed into the output's group rows by finish().
+class SelectedRows {
+ public:
+  SelectedRows(const Problem& p, const Attrs& a) : p_(p), per_head_(a.per_head && p.selected) {
+    if (!per_head_) return;
+    thread_local std::unique_ptr<bool[]> marks;
+    thread_local int64_t size = 0;
+    const int64_t need = p.B * p.H * p.NP;
+    try {
+      if (need > size) marks.reset(new bool[need]), size = need;
+    } catch (...) {
+      return;  // failed(): nothing may throw into ORT
+    }
+    marks_ = marks.get();
+  }
+  bool failed() const { return per_head_ && !marks_; }
+  bool* row(const Task& t) const {
+    if (!p_.selected) return nullptr;
+    if (!per_head_) return p_.selected + (t.b * p_.Hkv + t.h) * p_.NP;
+    return marks_ + ((t.b * p_.H + t.h * p_.G + t.g0) * p_.NP);
+  }
+  void finish() const {
+    if (!per_head_) return;
+    for (int64_t bh = 0; bh < p_.B * p_.Hkv; ++bh) {
+      bool* out = p_.selected + bh * p_.NP;
+      const bool* m = marks_ + bh * p_.G * p_.NP;
+      for (int64_t i = 0; i < p_.NP; ++i) {
+        bool any = false;
+        for (int64_t g = 0; g < p_.G; ++g) any = any || m[g * p_.NP + i];
+        out[i] = any;
+      }
+    }
+  }
+
+ private:
+  const Problem& p_;
+  const bool per_head_;
+  bool* marks_ = nullptr;
+};
+
+// Every task of the call (Task: a (sequence, KV head), or per query head) over the pool's threads.
+// With fewer than 2 of them per thread (batch 1), the selection runs one task each and the
+// attention splits each one's kept rows into chunks, merged after. Returns false when a task could
+// not allocate its scratch (nothing may throw into ORT or out of a pool thread).
 inline bool run(const Problem& p, const Attrs& a) {
   std::atomic<bool> ok{true};
-  const int64_t tasks = p.B * p.Hkv, threads = pool_size(), part_size = p.G * (2 + p.D);
+  const int64_t tasks = num_tasks(p, a), threads = pool_size(), part_size = task_of(p, a, 0).gn * (2 + p.D);
   auto guarded = [&ok](auto&& fn) {
     return [&ok, fn](int64_t i) {
       try {
@@ -259,16 +303,19 @@ inline bool run(const Problem& p, const Attrs& a) {
       }
     };
   };
+  const SelectedRows sel(p, a);
+  if (sel.failed()) return false;
   if (threads == 1 || tasks >= 2 * threads) {
-    parallel_for(tasks, guarded([&](int64_t task) {
+    parallel_for(tasks, guarded([&](int64_t i) {
       thread_local Scratch s;
-      const int64_t b = task / p.Hkv, h = task % p.Hkv;
-      HeadStep(p, a, s, b, h).select_rows(s.rows);
+      const Task t = task_of(p, a, i);
+      HeadStep(p, a, s, t).select_rows(s.rows, sel.row(t));
       s.part.resize(part_size);
-      attend_part(p, a, b, h, s.rows.k.data(), s.rows.v.data(), static_cast<int64_t>(s.rows.k.size()), true, s.logits,
+      attend_part(p, a, t, s.rows.k.data(), s.rows.v.data(), static_cast<int64_t>(s.rows.k.size()), true, s.logits,
                   s.part.data());
-      merge_parts(p, b, h, s.part.data(), 1);
+      merge_parts(p, t, s.part.data(), 1);
     }));
+    if (ok) sel.finish();
     return ok;
   }
   const int64_t chunks = (2 * threads + tasks - 1) / tasks;
@@ -283,21 +330,23 @@ inline bool run(const Problem& p, const Attrs& a) {
   } catch (...) {
     return false;
   }
-  parallel_for(tasks, guarded([&](int64_t task) {
+  parallel_for(tasks, guarded([&](int64_t i) {
     thread_local Scratch s;
-    HeadStep(p, a, s, task / p.Hkv, task % p.Hkv).select_rows(rows[task]);
+    const Task t = task_of(p, a, i);
+    HeadStep(p, a, s, t).select_rows(rows[i], sel.row(t));
   }), 1);
   parallel_for(tasks * chunks, guarded([&](int64_t i) {
     thread_local Scratch s;
     const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].k.size());
     const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
-    attend_part(p, a, task / p.Hkv, task % p.Hkv, rows[task].k.data() + begin, rows[task].v.data() + begin, end - begin,
-                c == chunks - 1,
-                s.logits, parts.data() + i * part_size);
+    attend_part(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin, end - begin,
+                c == chunks - 1, s.logits, parts.data() + i * part_size);
   }), 1);
-  if (ok)
+  if (ok) {
     for (int64_t task = 0; task < tasks; ++task)
-      merge_parts(p, task / p.Hkv, task % p.Hkv, parts.data() + task * chunks * part_size, chunks);
+      merge_parts(p, task_of(p, a, task), parts.data() + task * chunks * part_size, chunks);
+    sel.finish();
+  }
   return ok;
 }
 

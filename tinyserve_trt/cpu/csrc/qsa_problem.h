@@ -13,9 +13,10 @@ struct Attrs {  // defaults: schema.ATTRIBUTES, through the generated header
   int64_t sink_pages = QSA_ATTR_SINK_PAGES_DEFAULT, recent_pages = QSA_ATTR_RECENT_PAGES_DEFAULT,
           sub_page_size = QSA_ATTR_SUB_PAGE_SIZE_DEFAULT;
   float candidate_share = QSA_ATTR_CANDIDATE_SHARE_DEFAULT;
-  // dense / reduce_sum / cold_int4: policy "dense", group_reduce "sum", cold_format "int4"
+  // dense / reduce_sum / per_head / cold_int4: policy "dense", group_reduce "sum" / "head", cold_format "int4"
   bool dense = QSA_ATTR_POLICY_DEFAULT_INDEX == QSA_POLICY_DENSE,
        reduce_sum = QSA_ATTR_GROUP_REDUCE_DEFAULT_INDEX == QSA_GROUP_REDUCE_SUM,
+       per_head = QSA_ATTR_GROUP_REDUCE_DEFAULT_INDEX == QSA_GROUP_REDUCE_HEAD,
        cold_int4 = QSA_ATTR_COLD_FORMAT_DEFAULT_INDEX == QSA_COLD_FORMAT_INT4;
 };
 
@@ -37,5 +38,20 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
   float* out = nullptr;
   bool* selected = nullptr;  // may be null (output not requested)
 };
+
+// One task of a decode step: sequence b, KV head h and its query heads h*G + g0 .. h*G + g0 + gn - 1:
+// the whole group (one selection shared), or with group_reduce "head" one query head, which selects
+// and attends alone (ops/reference.py group_keeps).
+struct Task {
+  int64_t b = 0, h = 0, g0 = 0, gn = 1;
+};
+
+inline int64_t num_tasks(const Problem& p, const Attrs& a) { return p.B * (a.per_head ? p.H : p.Hkv); }
+
+inline Task task_of(const Problem& p, const Attrs& a, int64_t i) {
+  if (!a.per_head) return {i / p.Hkv, i % p.Hkv, 0, p.G};
+  const int64_t qh = i % p.H;
+  return {i / p.H, qh / p.G, qh % p.G, 1};
+}
 
 }  // namespace qsa
