@@ -1,8 +1,9 @@
 """One layer's decode step: the native CPU node vs the op's ONNX function, in ONNX Runtime CPU.
 
-Same inputs, side by side in one process: SmolLM2 shapes (H 9, Hkv 3, D 64), --context cached
+Same inputs, side by side in one process: --heads (default SmolLM2's H 9, Hkv 3; D 64), --context cached
 tokens per sequence, batch sizes --batches, the two-level default (ps 32, sp 4) and single-level
-ps 16, token budget --budget. ``function`` = a single-node model with the op's function body
+ps 16, token budget --budget, each selecting config once per --group-reduce (max: one selection per
+KV head; head: per query head). ``function`` = a single-node model with the op's function body
 (ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
 (tinyserve_trt/cpu); ``dense`` = the dense policy (the calibrated dense layers). With --baseline-lib,
 another build of the library beside them (a kernel change measured against the last one in one run).
@@ -73,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("H", "HKV"), help="query and KV heads")
+    ap.add_argument("--group-reduce", nargs="+", default=["max"], choices=schema.GROUP_REDUCTIONS)
+    ap.add_argument("--candidate-share", type=float, default=schema.attribute("candidate_share").default)
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads")
@@ -95,7 +99,9 @@ def main(argv=None) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     rng = np.random.default_rng(0)
-    lines = [f"\n## context {args.context}, budget {args.budget}, ORT {args.threads} threads, native pool "
+    H, Hkv = args.heads
+    lines = [f"\n## context {args.context}, budget {args.budget}, heads {H}/{Hkv}, candidate share "
+             f"{args.candidate_share}, ORT {args.threads} threads, native pool "
              f"{os.environ.get('TINYSERVE_NATIVE_THREADS', '1')} thread(s)\n",
              f"{platform.machine()}, {os.cpu_count()} cores, onnxruntime {ort.__version__}; ms per call, "
              f"median of {args.repeats}, interleaved, no spinning.\n",
@@ -105,14 +111,18 @@ def main(argv=None) -> int:
     if args.baseline_lib:
         lines.insert(2, f"baseline: {args.baseline_lib}\n")
     ratios = []
-    for label, ps, sp, policy in CONFIGS:
-        attrs = schema.OpAttributes(sub_page_size=sp, policy=policy)
+    runs = [(label if policy == "dense" else f"{label}, {gr}", ps, sp, policy, gr)
+            for label, ps, sp, policy in CONFIGS
+            for gr in (args.group_reduce[:1] if policy == "dense" else args.group_reduce)]
+    for label, ps, sp, policy, group_reduce in runs:
+        attrs = schema.OpAttributes(sub_page_size=sp, policy=policy, group_reduce=group_reduce,
+                                    candidate_share=args.candidate_share)
         fn = session(make_op_model("float32", attrs, head_dim=64, with_selected=False), args.threads, False)
         nat = session(make_decode_model(attrs, with_selected=False), args.threads, True)
         base = session(make_decode_model(attrs, with_selected=False), args.threads, str(args.baseline_lib)) \
             if args.baseline_lib else None
         for batch in args.batches:
-            case = make_case(CaseSpec((args.context,) * batch, 9, 3, 64, ps, budget=args.budget, sub_page_size=sp),
+            case = make_case(CaseSpec((args.context,) * batch, H, Hkv, 64, ps, budget=args.budget, sub_page_size=sp),
                              rng)
             f_feeds = {n: case[n] for n in schema.node_input_names(two_level=attrs.two_level) if n}
             n_feeds = {n: case[n] for n in input_names(attrs.two_level) if n}  # "": a skipped optional input

@@ -227,7 +227,24 @@ def test_bench_native_op_smoke(tmp_path, capsys):
                                          "2", "--warmup", "1", "--threads", "1", "--out", str(out)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT worst_native_over_function=\d+\.\d+", last)
-    assert out.read_text().count("| two-level ps32/sp4 |") == 2
+    assert out.read_text().count("| two-level ps32/sp4, max |") == 2
+
+
+def test_bench_native_op_compares_group_reductions(tmp_path, capsys):
+    """--heads and --group-reduce: Qwen's 14/2 heads, a row per reduction for each selecting config
+    (the outputs of each checked against the function's before timing)."""
+    from tinyserve_trt.cpu.native import available
+
+    if available():
+        pytest.skip(f"native CPU op unavailable: {available()}")
+    out = tmp_path / "native.md"
+    assert load("bench_native_op").main(["--context", "200", "--batches", "1", "--budget", "64", "--repeats", "1",
+                                         "--warmup", "0", "--threads", "1", "--heads", "14", "2",
+                                         "--group-reduce", "max", "head", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "heads 14/2" in text
+    for label in ("two-level ps32/sp4, max", "two-level ps32/sp4, head", "single-level ps16, head", "dense ps32"):
+        assert text.count(f"| {label} | 1 |") == 1, label
 
 
 def test_bench_cold_decode_smoke(llama, tmp_path, capsys):
