@@ -45,7 +45,7 @@ def test_sparse_layers_take_the_fine_bounds(two_level_pkg):
             assert "key_sub_bounds" not in layer
             continue
         assert (attrs.sub_page_size, attrs.candidate_share) == (4, 0.5)
-        assert node.overload == "query_aware_two_level"
+        assert node.overload == f"query_aware_{manifest['group_reduce']}_two_level".replace("_max", "")
         assert list(node.input[schema.NUM_REQUIRED_INPUTS:]) == ["", "", "", "", f"key_sub_bounds.{i}"]
         assert layer["key_sub_bounds"] == f"key_sub_bounds.{i}"
         t = inputs[layer["key_sub_bounds"]].type.tensor_type
@@ -114,7 +114,8 @@ def test_two_level_is_the_default_where_the_op_supports_it():
     d = ExportConfig()
     ps, sp = export_config.DEFAULT_PAGE_SIZE, export_config.DEFAULT_SUB_PAGE_SIZE
     assert (d.resolved_page_size(), d.resolved_sub_page_size()) == (ps, sp)
-    assert d.layer_attributes(5, 0.1).sub_page_size == sp and d.layer_attributes(5, 0.1).candidate_share == 0.5
+    assert d.layer_attributes(5, 0.1).sub_page_size == sp
+    assert d.layer_attributes(5, 0.1).candidate_share == export_config.DEFAULT_CANDIDATE_SHARE
     assert ExportConfig(page_size="auto", max_context=65536).resolved_page_size() == ps
     assert ExportConfig(page_size="auto", max_context=65536, sub_page_size=0).resolved_page_size() == 64
     assert ExportConfig(policy="window").resolved_sub_page_size() == 0

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 PACKAGE = dict(page_size=16, num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", max_context=256,
-               sub_page_size=0, eos_token_ids=[2], token_budget=0, cold_tier=None)
+               sub_page_size=0, eos_token_ids=[2], token_budget=0, budget_share=0.0, cold_tier=None)
 
 
 class _Stop(Exception):

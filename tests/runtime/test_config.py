@@ -2,6 +2,7 @@ import pytest
 
 from tests.runtime.backend_options import backend_options
 from tinyserve_trt.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from tinyserve_trt.contracts.budget import DecodeBudget
 
 
 def test_defaults_are_valid():
@@ -71,8 +72,9 @@ def test_engine_config_rejects_sparse_min_ratio_in_one_line(value):
 def test_engine_config_passes_sparse_min_ratio_to_the_scheduler():
     from tinyserve_trt.runtime.config import SPARSE_MIN_RATIO, EngineConfig
 
-    assert EngineConfig().scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == SPARSE_MIN_RATIO
-    assert EngineConfig(sparse_min_ratio=0).scheduler_config(token_budget=8, eos_token_id=None).sparse_min_ratio == 0
+    budget = DecodeBudget(8)
+    assert EngineConfig().scheduler_config(budget=budget, eos_token_id=None).sparse_min_ratio == SPARSE_MIN_RATIO
+    assert EngineConfig(sparse_min_ratio=0).scheduler_config(budget=budget, eos_token_id=None).sparse_min_ratio == 0
 
 
 # ---- issue #32: the TINYSERVE_* switches are config fields, passed to the backend that reads them ----

@@ -300,3 +300,26 @@ def test_sparse_min_ratio_boundary_is_sparse():
     assert ScheduledBatch.build(rows, 4, 8, 2.0).token_budget.tolist() == [0, 8]
     assert ScheduledBatch.build(rows, 4, 8, 1.5).token_budget.tolist() == [8, 8]
     assert ScheduledBatch.build(rows, 4, 0, 2.0).token_budget.tolist() == [0, 0]
+
+
+def test_budget_share_grows_the_default_budget_with_the_context():
+    """budget_share 1/8 over a floor of 8: contexts 15 / 64 / 100 get 8 / 8 / 12 (floor(100 / 8));
+    a request's own budget stays fixed; sparse_min_ratio compares with the grown budget."""
+    from tinyserve_trt.runtime.batch import ScheduledBatch
+    from tinyserve_trt.runtime.sequence import Sequence
+
+    rows = []
+    for n, own in ((15, None), (64, None), (100, None), (100, 4)):
+        seq = Sequence(f"c{n}-{own}", list(range(n - 1)), SamplingParams(token_budget=own))
+        seq.token_ids.append(0)  # one generated token, not yet cached
+        seq.pages, seq.num_cached_tokens = list(range(-(-n // 4))), n - 1
+        rows.append((seq, 1))
+    assert ScheduledBatch.build(rows, 4, 8, 0.0, 0.125).token_budget.tolist() == [8, 8, 12, 4]
+    assert ScheduledBatch.build(rows, 4, 8, 0.0).token_budget.tolist() == [8, 8, 8, 4]  # share 0: fixed
+    assert ScheduledBatch.build(rows, 4, 8, 8.0, 0.125).token_budget.tolist() == [0, 8, 12, 4]  # 100 >= 8 x 12
+    sched = make(token_budget=8, budget_share=0.125, sparse_min_ratio=0.0)
+    sched.add("long", list(range(100)), SamplingParams(max_tokens=4, ignore_eos=True))
+    rng = np.random.default_rng(0)
+    while sched.running == [] or sched.running[0].num_output_tokens == 0:
+        step(sched, rng)
+    assert sched.schedule().token_budget.tolist() == [12]  # context 101

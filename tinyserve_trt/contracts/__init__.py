@@ -6,6 +6,7 @@
                  decode node) and why - the manifest's ``ort_optimized.plan``
 ``package_paths`` ``PackageError`` and ``resolve_inside``: every file a package names stays inside it
 ``cold_tier``    ``TierConfig`` / ``HotnessConfig``: the INT8 cold tier and which pages stay hot
+``budget``       ``DecodeBudget``: a decode step's token budget (a floor and a share of the context)
 ``calibration``  ``CalibrationArtifact``: what ``tinyserve-calibrate`` writes, the exporter
                  copies into a package and the runtime applies
 

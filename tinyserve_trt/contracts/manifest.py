@@ -23,6 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from tinyserve_trt.contracts import manifest_fields as checks
+from tinyserve_trt.contracts.budget import DecodeBudget
 from tinyserve_trt.contracts.cold_tier import HotnessConfig, TierConfig
 from tinyserve_trt.contracts.ort_plan import OrtGraphPlan
 from tinyserve_trt.contracts.package_paths import PackageError, check_name, resolve_inside
@@ -199,9 +200,10 @@ class OrtOptimized:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a package holds and how to drive it. Dims are per model; ``token_budget`` is
-    the runtime's default decode budget (0 = dense); ``engine`` holds the TensorRT engine's
-    file and the limits of its profile (``contracts.engine_profiles``)."""
+    """What a package holds and how to drive it. Dims are per model; ``token_budget`` and
+    ``budget_share`` are the runtime's default decode budget (``decode_budget``; 0 = dense);
+    ``engine`` holds the TensorRT engine's file and the limits of its profile
+    (``contracts.engine_profiles``)."""
 
     num_layers: int
     num_heads: int
@@ -221,6 +223,8 @@ class Manifest:
     cold_tier: ColdTier | None = None
     sub_page_size: int = 0  # two-level selection (issue #15): the runtime pools keep key_sub_bounds
     candidate_share: float | None = None
+    budget_share: float = 0.0  # the default budget's share of the context above token_budget (contracts.budget)
+    group_reduce: str = "max"  # how the sparse layers' GQA groups select (the op's attribute; "head": per query head)
     ort_optimized: OrtOptimized | None = None
     engine: dict | None = None
     bos_token_id: int | list | None = None
@@ -259,6 +263,11 @@ class Manifest:
             raise PackageError(f"dtype must be float32 or float16, got {self.dtype!r}")
         self._check_two_level()
         self.named_files()  # each a relative name without '..'
+
+    @property
+    def decode_budget(self) -> DecodeBudget:
+        """The default decode budget: ``token_budget`` tokens at least, ``budget_share`` of the context above."""
+        return DecodeBudget(self.token_budget, self.budget_share)
 
     def named_files(self) -> dict[str, str]:
         """field -> the file name it gives, for every file the manifest names (checked relative

@@ -7,6 +7,7 @@ The op's policies, its ``candidate_share`` range and its version come from ``ops
 
 from __future__ import annotations
 
+from tinyserve_trt.contracts.budget import DecodeBudget
 from tinyserve_trt.contracts.package_paths import PackageError
 from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.ops import schema
@@ -111,6 +112,12 @@ def check_scalars(m) -> None:
             schema.attribute("candidate_share").validate(m.candidate_share)
         except ValueError as e:
             raise PackageError(f"candidate_share: {e}") from None
+    if m.group_reduce not in schema.GROUP_REDUCTIONS:
+        raise PackageError(f"group_reduce must be one of {schema.GROUP_REDUCTIONS}, got {m.group_reduce!r}")
+    try:
+        DecodeBudget(m.token_budget, m.budget_share)
+    except ValueError as e:
+        raise PackageError(str(e)) from None
     for name in ("source", "source_io", "validation"):
         check_optional(name, getattr(m, name), dict, "an object")
     check_optional("tool_version", m.tool_version, str, "a string")

@@ -42,7 +42,11 @@ def parser() -> argparse.ArgumentParser:
                    help="longest context the package serves (its request limit; sizes --page-size auto); default: "
                         "the model's own (max_position_embeddings in the config.json beside it), else 8192")
     p.add_argument("--token-budget", type=int, default=DEFAULTS.token_budget,
-                   help="default decode token budget the runtime uses (0 = dense); default %(default)s")
+                   help="default decode token budget the runtime uses, the floor of --budget-share (0 = dense); "
+                        "default %(default)s")
+    p.add_argument("--budget-share", type=float, default=DEFAULTS.budget_share,
+                   help="the default budget's share of the context above --token-budget (0: a fixed budget); "
+                        "default %(default)s")
     p.add_argument("--dense-layers", default=str(DEFAULTS.dense_layers),
                    help="layers that keep dense attention: N (the leading N; Quest keeps 2) or comma-separated "
                         "indices, e.g. the ones benchmarks/selection_probe.py --layer-sensitivity ranks first; "
@@ -56,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                         f"{DEFAULTS.resolved_sub_page_size()} for query_aware, else 0")
     p.add_argument("--candidate-share", type=float, default=DEFAULTS.candidate_share,
                    help="two-level: share of the pages kept as candidates; default %(default)s")
+    p.add_argument("--group-reduce", choices=schema.GROUP_REDUCTIONS, default=None,
+                   help="how a GQA group selects: head (each query head its own pages), max or sum (one selection "
+                        "per KV head); default head, max with --backend trt (the CUDA kernels select per KV head)")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "
                         "an FP16 engine; validated to 5e-2 instead of 1e-4")
     p.add_argument("--fp32-kv", action="store_true",
@@ -91,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
 def _config(args) -> ExportConfig:
     page_size = args.page_size if args.page_size == "auto" else _int(args.page_size, "--page-size")
     try:
-        return ExportConfig(page_size=page_size, token_budget=args.token_budget,
+        return ExportConfig(page_size=page_size, token_budget=args.token_budget, budget_share=args.budget_share,
+                            group_reduce=args.group_reduce,
                             dense_layers=parse_dense_layers(args.dense_layers),
                             policy=args.policy, sink_pages=args.sink_pages, max_context=args.max_context,
                             fp16=args.fp16, fp32_kv=args.fp32_kv, validate=not args.no_validate, backend=args.backend,

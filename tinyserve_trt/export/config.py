@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..contracts.budget import DecodeBudget
 from ..contracts.cold_tier import check_int8_layers
+from ..cuda.library import CUDA_GROUP_REDUCTIONS
 from ..contracts.dense_layers import dense_layer_indices
 from ..ops import policies, schema
 
@@ -18,6 +20,16 @@ BACKENDS = ("ort", "trt")
 # (ONNX Runtime and TensorRT: the plugin takes key_sub_bounds, the engine profile covers it).
 DEFAULT_PAGE_SIZE = 32
 DEFAULT_SUB_PAGE_SIZE = 4
+# Per-query-head selection over every page's sub-pages, at 1/8 of the context and at least 1024
+# tokens (issue #31): chosen with the torch probe on KJV Genesis at 8K and 16K on Qwen2.5-Coder-0.5B
+# (GQA 14:2), checked on Hamlet (benchmarks/results/selection_probe.md, long_context.md "Session 18
+# probe"): the shared two-level default cost 5-6% at 8K and 9-17% at 16K; per head with every page a
+# candidate 0.7-1.3% at 8K and, at 2048 = 1/8 of 16K, 1.5% (KJV) / -0.9% (Hamlet). The CUDA kernels
+# select per KV head only: a trt package keeps "max" (one selection per group).
+DEFAULT_GROUP_REDUCE = {"ort": "head", "trt": "max"}
+DEFAULT_CANDIDATE_SHARE = 1.0
+DEFAULT_TOKEN_BUDGET = 1024
+DEFAULT_BUDGET_SHARE = 0.125
 INT8_LAYER_CHOICES = ("auto", "dense", "none")  # or layer indices (ExportConfig.int8_layers)
 
 
@@ -55,7 +67,8 @@ def resolve_max_context(config: ExportConfig, source: Path) -> tuple[ExportConfi
 @dataclass(frozen=True)
 class ExportConfig:
     page_size: int | str = DEFAULT_PAGE_SIZE  # or "auto"
-    token_budget: int = 1024  # the runtime's default decode budget (0 = dense)
+    token_budget: int = DEFAULT_TOKEN_BUDGET  # the runtime's default decode budget, its floor (0 = dense)
+    budget_share: float = DEFAULT_BUDGET_SHARE  # ... and its share of the context above it (contracts.budget)
     # layers kept dense: the leading N (Quest keeps 2), or layer indices (contracts.dense_layers)
     dense_layers: int | tuple[int, ...] = 2
     policy: str = "query_aware"
@@ -93,7 +106,10 @@ class ExportConfig:
     # this many tokens, from a ``key_sub_bounds`` input per layer. 0 (or the page size): off.
     # None: the default (``resolved_sub_page_size``).
     sub_page_size: int | None = None
-    candidate_share: float = schema.attribute("candidate_share").default
+    candidate_share: float = DEFAULT_CANDIDATE_SHARE
+    # How a GQA group selects: "head" (each query head its own pages), "max" / "sum" (one selection
+    # per KV head); None: DEFAULT_GROUP_REDUCE of the backend
+    group_reduce: str | None = None
     # model.ort.onnx decodes on the op's native CPU kernel (an ORT custom op built with the host
     # C++ compiler on first use: tinyserve_trt/cpu, export/native_decode.py) where it validates;
     # False, or no compiler: the ONNX function decodes too.
@@ -106,8 +122,12 @@ class ExportConfig:
         if self.page_size != "auto" and (not isinstance(self.page_size, int) or self.page_size < 1
                                          or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size must be a power of two or 'auto', got {self.page_size!r}")
-        if self.token_budget < 0:
-            raise ValueError(f"token_budget must be >= 0 (0 = dense), got {self.token_budget}")
+        DecodeBudget(self.token_budget, self.budget_share)  # ValueError, one line
+        if self.group_reduce is not None and self.group_reduce not in schema.GROUP_REDUCTIONS:
+            raise ValueError(f"group_reduce must be one of {schema.GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        if self.backend == "trt" and self.group_reduce not in (None, *CUDA_GROUP_REDUCTIONS):
+            raise ValueError(f"group_reduce {self.group_reduce!r} has no CUDA kernel, so a TensorRT engine cannot run "
+                             f"it (CUDA: {', '.join(CUDA_GROUP_REDUCTIONS)}); export it with --backend ort")
         indices = dense_layer_indices(self.dense_layers)  # ValueError, one line, for a bad value
         if not isinstance(self.dense_layers, int):  # indices: sorted, a tuple (the config stays hashable)
             object.__setattr__(self, "dense_layers", indices)
@@ -122,7 +142,8 @@ class ExportConfig:
         if self.fp16 and self.fp32_kv:
             raise ValueError("fp16 and fp32_kv both name the KV pages' dtype: choose one")
         schema.OpAttributes(policy=self.policy, sink_pages=self.sink_pages, recent_pages=self.recent_pages,
-                            sub_page_size=self.resolved_sub_page_size(), candidate_share=self.candidate_share)
+                            sub_page_size=self.resolved_sub_page_size(), candidate_share=self.candidate_share,
+                            group_reduce=self.resolved_group_reduce)
         if self.sub_page_size and self.resolved_page_size() % self.sub_page_size:
             raise ValueError(f"sub_page_size must divide the page size {self.resolved_page_size()}, "
                              f"got {self.sub_page_size}")
@@ -141,6 +162,14 @@ class ExportConfig:
                              f"{self.resolved_cold_format})")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration):
             raise ValueError(f"calibration must be a path to a calibration.json, got {self.calibration!r}")
+
+    @property
+    def resolved_group_reduce(self) -> str:
+        return self.group_reduce or DEFAULT_GROUP_REDUCE[self.backend]
+
+    @property
+    def decode_budget(self) -> DecodeBudget:
+        return DecodeBudget(self.token_budget, self.budget_share)
 
     @property
     def has_cold_tier(self) -> bool:
@@ -233,4 +262,6 @@ class ExportConfig:
         two_level = policy != "dense" and sp not in (0, self.resolved_page_size())
         return schema.OpAttributes(scale=scale, policy=policy, sink_pages=self.sink_pages,
                                    recent_pages=self.recent_pages, candidate_share=self.candidate_share,
-                                   sub_page_size=sp if two_level else 0)
+                                   sub_page_size=sp if two_level else 0,
+                                   group_reduce=self.resolved_group_reduce if policy != "dense" else
+                                   schema.attribute("group_reduce").default)

@@ -196,6 +196,7 @@ def _validate_and_write(stage, source: Path, weights_dir: Path, sha: str, done: 
         tool_version=__version__, op=dict(domain=schema.DOMAIN, name=schema.OP_TYPE, version=schema.VERSION),
         num_layers=len(plans), num_heads=dims["heads"], num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"],
         vocab_size=dims["vocab"], page_size=done.page_size, token_budget=config.token_budget,
+        budget_share=config.budget_share, group_reduce=config.resolved_group_reduce,
         dense_layers=manifest_dense_layers(config.dense_layers, len(plans)), policy=config.policy,
         sink_pages=config.sink_pages,
         recent_pages=config.recent_pages, dtype=done.kv_dtype,

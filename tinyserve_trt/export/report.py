@@ -24,7 +24,7 @@ def print_summary(report: ExportReport, config: ExportConfig) -> None:
              ("selection", _selection(config)),
              ("bytes / token / KV head", _bytes_per_token(report, config)),
              ("cold page", _cold_page(report, config)),
-             ("default token budget", str(config.token_budget) if config.token_budget else "dense"),
+             ("default token budget", config.decode_budget.describe()),
              ("dense layers", describe_dense_layers(config.dense_layers, report.layers)),
              ("validation max |logit diff|",
               f"{report.validation:.2e} (<= {report.tolerance or config.tolerance():.3g}"
@@ -66,9 +66,12 @@ def _peak_memory(report: ExportReport) -> str:
 
 def _selection(config: ExportConfig) -> str:
     sub = config.resolved_sub_page_size()
+    group = {"head": "per query head", "max": "per KV head (group max)", "sum": "per KV head (group sum)"}[
+        config.resolved_group_reduce]
     if not sub or sub == config.resolved_page_size():
-        return f"{config.policy}, single level"
-    return f"{config.policy}, two-level: {sub}-token sub-pages of the top {config.candidate_share:.0%} of pages"
+        return f"{config.policy} {group}, single level"
+    pages = "every page's" if config.candidate_share >= 1 else f"the top {config.candidate_share:.0%} of pages'"
+    return f"{config.policy} {group}, two-level: {pages} {sub}-token sub-pages"
 
 
 def _bytes_per_token(report: ExportReport, config: ExportConfig) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.contracts.budget import DecodeBudget
 from tinyserve_trt.runtime.sequence import Sequence
 
 
@@ -72,12 +73,16 @@ class ScheduledBatch:
 
     @classmethod
     def build(cls, rows: list[tuple[Sequence, int]], page_size: int, default_budget: int,
-              sparse_min_ratio: float = 0.0) -> ScheduledBatch:
+              sparse_min_ratio: float = 0.0, budget_share: float = 0.0) -> ScheduledBatch:
         """Arrays for ``rows`` of (sequence, new tokens); pages must already cover the slots.
+
+        A row's budget: its request's ``token_budget`` (fixed), else ``DecodeBudget(default_budget,
+        budget_share)`` at its context after this step.
 
         A row whose context after this step (``start + n`` tokens) is below ``sparse_min_ratio``
         times its budget gets budget 0: dense, exact, and no selection cost (``SchedulerConfig``)."""
         b = len(rows)
+        default = DecodeBudget(default_budget, budget_share)
         width = max((n for _, n in rows), default=1)
         max_pages = max([len(s.pages) for s, _ in rows] + [1])
         input_ids = np.zeros((b, width), np.int32)
@@ -98,7 +103,7 @@ class ScheduledBatch:
             page_table[i, :len(seq.pages)] = seq.pages
             num_new[i], past[i] = n, start
             override = seq.params.token_budget
-            budget[i] = default_budget if override is None else override
+            budget[i] = default.at(start + n) if override is None else override
             if start + n <= seq.num_prompt_tokens or start + n < sparse_min_ratio * budget[i]:
                 # prompt tokens attend densely, as in a full prefill: a one-token step after a
                 # prefix-cache hit (or a fork's recomputed last prompt token) is not a decode step;

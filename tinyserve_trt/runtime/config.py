@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.contracts.budget import DecodeBudget
 from tinyserve_trt.cpu.native import is_march_name
 from tinyserve_trt.runtime.limits import INT32_MAX
 
@@ -116,7 +117,9 @@ class SchedulerConfig:
     prefill_chunk:       most prompt tokens one sequence computes in one step.
     max_seq_len:         prompt + generated tokens allowed per sequence (None: the pool's capacity).
     token_budget:        default Quest decode budget in tokens (0 = dense); a request's
-                         ``SamplingParams.token_budget`` overrides it.
+                         ``SamplingParams.token_budget`` overrides it (a fixed budget).
+    budget_share:        the default budget's share of a row's context above ``token_budget``
+                         (``contracts.budget.DecodeBudget``); 0 = fixed.
     sparse_min_ratio:    a decode row whose context (cached + new tokens) is below this many
                          times its budget decodes dense (budget 0); 0 (here the default: the
                          scheduler alone does what the budgets say) = select at any context.
@@ -131,6 +134,7 @@ class SchedulerConfig:
     token_budget: int = 0
     eos_token_id: int | None = None
     sparse_min_ratio: float = 0.0
+    budget_share: float = 0.0
 
     def __post_init__(self):
         _positive_int("max_batch", self.max_batch)
@@ -141,9 +145,7 @@ class SchedulerConfig:
                              f"max_tokens_per_step ({self.max_tokens_per_step})")
         if self.max_seq_len is not None:
             _positive_int("max_seq_len", self.max_seq_len)
-        if not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool) \
-                or self.token_budget < 0:
-            raise ValueError(f"token_budget must be an int >= 0, got {self.token_budget!r}")
+        DecodeBudget(self.token_budget, self.budget_share)  # ValueError, one line
         if self.eos_token_id is not None and (not isinstance(self.eos_token_id, int)
                                               or self.eos_token_id < 0):
             raise ValueError(f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")
@@ -156,6 +158,8 @@ class EngineConfig:
 
     backend:             backend registry name (``ort``; ``trt`` with issue #5).
     token_budget:        default Quest decode budget in tokens; None = the package's default.
+    budget_share:        the default budget's share of the context above ``token_budget``; None = the
+                         package's when ``token_budget`` is None too, else 0 (a budget given is fixed).
     dense:               attend every page at decode (budget 0); overrides token_budget.
     sparse_min_ratio:    a sequence decodes dense while its context is below this many times its
                          token budget (the engine's or its request's), sparse from there on: at
@@ -204,6 +208,7 @@ class EngineConfig:
 
     backend: str = "ort"
     token_budget: int | None = None
+    budget_share: float | None = None
     dense: bool = False
     sparse_min_ratio: float = SPARSE_MIN_RATIO
     memory: int | float | None = None
@@ -277,6 +282,8 @@ class EngineConfig:
         if self.token_budget is not None and (not isinstance(self.token_budget, int)
                                               or isinstance(self.token_budget, bool) or self.token_budget < 0):
             raise ValueError(f"token_budget must be an int >= 0 or None, got {self.token_budget!r}")
+        if self.budget_share is not None:
+            DecodeBudget(0, self.budget_share)  # ValueError, one line
         if self.memory is not None:
             ok_fraction = isinstance(self.memory, float) and 0.0 < self.memory <= 1.0
             ok_bytes = isinstance(self.memory, int) and not isinstance(self.memory, bool) and self.memory > 1
@@ -296,6 +303,16 @@ class EngineConfig:
     def resolved_budget(self, package_default: int) -> int:
         return 0 if self.dense else package_default if self.token_budget is None else self.token_budget
 
+    def resolved_budget_share(self, package_default: float) -> float:
+        if self.budget_share is not None:
+            return self.budget_share
+        return package_default if self.token_budget is None else 0.0
+
+    def decode_budget(self, package) -> DecodeBudget:
+        """The engine's default decode budget against ``package`` (its manifest's default)."""
+        return DecodeBudget(self.resolved_budget(package.token_budget),
+                            self.resolved_budget_share(package.budget_share))
+
     def cache_config(self, *, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: str, max_context: int) -> CacheConfig:
         prefix = "hash" if self.prefix_sharing else "none"
@@ -310,8 +327,8 @@ class EngineConfig:
             return CacheConfig.from_memory(memory_fraction=self.memory, **kw)
         return CacheConfig.from_memory(memory_bytes=self.memory, **kw)
 
-    def scheduler_config(self, *, token_budget: int, eos_token_id: int | None) -> SchedulerConfig:
+    def scheduler_config(self, *, budget: DecodeBudget, eos_token_id: int | None) -> SchedulerConfig:
         return SchedulerConfig(max_batch=self.max_batch, max_tokens_per_step=self.max_tokens_per_step,
                                prefill_chunk=self.prefill_chunk, max_seq_len=self.max_seq_len,
-                               token_budget=token_budget, eos_token_id=eos_token_id,
+                               token_budget=budget.tokens, budget_share=budget.share, eos_token_id=eos_token_id,
                                sparse_min_ratio=self.sparse_min_ratio)

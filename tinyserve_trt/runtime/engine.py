@@ -61,14 +61,15 @@ class Engine:
                                     dtype=package.dtype, max_context=package.max_context)
         cache = replace(cache, sub_page_size=package.sub_page_size)  # the pool keeps key_sub_bounds
         eos = package.eos_token_ids
-        self.token_budget = config.resolved_budget(package.token_budget)
+        self.budget = config.decode_budget(package)
+        self.token_budget = self.budget.tokens
         self.tiering = Tiering(package, cache, config) if config.kv_tiers and package.cold_tier else None
         self.pool = self.tiering.pool if self.tiering else PagePool(cache, package.num_layers, package.num_kv_heads,
                                                                     package.head_dim)
         self.store = _page_store(package, cache, config)
         prefix = make_prefix_cache(cache.prefix_cache, self.pool, **(
             dict(store=self.store, write_through=config.kv_cache_write_through) if self.store else {}))
-        self.scheduler = Scheduler(config.scheduler_config(token_budget=self.token_budget,
+        self.scheduler = Scheduler(config.scheduler_config(budget=self.budget,
                                                            eos_token_id=eos[0] if eos else None), self.pool,
                                    prefix_cache=prefix)
         if config.threads is not None:

@@ -87,6 +87,9 @@ class ModelPackage:
     vocab_size = property(lambda self: self.spec.vocab_size)
     page_size = property(lambda self: self.spec.page_size)
     token_budget = property(lambda self: self.spec.token_budget, doc="default decode budget (0 = dense)")
+    budget_share = property(lambda self: self.spec.budget_share,
+                            doc="the default budget's share of the context above token_budget (0: fixed)")
+    decode_budget = property(lambda self: self.spec.decode_budget, doc="the default decode budget (DecodeBudget)")
     dtype = property(lambda self: self.spec.dtype)
     max_context = property(lambda self: self.spec.max_context)
     sub_page_size = property(lambda self: self.spec.sub_page_size,

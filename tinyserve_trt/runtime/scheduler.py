@@ -168,7 +168,7 @@ class Scheduler:
                 self._last_wide = want_wide
                 break
         batch = ScheduledBatch.build(rows, self.pool.page_size, self.config.token_budget,
-                                     self.config.sparse_min_ratio)
+                                     self.config.sparse_min_ratio, self.config.budget_share)
         self._in_flight = batch
         return batch
 

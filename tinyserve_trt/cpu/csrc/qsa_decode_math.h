@@ -287,11 +287,28 @@ class SelectedRows {
   bool* marks_ = nullptr;
 };
 
+// Whether sequence b's decode step selects (a rule that keeps every unit attends them all: dense).
+inline bool row_selects(const Problem& p, const Attrs& a, int64_t b) {
+  if (a.dense) return false;
+  const int64_t past = p.past[b], n = (past + p.ps - 1) / p.ps;
+  if (p.r == 1) return !qsa_math::page_rule(n, p.budget[b], p.ps, a.sink_pages, a.recent_pages).all;
+  return !qsa_math::sub_page_rule(n, past, p.budget[b], p.ps, p.sp, a.candidate_share, a.sink_pages, a.recent_pages)
+              .all;
+}
+
 // Every task of the call (Task: a (sequence, KV head), or per query head) over the pool's threads.
 // With fewer than 2 of them per thread (batch 1), the selection runs one task each and the
 // attention splits each one's kept rows into chunks, merged after. Returns false when a task could
 // not allocate its scratch (nothing may throw into ORT or out of a pool thread).
-inline bool run(const Problem& p, const Attrs& a) {
+inline bool run(const Problem& p, const Attrs& attrs) {
+  // Per-query-head tasks only when a row selects: a dense step (short contexts, budget 0) attends
+  // every row either way, and one task per group reads each K/V row once for its G queries.
+  Attrs a = attrs;
+  if (a.per_head) {
+    bool any = false;
+    for (int64_t b = 0; b < p.B && !any; ++b) any = row_selects(p, a, b);
+    a.per_head = any;
+  }
   std::atomic<bool> ok{true};
   const int64_t tasks = num_tasks(p, a), threads = pool_size(), part_size = task_of(p, a, 0).gn * (2 + p.D);
   auto guarded = [&ok](auto&& fn) {

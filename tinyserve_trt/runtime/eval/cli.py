@@ -5,7 +5,8 @@
 
 Perplexity of the text's last ``--eval-tokens`` positions, dense vs each budget (``perplexity.py``),
 and passkey retrieval (``passkey.py``), through the package's runtime; a markdown table on stdout
-(and in ``--out``), progress on stderr. ``--budgets`` defaults to the package's own budget.
+(and in ``--out``), progress on stderr. ``--budgets`` defaults to the package's own budget at the
+context (its floor and share).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def run(args) -> int:
     context = args.context or package.max_context
     if not 2 <= context <= package.max_context:
         raise ValueError(f"--context must be in [2, {package.max_context}] (the package's max context)")
-    budgets = args.budgets or [package.token_budget]
+    # default: the package's budget at this context (DecodeBudget: a floor and a share of the context),
+    # held for every evaluated position (the runtime's grows with the context: at most eval-tokens x share less)
+    budgets = args.budgets or [package.decode_budget.at(context)]
     if any(b < 0 or b > package.max_context for b in budgets):
         raise ValueError(f"--budgets must be in [0, {package.max_context}]")
     modes = 1 + len([b for b in set(budgets) if b])
@@ -79,7 +82,8 @@ def run(args) -> int:
                          max_tokens_per_step=max(args.prefill_chunk, modes), max_batch=modes,
                          max_seq_len=context + 32, sparse_min_ratio=0.0)  # a budget row always selects
     sections = [f"# tinyserve eval: {package.path.name}\n",
-                f"package {package.path}, context {context} tokens, budgets {budgets} (0 = dense)\n"]
+                f"package {package.path}, context {context} tokens, budgets {budgets} (0 = dense; the package's "
+                f"default: {package.decode_budget.describe()})\n"]
     if args.text is not None:
         try:
             text = args.text.read_text(encoding="utf-8", errors="replace")
