@@ -48,7 +48,8 @@ def test_cli_refuses_trt_with_head(capsys):
 def test_summary_prints_the_selection_and_budget():
     from tinyserve_trt.export import report as report_mod
 
-    assert report_mod._selection(ExportConfig()) == "query_aware per query head, two-level: every page's 4-token sub-pages"
+    want = "query_aware per query head, two-level: every page's 4-token sub-pages"
+    assert report_mod._selection(ExportConfig()) == want
     assert report_mod._selection(ExportConfig(backend="trt", candidate_share=0.5)) == (
         "query_aware per KV head (group max), two-level: the top 50% of pages' 4-token sub-pages")
     assert ExportConfig().decode_budget.describe() == "0.125 of the context, at least 1024 tokens"
