@@ -58,8 +58,12 @@ def test_engine_kv_and_selections_match_the_hf_source(engine_source, hf_dir, lla
     manifest = llama[2]
     assert (manifest["page_size"], manifest["token_budget"], manifest["dense_layers"], manifest["sub_page_size"]) \
         == (4, 16, 1, 0)
+    rule = engine_source.op_settings()  # the package's selection rule: per query head by default
+    assert rule["group_reduce"] == manifest["group_reduce"]
     hf = HFSource(str(hf_dir), page_size=4, token_budget=16, decode_steps=4,
-                  attrs=schema.OpAttributes(sink_pages=manifest["sink_pages"], recent_pages=manifest["recent_pages"]))
+                  attrs=schema.OpAttributes(sink_pages=manifest["sink_pages"], recent_pages=manifest["recent_pages"],
+                                            group_reduce=rule["group_reduce"],
+                                            candidate_share=rule["candidate_share"]))
     assert engine_source.max_context == manifest["max_context"]  # the CLI cuts prompts to it
     a, b = engine_source.observe(PROMPT), hf.observe(PROMPT)
     assert a.keys.shape == b.keys.shape == (2, 2, len(PROMPT), 16)
@@ -70,7 +74,11 @@ def test_engine_kv_and_selections_match_the_hf_source(engine_source, hf_dir, lla
     for i, t in enumerate(range(len(PROMPT) - 4, len(PROMPT))):  # dense layer: all of the step's past pages
         n = -(-t // 4)
         assert a.selected_pages[i, 0, :, :n].all() and not a.selected_pages[i, 0, :, n:].any()
-    assert 0 < a.selected_pages[:, 1].sum(axis=-1).max() <= 16 // 4  # the budget selects, not everything
+    # the budget selects, not everything: 16 // 4 pages per query head, a KV head's row their union
+    G = manifest["num_heads"] // manifest["num_kv_heads"]
+    kept = a.selected_pages[:, 1].sum(axis=-1)  # [steps, Hkv]
+    assert 0 < kept.max() <= G * (16 // 4)
+    assert all((kept[i] < -(-t // 4)).all() for i, t in enumerate(range(len(PROMPT) - 4, len(PROMPT))))
 
 
 def test_two_level_package_selections_match_the_hf_replay(hf_dir, tmp_path_factory):
@@ -92,11 +100,14 @@ def test_two_level_package_selections_match_the_hf_replay(hf_dir, tmp_path_facto
     finally:
         src.close()
     hf = HFSource(str(hf_dir), page_size=8, token_budget=40, decode_steps=4,
-                  sub_page_size=settings["sub_page_size"], dense_layers=settings["dense_layers"])
+                  sub_page_size=settings["sub_page_size"], dense_layers=settings["dense_layers"],
+                  group_reduce=settings["group_reduce"], candidate_share=settings["candidate_share"])
     b = hf.observe(prompt)
     assert a.selected_pages.shape == b.selected_pages.shape
     np.testing.assert_array_equal(a.selected_pages, b.selected_pages)
-    single = HFSource(str(hf_dir), page_size=8, token_budget=40, decode_steps=4, dense_layers=1).observe(prompt)
+    single = HFSource(str(hf_dir), page_size=8, token_budget=40, decode_steps=4, dense_layers=1,
+                      group_reduce=settings["group_reduce"],
+                      candidate_share=settings["candidate_share"]).observe(prompt)
     assert not np.array_equal(single.selected_pages, b.selected_pages)  # the case tells the rules apart
 
 

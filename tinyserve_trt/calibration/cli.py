@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if kind == "engine" and args.threads is not None:
         options["threads"] = args.threads
     if kind == "hf":  # replayed selection: two-level and dense layers as the package's op would run
-        options.update(sub_page_size=cfg.sub_page_size, dense_layers=cfg.dense_layers)
+        options.update(sub_page_size=cfg.sub_page_size, dense_layers=cfg.dense_layers,
+                       group_reduce=cfg.group_reduce, candidate_share=cfg.candidate_share)
     try:
         source = make_source(kind, args.model_dir, **options)
         # the op settings the source observes under (a package's are fixed at export)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tinyserve_trt.calibration.source import KVTransform, Observation, ObservationSource, register_source
+from tinyserve_trt.ops import schema
 
 
 class EngineSource(ObservationSource):
@@ -64,12 +65,14 @@ class EngineSource(ObservationSource):
         self._ids = itertools.count()
 
     def op_settings(self) -> dict:
-        """The package's op settings; with a cold tier also its codec (format, group size) and the
+        """The package's op settings (selection: GQA group reduction, candidate share); with a cold tier also its codec (format, group size) and the
         two-level layout (sub-page size, dense layers), so held-out evaluation quantizes as its pool."""
         spec = self.package.spec
         out = dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=spec.sink_pages,
                    recent_pages=spec.recent_pages, kv_dtype=self.package.dtype,
-                   sub_page_size=spec.sub_page_size, dense_layers=spec.dense_layers)
+                   sub_page_size=spec.sub_page_size, dense_layers=spec.dense_layers,
+                   group_reduce=spec.group_reduce, candidate_share=spec.candidate_share
+                   if spec.candidate_share is not None else schema.attribute("candidate_share").default)
         if spec.cold_tier is not None:
             out.update(cold_format=spec.cold_tier.cold_format, group_size=spec.cold_tier.group_size)
         return out

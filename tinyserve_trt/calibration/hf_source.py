@@ -21,8 +21,9 @@ from tinyserve_trt.ops import schema
 class HFSource(ObservationSource):
     def __init__(self, model_dir: str, page_size: int = 16, token_budget: int = 256, decode_steps: int = 8,
                  attrs: schema.OpAttributes | None = None, threads: int | None = None, sub_page_size: int = 0,
-                 dense_layers: int = 0):
-        """``attrs``: the sparse layers' op attributes (default: the schema's, with ``sub_page_size``);
+                 dense_layers: int = 0, group_reduce: str | None = None, candidate_share: float | None = None):
+        """``attrs``: the sparse layers' op attributes (default: the schema's, with ``sub_page_size``,
+        ``group_reduce`` and ``candidate_share`` where given - a package's selection rule);
         ``dense_layers``: leading layers replayed as the dense policy (an exported package's)."""
         import torch  # noqa: PLC0415
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
@@ -38,7 +39,9 @@ class HFSource(ObservationSource):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.page_size, self.token_budget, self.decode_steps = page_size, token_budget, decode_steps
-        self.attrs = attrs or schema.OpAttributes(sub_page_size=sub_page_size)
+        given = {k: v for k, v in (("group_reduce", group_reduce), ("candidate_share", candidate_share))
+                 if v is not None}
+        self.attrs = attrs or schema.OpAttributes(sub_page_size=sub_page_size, **given)
         self.dense_layers = dense_layers
         self._captured: dict[int, tuple] = {}
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: PLC0415
@@ -64,7 +67,8 @@ class HFSource(ObservationSource):
     def op_settings(self) -> dict:
         return dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=self.attrs.sink_pages,
                     recent_pages=self.attrs.recent_pages, sub_page_size=self.attrs.sub_page_size,
-                    dense_layers=self.dense_layers)
+                    dense_layers=self.dense_layers, group_reduce=self.attrs.group_reduce,
+                    candidate_share=self.attrs.candidate_share)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])

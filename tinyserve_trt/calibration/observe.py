@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from tinyserve_trt.contracts.cold_tier import (DEFAULT_HOT_FRACTION, INT4_GROUP_
                                                default_int8_layers_count)
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
+from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.quantization import GRANULARITIES
 from tinyserve_trt.runtime.config import CacheConfig
 
@@ -45,6 +46,8 @@ class CalibrationConfig:
     sub_page_size / dense_layers: two-level selection's sub-page tokens (0: single level) and the
     leading dense layers, whose nodes read the page bounds: which layers' INT4 keys quantize on
     sub-page codes (``KVStorage.keys_on_codes``).
+    group_reduce / candidate_share: the sparse layers' selection rule (the op's attributes; a package's
+    own, which ``replay_selection`` replays for a source without the op).
     int8_layers_count: INT4 only - how many of the most sensitive layers the artifact keeps at
     INT8 (``sensitivity.py``; 0: none, and no sensitivity pass).
     """
@@ -65,6 +68,8 @@ class CalibrationConfig:
     sub_page_size: int = 0
     dense_layers: int | tuple[int, ...] = 0  # a count (the leading ones) or indices: contracts.dense_layers
     int8_layers_count: int | None = None  # None: default_int8_layers_count(layers)
+    group_reduce: str = field(default_factory=lambda: schema.attribute("group_reduce").default)
+    candidate_share: float = field(default_factory=lambda: schema.attribute("candidate_share").default)
 
     def __post_init__(self):
         for name in ("page_size", "decode_steps", "recent_pages", "max_tokens"):
@@ -87,6 +92,8 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be one of {GRANULARITIES}, got {getattr(self, name)!r}")
         if self.sub_page_size and self.page_size % self.sub_page_size:
             raise ValueError(f"sub_page_size must divide the page size {self.page_size}, got {self.sub_page_size}")
+        for name in ("group_reduce", "candidate_share"):  # the op's own checks (one line)
+            schema.attribute(name).validate(getattr(self, name))
         self.tiers()  # validates cold_format / group_size
 
     @property
