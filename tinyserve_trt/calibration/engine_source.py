@@ -65,8 +65,9 @@ class EngineSource(ObservationSource):
         self._ids = itertools.count()
 
     def op_settings(self) -> dict:
-        """The package's op settings (selection: GQA group reduction, candidate share); with a cold tier also its codec (format, group size) and the
-        two-level layout (sub-page size, dense layers), so held-out evaluation quantizes as its pool."""
+        """The package's op settings (its selection rule: GQA group reduction, candidate share); with a
+        cold tier also its codec (format, group size) and the two-level layout (sub-page size, dense
+        layers), so held-out evaluation quantizes as its pool."""
         spec = self.package.spec
         out = dict(page_size=self.page_size, token_budget=self.token_budget, sink_pages=spec.sink_pages,
                    recent_pages=spec.recent_pages, kv_dtype=self.package.dtype,
