@@ -59,12 +59,15 @@ def test_optimum_export(optimum_fixture_dir, tmp_path):
 
 def test_dense_layers_and_scale(export_fixture, tmp_path):
     src = export_fixture("llama", "legacy_eager")
-    export_model(src / "model.onnx", tmp_path / "pkg", ExportConfig(page_size=4, dense_layers=1), quiet=True)
+    config = ExportConfig(page_size=4, dense_layers=1)
+    export_model(src / "model.onnx", tmp_path / "pkg", config, quiet=True)
     model = onnx.load(str(tmp_path / "pkg" / "model.onnx"))
     ops = [n for n in model.graph.node if n.op_type == schema.OP_TYPE]
     policies = [onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "policy")) for n in ops]
     assert policies == [b"dense", b"query_aware"]
-    assert sorted(f.overload for f in model.functions) == ["dense", "query_aware"]
+    # the sparse layer selects per query head by default (the ort backend's), the dense one cannot
+    sparse = schema.OpAttributes(group_reduce=config.resolved_group_reduce).function_overload()
+    assert config.resolved_group_reduce == "head" and sorted(f.overload for f in model.functions) == ["dense", sparse]
     scales = [onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "scale")) for n in ops]
     assert scales == [0.0, 0.0]  # 1/sqrt(16) found in the graph is the op's default
 
