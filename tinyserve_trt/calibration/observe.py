@@ -25,9 +25,9 @@ from tinyserve_trt.contracts.calibration import CalibrationArtifact
 from tinyserve_trt.contracts.dense_layers import dense_layer_indices
 from tinyserve_trt.contracts.cold_tier import (DEFAULT_HOT_FRACTION, INT4_GROUP_SIZE, TierConfig, cold_page_bytes,
                                                default_int8_layers_count)
+from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.cold_codec import ColdCodec, page_bounds
 from tinyserve_trt.ops.fine_bounds import pages_sub_bounds
-from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.quantization import GRANULARITIES
 from tinyserve_trt.runtime.config import CacheConfig
 
