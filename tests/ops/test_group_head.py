@@ -104,3 +104,21 @@ def test_native_node_matches_reference(rng, heads, kv_heads, sub_page_size, cold
             lens = tuple(int(x) for x in rng.integers(100, 16 * 14, batch))
             spec = CaseSpec(lens, heads, kv_heads, 32, 16, 1, "float32", budget, sub_page_size=sub_page_size)
             check_case(make_mixed_case(spec, rng, cold_format=cold) if cold else make_case(spec, rng), attrs)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 32), (14, 2, 12), (66, 1, 8)])
+@pytest.mark.parametrize("sub_page_size", [0, 4])
+def test_native_node_head_masks(rng, heads, kv_heads, head_dim, sub_page_size):
+    """The CPU node attends a group's per-head selections in one task, each row for the heads that
+    keep it: without sink pages a head may keep no row of an attention chunk (batch 1, the rows
+    split in two); D = 12 takes the unblocked path; a group of 66 heads (more than a row's head
+    mask holds) runs a task per query head."""
+    from tests.cpu.test_native_op import check_case  # noqa: PLC0415 (builds the native library)
+
+    attrs = schema.OpAttributes(group_reduce="head", sub_page_size=sub_page_size, candidate_share=1.0,
+                                sink_pages=0, recent_pages=1)
+    for batch in (1, 2):
+        for budget in (16, 48):
+            lens = tuple(int(x) for x in rng.integers(120, 16 * 12, batch))
+            spec = CaseSpec(lens, heads, kv_heads, head_dim, 16, 1, "float32", budget, sub_page_size=sub_page_size)
+            check_case(make_case(spec, rng), attrs)

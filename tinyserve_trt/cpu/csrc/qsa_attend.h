@@ -12,10 +12,31 @@
 
 namespace qsa {
 
+// A query head's softmax statistics over its T logits l (masked rows -inf): part[0] = the max m,
+// part[1] = sum exp(l - m), with l[t] = exp(l[t] - m); a head that attends no row here (m = -inf:
+// an empty chunk) gets part[1] = 0 and l all 0, which merge_parts skips.
+inline void softmax_stats(float* l, int64_t T, float* part) {
+  const float m = T ? *std::max_element(l, l + T) : -INFINITY;
+  part[0] = m;
+  if (m == -INFINITY) {
+    std::fill(l, l + T, 0.0f);
+    part[1] = 0.0f;
+    return;
+  }
+#ifdef __AVX2__
+  exp_shifted(l, T, m);
+#else
+  for (int64_t t = 0; t < T; ++t) l[t] = std::exp(l[t] - m);
+#endif
+  float sum = 0.0f;
+  for (int64_t t = 0; t < T; ++t) sum += l[t];
+  part[1] = sum;
+}
+
 // Softmax attention of a task's gn queries (sequence b, KV head h, query heads g0 .. g0 + gn of its
-// group) over `count` kept rows (K rows krows[t], V rows vrows[t]) and, if with_new, the new token:
-// per query, part[0] = the max logit m, part[1] = sum exp(logit - m), part[2..2+D) = sum
-// exp(logit - m) * v. Part layout [gn][2 + D].
+// group) over `count` kept rows (K rows krows[t], V rows vrows[t]) and, if with_new, the new token: per query, part[0] = the max
+// logit m, part[1] = sum exp(logit - m), part[2..2+D) = sum exp(logit - m) * v. Part layout
+// [gn][2 + D].
 inline void attend_part_generic(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
                                 const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits,
                                 float* part) {
@@ -35,11 +56,8 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, const Task& ta
     for (int64_t g = 0; g < G; ++g) logits[g * T + t] = dot(q + g * D, krow, D) * scale;
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* l = &logits[g * T];
     float* out = part + g * (2 + D);
-    float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < T; ++t) sum += (l[t] = std::exp(l[t] - m));
-    out[0] = m, out[1] = sum;
+    softmax_stats(&logits[g * T], T, out);
     std::fill(out + 2, out + 2 + D, 0.0f);
   }
   for (int64_t t = 0; t < T; ++t) {
@@ -50,19 +68,20 @@ inline void attend_part_generic(const Problem& p, const Attrs& a, const Task& ta
 
 
 // attend_part_generic, blocked: the logits of 8 rows per query head at a time (one reduction
-// for 8 dot products instead of 8), and each head's output accumulated in registers over all
-// rows (no load/store of the output per row). For D a multiple of 8, D <= 128; same sums in
-// another order (float32 rounding, within schema.TOLERANCES).
+// for 8 dot products instead of 8); the values in blocks of kValueBlock rows, each block read once
+// for all the task's heads (its rows stay in L1) and each head's output accumulated in registers
+// over the block. For D a multiple of 8, D <= 128; same sums in another order (float32 rounding, within schema.TOLERANCES).
 inline void attend_part(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
-                        const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits, float* part) {
+                        const float* const* vrows, int64_t count, bool with_new, std::vector<float>& logits,
+                        float* part) {
 #ifdef __AVX2__
   const int64_t D = p.D, G = task.gn, T = count + (with_new ? 1 : 0), new_row = (task.b * p.Hkv + task.h) * D;
   if (D % kW != 0 || D / kW > kMaxChunks)
     return attend_part_generic(p, a, task, krows, vrows, count, with_new, logits, part);
-  const int64_t C = D / kW;
+  const int64_t C = D / kW, LT = T + kW;  // a head's logits row: T, padded to whole blocks
   const float* q = p.q + (task.b * p.H + task.h * p.G + task.g0) * D;
   const float scale = a.scale > 0.0f ? a.scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  logits.resize(G * (T + kW));
+  logits.resize(G * LT);
   auto krow = [&](int64_t t) { return t < count ? krows[t] : p.k + new_row; };
   auto vrow = [&](int64_t t) { return t < count ? vrows[t] : p.v + new_row; };
   constexpr int64_t kAhead = 16;
@@ -81,27 +100,52 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
         const vf qc = vload(qg + c * kW);
         for (int64_t i = 0; i < kW; ++i) acc[i] = madd(qc, vload(k[i] + c * kW), acc[i]);
       }
-      vstore(&logits[g * (T + kW) + t0], hsum8(acc) * scale);
+      vstore(&logits[g * LT + t0], hsum8(acc) * scale);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* l = &logits[g * (T + kW)];
     float* out = part + g * (2 + D);
-    float m = T ? *std::max_element(l, l + T) : -INFINITY, sum = 0.0f;
-    exp_shifted(l, T, m);
-    for (int64_t t = 0; t < T; ++t) sum += l[t];
-    out[0] = m, out[1] = sum;
-    vf acc[kMaxChunks] = {};
-    for (int64_t t = 0; t < T; ++t) {
-      const vf w = vf{} + l[t];
-      const float* v = vrow(t);
-      for (int64_t c = 0; c < C; ++c) acc[c] = madd(w, vload(v + c * kW), acc[c]);
+    softmax_stats(&logits[g * LT], T, out);
+    std::fill(out + 2, out + 2 + D, 0.0f);
+  }
+  constexpr int64_t kValueBlock = 32;
+  for (int64_t t0 = 0; t0 < T; t0 += kValueBlock) {
+    const int64_t t1 = std::min(t0 + kValueBlock, T);
+    for (int64_t g = 0; g < G; ++g) {
+      float* out = part + g * (2 + D) + 2;
+      if (out[-1] == 0.0f) continue;  // no row
+      const float* l = &logits[g * LT];
+      vf acc[kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) acc[c] = vload(out + c * kW);
+      for (int64_t t = t0; t < t1; ++t) {
+        const vf w = vf{} + l[t];
+        const float* v = vrow(t);
+        for (int64_t c = 0; c < C; ++c) acc[c] = madd(w, vload(v + c * kW), acc[c]);
+      }
+      for (int64_t c = 0; c < C; ++c) vstore(out + c * kW, acc[c]);
     }
-    for (int64_t c = 0; c < C; ++c) vstore(out + 2 + c * kW, acc[c]);
   }
 #else
   attend_part_generic(p, a, task, krows, vrows, count, with_new, logits, part);
 #endif
+}
+
+// attend_part over rows with their query heads (heads[t]: bit g for head g0 + g; null: every row is
+// every head's): each head over its own rows (their pointers gathered), its part at part + g * (2 + D).
+// One head at a time: a block of the union for all heads (each row read once) spent more on the
+// other heads' rows than it saved (benchmarks/results/native_op_cpu.md, session 20).
+inline void attend_rows(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
+                        const float* const* vrows, const uint64_t* heads, int64_t count, bool with_new,
+                        std::vector<float>& logits, float* part) {
+  if (!heads) return attend_part(p, a, task, krows, vrows, count, with_new, logits, part);
+  thread_local std::vector<const float*> hk, hv;
+  for (int64_t g = 0; g < task.gn; ++g) {
+    hk.clear(), hv.clear();
+    for (int64_t t = 0; t < count; ++t)
+      if (heads[t] >> g & 1) hk.push_back(krows[t]), hv.push_back(vrows[t]);
+    attend_part(p, a, Task{task.b, task.h, task.g0 + g, 1}, hk.data(), hv.data(), static_cast<int64_t>(hk.size()),
+                with_new, logits, part + g * (2 + p.D));
+  }
 }
 
 // output[b, h*G + g0 + g] from the chunks' parts [chunks][gn][2 + D] (flash-decoding's merge).

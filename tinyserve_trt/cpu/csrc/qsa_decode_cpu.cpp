@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "ort_abi.h"
-#include "qsa_decode_math.h"
+#include "qsa_decode_step.h"
 #include "qsa_inputs.h"
 
 namespace {

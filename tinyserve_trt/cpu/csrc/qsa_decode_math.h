@@ -1,36 +1,36 @@
-// The math of one decode step of QueryAwareSparseAttention on CPU, free of ONNX Runtime
-// types (qsa_decode_cpu.cpp validates shapes and page ids before calling run()).
+// The selection of one decode-step task of QueryAwareSparseAttention on CPU (HeadStep: page
+// scores, the rule's kept pages and sub-pages), free of ONNX Runtime types; qsa_decode_step.h
+// runs the step's tasks (qsa_decode_cpu.cpp validates shapes and page ids before calling run()).
 // Float32 throughout; the numpy reference (ops/reference.py) computes in float64 and the
 // tests hold this to schema.TOLERANCES["float32"].
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <vector>
 
-#include "qsa_attend.h"
 #include "qsa_cold.h"
 #include "qsa_problem.h"
-#include "qsa_thread_pool.h"
 #include "qsa_vector.h"
 
 namespace qsa {
 
-// The K and V rows one (sequence, KV head) attends: pointers into the hot pools, or into `cold`,
-// which holds the kept cold rows dequantized (K rows, then V rows).
+// The K and V rows one task attends: pointers into the hot pools, or into `cold`, which holds the
+// kept cold rows dequantized (K rows, then V rows); with per-query-head selections `heads`, per
+// row the task's query heads that keep it (bit g: head g0 + g), else empty (all of them).
 struct Rows {
   std::vector<const float*> k, v;
+  std::vector<uint64_t> heads;
   std::vector<float> cold;
 };
 
 struct Scratch {  // per thread, reused across calls
   std::vector<float> qpos, qneg, coarse, fine, lo, hi, step, logits, part;
   std::vector<int64_t> cand;
+  std::vector<uint64_t> unit_heads;  // per unit, the query heads that keep it
   Rows rows;
   ColdScratch cold;
   std::vector<char> keep, page_keep;
@@ -61,36 +61,78 @@ class HeadStep {
       : p_(p), a_(a), s_(s), b_(t.b), h_(t.h), gn_(t.gn), past_(p.past[t.b]), n_((past_ + p.ps - 1) / p.ps),
         pages_(p.table + t.b * p.NP), q_(p.q + (t.b * p.H + t.h * p.G + t.g0) * p.D) {}
 
-  // Selects, marks the task's attended pages in sel [NP] (if not null), and fills `rows` with the
-  // kept K/V rows (logical order).
-  void select_rows(Rows& rows, bool* sel) {
-    select();
-    if (sel) {
-      std::fill(sel, sel + p_.NP, false);
-      for (int64_t u = 0; u < n_ * p_.r; ++u)
-        if (s_.keep[u]) sel[u / p_.r] = true;
+  // Fills keep() [n * r] per unit (a page, or a sub-page when two-level): the units the task's
+  // query heads attend (one selection for all of them).
+  void select() {
+    const int64_t units = n_ * p_.r, written = (past_ + p_.sp - 1) / p_.sp, budget = p_.budget[b_];
+    s_.keep.assign(units, 0);
+    std::fill(s_.keep.begin(), s_.keep.begin() + written, 1);
+    if (a_.dense) return;
+    if (p_.r == 1) {
+      const qsa_math::PageRule rule = qsa_math::page_rule(n_, budget, p_.ps, a_.sink_pages, a_.recent_pages);
+      if (rule.all) return;
+      split_query();
+      keep_pages(rule, s_.keep.data());
+      return;
     }
-    rows.k.clear(), rows.v.clear();
-    const int64_t D = p_.D;
-    int64_t n_cold = 0;  // kept cold tokens: their buffer is sized before any pointer into it is taken
-    if (p_.cold.Pc)
-      for (int64_t u = 0; u < n_ * p_.r; ++u)
-        if (s_.keep[u] && pages_[u / p_.r] >= p_.P) n_cold += std::min((u + 1) * p_.sp, past_) - u * p_.sp;
-    rows.cold.resize(2 * n_cold * D);
-    float *ck = rows.cold.data(), *cv = ck + n_cold * D;
-    ColdRows cold(p_, a_.cold_int4, s_.cold);
-    for (int64_t u = 0; u < n_ * p_.r; ++u) {
-      if (!s_.keep[u]) continue;
-      const int64_t page = u / p_.r, first = u * p_.sp, last = std::min(first + p_.sp, past_), id = pages_[page];
-      if (id < p_.P) {
-        const int64_t base = (id * p_.Hkv + h_) * p_.ps - page * p_.ps;
-        for (int64_t t = first; t < last; ++t) rows.k.push_back(p_.kc + (base + t) * D), rows.v.push_back(p_.vc + (base + t) * D);
-        continue;
-      }
-      cold.rows(id, h_, first - page * p_.ps, last - page * p_.ps, ck, cv);
-      for (int64_t t = first; t < last; ++t, ck += D, cv += D) rows.k.push_back(ck), rows.v.push_back(cv);
-    }
+    const qsa_math::SubPageRule rule = qsa_math::sub_page_rule(n_, past_, budget, p_.ps, p_.sp, a_.candidate_share,
+                                                               a_.sink_pages, a_.recent_pages);
+    if (rule.all) return;
+    split_query();
+    s_.page_keep.resize(n_);
+    keep_pages(rule.pages, s_.page_keep.data());
+    fine_scores(rule.pages, written);
+    for (int64_t u = 0; u < units; ++u) s_.keep[u] = u < written && rule.pages.forced(u / p_.r);
+    keep_best(s_.cand, s_.fine.data(), static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size()))),
+              s_.keep.data());
   }
+  // group_reduce "head" where level 1 keeps every page (candidate_share 1.0, the export default):
+  // every query head's sub-page scores from one pass over each page's codes (the per-head form of
+  // page_fine_scores), then each head's own best within the budget, into unit_heads [n * r] (bit g:
+  // head g0 + g keeps the unit). The same scores and selections as a HeadStep per query head.
+  // False where this does not apply (the caller then selects head by head).
+  bool select_heads(std::vector<uint64_t>& unit_heads) {
+#ifdef __AVX2__
+    const int64_t D = p_.D, r = p_.r, units = n_ * r;
+    if (a_.dense || r == 1 || D % kW || D / kW > kMaxChunks || r > kW || gn_ > kMaxUnionHeads) return false;
+    const int64_t written = (past_ + p_.sp - 1) / p_.sp;
+    const qsa_math::SubPageRule rule = qsa_math::sub_page_rule(n_, past_, p_.budget[b_], p_.ps, p_.sp,
+                                                               a_.candidate_share, a_.sink_pages, a_.recent_pages);
+    if (!rule.all && !rule.pages.all) return false;
+    const uint64_t all = gn_ == 64 ? ~uint64_t{0} : (uint64_t{1} << gn_) - 1;
+    unit_heads.assign(units, 0);
+    for (int64_t u = 0; u < written; ++u)
+      if (rule.all || rule.pages.forced(u / r)) unit_heads[u] = all;
+    if (rule.all) return true;
+    split_query();
+    s_.fine.resize(gn_ * units);
+    s_.cand.clear();
+    for (int64_t i = 0; i < n_; ++i) {
+      if (rule.pages.forced(i) || i * r >= written) continue;
+      if (i + 1 < n_) {
+        const char* next = reinterpret_cast<const char*>(p_.sub + (pages_[i + 1] * p_.Hkv + h_) * r * D);
+        for (int64_t off = 0; off < r * D; off += 64) __builtin_prefetch(next + off);
+      }
+      const int64_t nsub = std::min(r, written - i * r);
+      page_fine_scores(meta(p_.kmin, i), meta(p_.kmax, i), p_.sub + (pages_[i] * p_.Hkv + h_) * r * D, nsub,
+                       &s_.fine[i * r], units);
+      for (int64_t j = 0; j < nsub; ++j) s_.cand.push_back(i * r + j);
+    }
+    const size_t k = static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size())));
+    for (int64_t g = 0; g < gn_; ++g) {
+      s_.keep.assign(units, 0);
+      keep_best(s_.cand, &s_.fine[g * units], k, s_.keep.data());
+      for (const int64_t u : s_.cand)
+        if (s_.keep[u]) unit_heads[u] |= uint64_t{1} << g;
+    }
+    return true;
+#else
+    (void)unit_heads;
+    return false;
+#endif
+  }
+  const std::vector<char>& keep() const { return s_.keep; }
+  int64_t units() const { return n_ * p_.r; }
 
  private:
   const float* meta(const float* base, int64_t page) const { return base + (pages_[page] * p_.Hkv + h_) * p_.D; }
@@ -127,31 +169,6 @@ class HeadStep {
       if (!keep[i]) s_.cand.push_back(i), s_.coarse[i] = coarse_score(i);
     }
     keep_best(s_.cand, s_.coarse.data(), static_cast<size_t>(rule.kept_free()), keep);
-  }
-
-  // Fills s_.keep [n * r] per unit (a page, or a sub-page when two-level).
-  void select() {
-    const int64_t units = n_ * p_.r, written = (past_ + p_.sp - 1) / p_.sp, budget = p_.budget[b_];
-    s_.keep.assign(units, 0);
-    std::fill(s_.keep.begin(), s_.keep.begin() + written, 1);
-    if (a_.dense) return;
-    if (p_.r == 1) {
-      const qsa_math::PageRule rule = qsa_math::page_rule(n_, budget, p_.ps, a_.sink_pages, a_.recent_pages);
-      if (rule.all) return;
-      split_query();
-      keep_pages(rule, s_.keep.data());
-      return;
-    }
-    const qsa_math::SubPageRule rule = qsa_math::sub_page_rule(n_, past_, budget, p_.ps, p_.sp, a_.candidate_share,
-                                                               a_.sink_pages, a_.recent_pages);
-    if (rule.all) return;
-    split_query();
-    s_.page_keep.resize(n_);
-    keep_pages(rule.pages, s_.page_keep.data());
-    fine_scores(rule.pages, written);
-    for (int64_t u = 0; u < units; ++u) s_.keep[u] = u < written && rule.pages.forced(u / p_.r);
-    keep_best(s_.cand, s_.fine.data(), static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size()))),
-              s_.keep.data());
   }
 
   // Sub-page scores of the candidate pages' written, not forced sub-pages (into s_.cand).
@@ -202,7 +219,9 @@ class HeadStep {
   // (policies.QueryAware.sub_page_score_onnx): no decoded lo/hi, the codes' levels feed two FMAs
   // per head, and one reduction gives a head's 8 sub-page sums. Equal to the decoded form up to
   // float32 rounding of the sums.
-  void page_fine_scores(const float* kmin, const float* kmax, const uint8_t* codes, int64_t nsub, float* out) {
+  // With `stride` > 0 each query head's sums instead, head g's at out[g * stride ..).
+  void page_fine_scores(const float* kmin, const float* kmax, const uint8_t* codes, int64_t nsub, float* out,
+                        int64_t stride = 0) {
     const int64_t D = p_.D, C = D / kW;
     vf step[kMaxChunks], lo_c[kW][kMaxChunks], hi_c[kW][kMaxChunks];
     for (int64_t c = 0; c < C; ++c) step[c] = qsa_math::level_step(vload(kmin + c * kW), vload(kmax + c * kW));
@@ -229,8 +248,15 @@ class HeadStep {
           if (j < nsub) acc[j] = madd(wlo[c], lo_c[j][c], acc[j]), acc2[j] = madd(whi[c], hi_c[j][c], acc2[j]);
       for (int64_t j = 0; j < kW; ++j) acc[j] += acc2[j];
       const vf sums = hsum8(acc) + bound(qp, qn, kmin, kmax, D);
+      if (stride) {
+        float lanes[kW];
+        vstore(lanes, sums);
+        for (int64_t j = 0; j < nsub; ++j) out[g * stride + j] = lanes[j];
+        continue;
+      }
       best = qsa_math::group_combine(best, sums, g == 0, a_.reduce_sum);
     }
+    if (stride) return;
     float lanes[kW];
     vstore(lanes, best);
     for (int64_t j = 0; j < nsub; ++j) out[j] = lanes[j];
@@ -244,127 +270,5 @@ class HeadStep {
   const int32_t* pages_;
   const float* q_;
 };
-
-// The selected_pages rows of a call's tasks: the output's own rows for shared selections; with
-// per-head tasks (the query heads of a group run on different threads) a row per task in `marks`,
-// OR-ed into the output's group rows by finish().
-class SelectedRows {
- public:
-  SelectedRows(const Problem& p, const Attrs& a) : p_(p), per_head_(a.per_head && p.selected) {
-    if (!per_head_) return;
-    thread_local std::unique_ptr<bool[]> marks;
-    thread_local int64_t size = 0;
-    const int64_t need = p.B * p.H * p.NP;
-    try {
-      if (need > size) marks.reset(new bool[need]), size = need;
-    } catch (...) {
-      return;  // failed(): nothing may throw into ORT
-    }
-    marks_ = marks.get();
-  }
-  bool failed() const { return per_head_ && !marks_; }
-  bool* row(const Task& t) const {
-    if (!p_.selected) return nullptr;
-    if (!per_head_) return p_.selected + (t.b * p_.Hkv + t.h) * p_.NP;
-    return marks_ + ((t.b * p_.H + t.h * p_.G + t.g0) * p_.NP);
-  }
-  void finish() const {
-    if (!per_head_) return;
-    for (int64_t bh = 0; bh < p_.B * p_.Hkv; ++bh) {
-      bool* out = p_.selected + bh * p_.NP;
-      const bool* m = marks_ + bh * p_.G * p_.NP;
-      for (int64_t i = 0; i < p_.NP; ++i) {
-        bool any = false;
-        for (int64_t g = 0; g < p_.G; ++g) any = any || m[g * p_.NP + i];
-        out[i] = any;
-      }
-    }
-  }
-
- private:
-  const Problem& p_;
-  const bool per_head_;
-  bool* marks_ = nullptr;
-};
-
-// Whether sequence b's decode step selects (a rule that keeps every unit attends them all: dense).
-inline bool row_selects(const Problem& p, const Attrs& a, int64_t b) {
-  if (a.dense) return false;
-  const int64_t past = p.past[b], n = (past + p.ps - 1) / p.ps;
-  if (p.r == 1) return !qsa_math::page_rule(n, p.budget[b], p.ps, a.sink_pages, a.recent_pages).all;
-  return !qsa_math::sub_page_rule(n, past, p.budget[b], p.ps, p.sp, a.candidate_share, a.sink_pages, a.recent_pages)
-              .all;
-}
-
-// Every task of the call (Task: a (sequence, KV head), or per query head) over the pool's threads.
-// With fewer than 2 of them per thread (batch 1), the selection runs one task each and the
-// attention splits each one's kept rows into chunks, merged after. Returns false when a task could
-// not allocate its scratch (nothing may throw into ORT or out of a pool thread).
-inline bool run(const Problem& p, const Attrs& attrs) {
-  // Per-query-head tasks only when a row selects: a dense step (short contexts, budget 0) attends
-  // every row either way, and one task per group reads each K/V row once for its G queries.
-  Attrs a = attrs;
-  if (a.per_head) {
-    bool any = false;
-    for (int64_t b = 0; b < p.B && !any; ++b) any = row_selects(p, a, b);
-    a.per_head = any;
-  }
-  std::atomic<bool> ok{true};
-  const int64_t tasks = num_tasks(p, a), threads = pool_size(), part_size = task_of(p, a, 0).gn * (2 + p.D);
-  auto guarded = [&ok](auto&& fn) {
-    return [&ok, fn](int64_t i) {
-      try {
-        fn(i);
-      } catch (...) {
-        ok = false;
-      }
-    };
-  };
-  const SelectedRows sel(p, a);
-  if (sel.failed()) return false;
-  if (threads == 1 || tasks >= 2 * threads) {
-    parallel_for(tasks, guarded([&](int64_t i) {
-      thread_local Scratch s;
-      const Task t = task_of(p, a, i);
-      HeadStep(p, a, s, t).select_rows(s.rows, sel.row(t));
-      s.part.resize(part_size);
-      attend_part(p, a, t, s.rows.k.data(), s.rows.v.data(), static_cast<int64_t>(s.rows.k.size()), true, s.logits,
-                  s.part.data());
-      merge_parts(p, t, s.part.data(), 1);
-    }));
-    if (ok) sel.finish();
-    return ok;
-  }
-  const int64_t chunks = (2 * threads + tasks - 1) / tasks;
-  // The calling thread's buffers, named by reference: inside the lambdas a thread_local name
-  // would be each worker's own.
-  thread_local std::vector<Rows> call_rows;
-  thread_local std::vector<float> call_parts;
-  auto& rows = call_rows;
-  auto& parts = call_parts;
-  try {
-    rows.resize(tasks), parts.resize(tasks * chunks * part_size);
-  } catch (...) {
-    return false;
-  }
-  parallel_for(tasks, guarded([&](int64_t i) {
-    thread_local Scratch s;
-    const Task t = task_of(p, a, i);
-    HeadStep(p, a, s, t).select_rows(rows[i], sel.row(t));
-  }), 1);
-  parallel_for(tasks * chunks, guarded([&](int64_t i) {
-    thread_local Scratch s;
-    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].k.size());
-    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
-    attend_part(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin, end - begin,
-                c == chunks - 1, s.logits, parts.data() + i * part_size);
-  }), 1);
-  if (ok) {
-    for (int64_t task = 0; task < tasks; ++task)
-      merge_parts(p, task_of(p, a, task), parts.data() + task * chunks * part_size, chunks);
-    sel.finish();
-  }
-  return ok;
-}
 
 }  // namespace qsa

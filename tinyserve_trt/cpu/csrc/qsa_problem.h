@@ -39,17 +39,23 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
   bool* selected = nullptr;  // may be null (output not requested)
 };
 
-// One task of a decode step: sequence b, KV head h and its query heads h*G + g0 .. h*G + g0 + gn - 1:
-// the whole group (one selection shared), or with group_reduce "head" one query head, which selects
-// and attends alone (ops/reference.py group_keeps).
+// One task of a decode step: sequence b, KV head h and its query heads h*G + g0 .. h*G + g0 + gn - 1.
+// The whole group: one selection shared, or with group_reduce "head" one selection per query head,
+// attended together (each kept K/V row read once for the heads that keep it). Groups larger than
+// kMaxUnionHeads run a task per query head (ops/reference.py group_keeps).
 struct Task {
   int64_t b = 0, h = 0, g0 = 0, gn = 1;
 };
 
-inline int64_t num_tasks(const Problem& p, const Attrs& a) { return p.B * (a.per_head ? p.H : p.Hkv); }
+constexpr int64_t kMaxUnionHeads = 64;  // a row's query heads: one bit each of a uint64_t
+
+// Whether group_reduce "head" runs a task per query head (a group too large for the row masks).
+inline bool head_tasks(const Problem& p, const Attrs& a) { return a.per_head && p.G > kMaxUnionHeads; }
+
+inline int64_t num_tasks(const Problem& p, const Attrs& a) { return p.B * (head_tasks(p, a) ? p.H : p.Hkv); }
 
 inline Task task_of(const Problem& p, const Attrs& a, int64_t i) {
-  if (!a.per_head) return {i / p.Hkv, i % p.Hkv, 0, p.G};
+  if (!head_tasks(p, a)) return {i / p.Hkv, i % p.Hkv, 0, p.G};
   const int64_t qh = i % p.H;
   return {i / p.H, qh / p.G, qh % p.G, 1};
 }

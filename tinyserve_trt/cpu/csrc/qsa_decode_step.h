@@ -1,0 +1,200 @@
+// One decode step of QueryAwareSparseAttention on CPU over the pool's threads, free of ONNX Runtime
+// types: each task's selection (qsa_decode_math.h's HeadStep), the K/V rows it keeps (hot, or cold
+// dequantized) with the query heads that keep each, their attention (qsa_attend.h) and the
+// selected_pages output. qsa_decode_cpu.cpp validates shapes and page ids before calling run().
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "qsa_attend.h"
+#include "qsa_cold.h"
+#include "qsa_decode_math.h"
+#include "qsa_problem.h"
+#include "qsa_thread_pool.h"
+
+namespace qsa {
+
+// s.unit_heads [n * r] from a HeadStep per query head of task t (masked: bit g for head g0 + g), or
+// from one shared selection (every bit).
+inline void select_each(const Problem& p, const Attrs& a, Scratch& s, const Task& t, bool masked) {
+  for (int64_t g = 0; g < (masked ? t.gn : 1); ++g) {
+    HeadStep step(p, a, s, masked ? Task{t.b, t.h, t.g0 + g, 1} : t);
+    step.select();
+    if (g == 0) s.unit_heads.assign(step.units(), 0);
+    const uint64_t bit = masked ? uint64_t{1} << g : ~uint64_t{0};
+    for (int64_t u = 0; u < step.units(); ++u)
+      if (step.keep()[u]) s.unit_heads[u] |= bit;
+  }
+}
+
+// Task t's selection: one shared by its query heads, or with group_reduce "head" one per query head
+// (each its own HeadStep over the same page metadata, which the first leaves in cache); then the
+// kept K/V rows (logical order) into `rows`, each with the heads that keep it, and the attended
+// pages (any head's) marked in sel [NP] (if not null).
+inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task& t, Rows& rows, bool* sel) {
+  const bool masked = a.per_head && t.gn > 1;
+  if (!masked || !HeadStep(p, a, s, t).select_heads(s.unit_heads)) select_each(p, a, s, t, masked);
+  const int64_t units = static_cast<int64_t>(s.unit_heads.size());
+  const int64_t past = p.past[t.b], D = p.D;
+  const int32_t* pages = p.table + t.b * p.NP;
+  if (sel) {
+    std::fill(sel, sel + p.NP, false);
+    for (int64_t u = 0; u < units; ++u)
+      if (s.unit_heads[u]) sel[u / p.r] = true;
+  }
+  rows.k.clear(), rows.v.clear(), rows.heads.clear();
+  int64_t n_cold = 0;  // kept cold tokens: their buffer is sized before any pointer into it is taken
+  if (p.cold.Pc)
+    for (int64_t u = 0; u < units; ++u)
+      if (s.unit_heads[u] && pages[u / p.r] >= p.P) n_cold += std::min((u + 1) * p.sp, past) - u * p.sp;
+  rows.cold.resize(2 * n_cold * D);
+  float *ck = rows.cold.data(), *cv = ck + n_cold * D;
+  ColdRows cold(p, a.cold_int4, s.cold);
+  for (int64_t u = 0; u < units; ++u) {
+    const uint64_t heads = s.unit_heads[u];
+    if (!heads) continue;
+    const int64_t page = u / p.r, first = u * p.sp, last = std::min(first + p.sp, past), id = pages[page];
+    if (masked) rows.heads.insert(rows.heads.end(), last - first, heads);
+    if (id < p.P) {
+      const int64_t base = (id * p.Hkv + t.h) * p.ps - page * p.ps;
+      for (int64_t i = first; i < last; ++i)
+        rows.k.push_back(p.kc + (base + i) * D), rows.v.push_back(p.vc + (base + i) * D);
+      continue;
+    }
+    cold.rows(id, t.h, first - page * p.ps, last - page * p.ps, ck, cv);
+    for (int64_t i = first; i < last; ++i, ck += D, cv += D) rows.k.push_back(ck), rows.v.push_back(cv);
+  }
+}
+
+// The selected_pages rows of a call's tasks: the output's own rows for group tasks; with a task per
+// query head (head_tasks: the query heads of a group run on different threads) a row per task in
+// `marks`, OR-ed into the output's group rows by finish().
+class SelectedRows {
+ public:
+  SelectedRows(const Problem& p, const Attrs& a) : p_(p), per_head_(head_tasks(p, a) && p.selected) {
+    if (!per_head_) return;
+    thread_local std::unique_ptr<bool[]> marks;
+    thread_local int64_t size = 0;
+    const int64_t need = p.B * p.H * p.NP;
+    try {
+      if (need > size) marks.reset(new bool[need]), size = need;
+    } catch (...) {
+      return;  // failed(): nothing may throw into ORT
+    }
+    marks_ = marks.get();
+  }
+  bool failed() const { return per_head_ && !marks_; }
+  bool* row(const Task& t) const {
+    if (!p_.selected) return nullptr;
+    if (!per_head_) return p_.selected + (t.b * p_.Hkv + t.h) * p_.NP;
+    return marks_ + ((t.b * p_.H + t.h * p_.G + t.g0) * p_.NP);
+  }
+  void finish() const {
+    if (!per_head_) return;
+    for (int64_t bh = 0; bh < p_.B * p_.Hkv; ++bh) {
+      bool* out = p_.selected + bh * p_.NP;
+      const bool* m = marks_ + bh * p_.G * p_.NP;
+      for (int64_t i = 0; i < p_.NP; ++i) {
+        bool any = false;
+        for (int64_t g = 0; g < p_.G; ++g) any = any || m[g * p_.NP + i];
+        out[i] = any;
+      }
+    }
+  }
+
+ private:
+  const Problem& p_;
+  const bool per_head_;
+  bool* marks_ = nullptr;
+};
+
+// The head masks of rows [begin ..) (null: every row for all the task's heads).
+inline const uint64_t* heads_of(const Rows& rows, int64_t begin) {
+  return rows.heads.empty() ? nullptr : rows.heads.data() + begin;
+}
+
+// Whether sequence b's decode step selects (a rule that keeps every unit attends them all: dense).
+inline bool row_selects(const Problem& p, const Attrs& a, int64_t b) {
+  if (a.dense) return false;
+  const int64_t past = p.past[b], n = (past + p.ps - 1) / p.ps;
+  if (p.r == 1) return !qsa_math::page_rule(n, p.budget[b], p.ps, a.sink_pages, a.recent_pages).all;
+  return !qsa_math::sub_page_rule(n, past, p.budget[b], p.ps, p.sp, a.candidate_share, a.sink_pages, a.recent_pages)
+              .all;
+}
+
+// Every task of the call (Task: a (sequence, KV head), or per query head) over the pool's threads.
+// With fewer than 2 of them per thread (batch 1), the selection runs one task each and the
+// attention splits each one's kept rows into chunks, merged after. Returns false when a task could
+// not allocate its scratch (nothing may throw into ORT or out of a pool thread).
+inline bool run(const Problem& p, const Attrs& attrs) {
+  // Per-query-head tasks only when a row selects: a dense step (short contexts, budget 0) attends
+  // every row either way, and one task per group reads each K/V row once for its G queries.
+  Attrs a = attrs;
+  if (a.per_head) {
+    bool any = false;
+    for (int64_t b = 0; b < p.B && !any; ++b) any = row_selects(p, a, b);
+    a.per_head = any;
+  }
+  std::atomic<bool> ok{true};
+  const int64_t tasks = num_tasks(p, a), threads = pool_size(), part_size = task_of(p, a, 0).gn * (2 + p.D);
+  auto guarded = [&ok](auto&& fn) {
+    return [&ok, fn](int64_t i) {
+      try {
+        fn(i);
+      } catch (...) {
+        ok = false;
+      }
+    };
+  };
+  const SelectedRows sel(p, a);
+  if (sel.failed()) return false;
+  if (threads == 1 || tasks >= 2 * threads) {
+    parallel_for(tasks, guarded([&](int64_t i) {
+      thread_local Scratch s;
+      const Task t = task_of(p, a, i);
+      select_rows(p, a, s, t, s.rows, sel.row(t));
+      s.part.resize(part_size);
+      attend_rows(p, a, t, s.rows.k.data(), s.rows.v.data(), heads_of(s.rows, 0),
+                  static_cast<int64_t>(s.rows.k.size()), true, s.logits, s.part.data());
+      merge_parts(p, t, s.part.data(), 1);
+    }));
+    if (ok) sel.finish();
+    return ok;
+  }
+  const int64_t chunks = (2 * threads + tasks - 1) / tasks;
+  // The calling thread's buffers, named by reference: inside the lambdas a thread_local name
+  // would be each worker's own.
+  thread_local std::vector<Rows> call_rows;
+  thread_local std::vector<float> call_parts;
+  auto& rows = call_rows;
+  auto& parts = call_parts;
+  try {
+    rows.resize(tasks), parts.resize(tasks * chunks * part_size);
+  } catch (...) {
+    return false;
+  }
+  parallel_for(tasks, guarded([&](int64_t i) {
+    thread_local Scratch s;
+    const Task t = task_of(p, a, i);
+    select_rows(p, a, s, t, rows[i], sel.row(t));
+  }), 1);
+  parallel_for(tasks * chunks, guarded([&](int64_t i) {
+    thread_local Scratch s;
+    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].k.size());
+    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
+    attend_rows(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin,
+                heads_of(rows[task], begin), end - begin, c == chunks - 1, s.logits, parts.data() + i * part_size);
+  }), 1);
+  if (ok) {
+    for (int64_t task = 0; task < tasks; ++task)
+      merge_parts(p, task_of(p, a, task), parts.data() + task * chunks * part_size, chunks);
+    sel.finish();
+  }
+  return ok;
+}
+
+}  // namespace qsa
