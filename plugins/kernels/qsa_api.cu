@@ -88,6 +88,11 @@ int32_t qsa_workspace_kept(const QsaDims* dims, size_t* idx_offset, size_t* cnt_
     return w.kept_width;
 }
 
+int32_t qsa_kept_rows(const QsaForwardParams* p) {
+    if (!p || !dims_ok(p->dims)) return 0;
+    return qsa::select_units(*p);
+}
+
 int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms) {
     if (!dims || !dims_ok(*dims)) return 1;
     const int32_t cap = qsa::splits_cap(*dims);
@@ -113,10 +118,9 @@ int32_t qsa_check(const QsaForwardParams* p) {
     if (!cold_ok(*p) || !two_level_ok(*p)) return QSA_ERR_INVALID_ARGUMENT;
     const bool decode = p->dims.new_tokens == 1;
     if (decode && !decode_policy_implemented(p->attrs.policy)) return QSA_ERR_UNSUPPORTED;
-    // group_reduce "head" (each query head selects alone) runs in the ONNX function and the CPU node;
-    // these kernels select per KV head only: refused, never run as a shared selection.
-    if (decode && p->attrs.group_reduce == QSA_GROUP_REDUCE_HEAD) return QSA_ERR_UNSUPPORTED;
-    if (decode && qsa::select_query_smem(p->dims) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
+    // group_reduce "head": a decode block per query head (grid y of the decode kernel, <= 65535)
+    if (qsa::per_head_select(*p) && p->dims.num_heads > 65535) return QSA_ERR_INVALID_ARGUMENT;
+    if (decode && qsa::select_query_smem(*p) > qsa::kSelectSmemLimit) return QSA_ERR_UNSUPPORTED;
     return QSA_OK;
 }
 
@@ -135,6 +139,8 @@ int32_t qsa_forward(const QsaForwardParams* p, void* workspace, size_t workspace
     }
     const qsa::Workspace ws = qsa::layout_workspace(p->dims, workspace);
     if (!workspace || workspace_bytes < ws.bytes) return QSA_ERR_WORKSPACE;
+    QsaDims split_dims = p->dims;  // blocks per split: one per selection unit (per head: groups of one)
+    split_dims.num_kv_heads = qsa::select_units(*p);
     int32_t num_sms = 0;
     if (p->num_splits <= 0) {  // host-side attribute queries: no device work, no sync
         int dev = 0;
@@ -142,7 +148,7 @@ int32_t qsa_forward(const QsaForwardParams* p, void* workspace, size_t workspace
             cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
             num_sms = 0;
     }
-    const int32_t splits = qsa_num_splits(&p->dims, p->num_splits, num_sms);
+    const int32_t splits = qsa_num_splits(&split_dims, p->num_splits, num_sms);
     if (qsa::launch_select(*p, ws, false, s) != cudaSuccess) return QSA_ERR_CUDA;
     return qsa::launch_decode(*p, ws, splits, s) == cudaSuccess ? QSA_OK : QSA_ERR_CUDA;
 }
@@ -168,7 +174,7 @@ const char* qsa_status_string(int32_t status) {
         case QSA_ERR_INVALID_ARGUMENT:
             return "invalid argument (dims, pointers, dtype, attributes, cold tier or two-level sub-page bounds)";
         case QSA_ERR_UNSUPPORTED:
-            return "unsupported here (oracle policy or group_reduce head on decode, or group*head_dim too large)";
+            return "unsupported here (oracle policy on decode, or group*head_dim too large)";
         case QSA_ERR_WORKSPACE: return "workspace smaller than qsa_workspace_size()";
         case QSA_ERR_CUDA: return "CUDA launch failed";
         case QSA_ERR_BAD_PAGE_ID: return "a page id outside the pools (from error_flags)";

@@ -197,16 +197,47 @@ __host__ __device__ inline int32_t kept_unit_tokens(const QsaForwardParams& p) {
     return two_level(p.attrs, p.dims.page_size) ? p.attrs.sub_page_size : p.dims.page_size;
 }
 
+// group_reduce "head" on a decode step whose selection reads the query (policy query_aware): each
+// query head of a GQA group selects alone and attends its own units. Window and dense selections do
+// not read the query, so every head of a group would select the same units: those stay shared (one
+// selection per KV head, its K/V read once for the group), which is the same result.
+__host__ __device__ inline bool per_head_select(const QsaForwardParams& p) {
+    return p.dims.new_tokens == 1 && p.attrs.group_reduce == QSA_GROUP_REDUCE_HEAD &&
+           p.attrs.policy == QSA_POLICY_QUERY_AWARE;
+}
+
+// Selection units per sequence, U: one per query head (per_head_select: U = H), else one per KV head
+// (U = Hkv). The kept list has a row per (sequence, unit); the select kernels run a block per unit.
+__host__ __device__ inline int32_t select_units(const QsaForwardParams& p) {
+    return per_head_select(p) ? p.dims.num_heads : p.dims.num_kv_heads;
+}
+
+// One selection unit: the KV head whose pages it scores, the query heads [q_head, q_head + nq) whose
+// queries it scores (its group's G, reduced by group_reduce, or - per head - its own one), and its row
+// b * U + unit of the kept list (and of the workspace's score rows).
+struct SelectUnit {
+    int32_t kv_head, q_head, nq;
+    size_t row;
+};
+
+__host__ __device__ inline SelectUnit select_unit(const QsaForwardParams& p, int32_t b, int32_t unit) {
+    const int32_t G = p.dims.num_heads / p.dims.num_kv_heads;
+    if (per_head_select(p)) return SelectUnit{unit / G, unit, 1, size_t(b) * p.dims.num_heads + unit};
+    return SelectUnit{unit, unit * G, G, size_t(b) * p.dims.num_kv_heads + unit};
+}
+
 // Scratch carved out of the caller's workspace; the same function sizes it
 // (base == nullptr) and lays it out, so qsa_workspace_size cannot drift from
 // what the kernels index. A kept-list entry u is logical page u / r, sub-page
-// u % r (r = ps / unit tokens; r = 1 single-level).
+// u % r (r = ps / unit tokens; r = 1 single-level). The selection rows are sized
+// for B * H units (U <= H: per query head or per KV head), so the size depends on
+// the dims alone and a plugin sizes it once, whatever group_reduce is.
 struct Workspace {
-    int32_t* kept_idx;  // [B, Hkv, kept_width] kept units a decode step attends, ascending
-    int32_t* kept_cnt;  // [B, Hkv]
-    float* scores;      // [B, Hkv, NP] page scores when they do not fit in shared memory
-    float* fine;        // [B, Hkv, NP * r] two-level: candidate sub-page scores (compact); null if r <= 1
-    int32_t* cand;      // [B, Hkv, NP] two-level: candidate logical pages, ascending; null if r <= 1
+    int32_t* kept_idx;  // [B, U, kept_width] kept units a decode step attends, ascending (room: B * H rows)
+    int32_t* kept_cnt;  // [B, U]
+    float* scores;      // [B, U, NP] page scores when they do not fit in shared memory
+    float* fine;        // [B, U, NP * r] two-level: candidate sub-page scores (compact); null if r <= 1
+    int32_t* cand;      // [B, U, NP] two-level: candidate logical pages, ascending; null if r <= 1
     float* part_m;      // [B, H, splits_cap] running max of each split (log-sum-exp state)
     float* part_l;      // [B, H, splits_cap] softmax denominator of each split
     float* part_acc;    // [B, H, splits_cap, D] unnormalised output of each split
@@ -227,8 +258,8 @@ inline Workspace layout_workspace(const QsaDims& d, void* base) {
     w.splits_cap = splits_cap(d);
     const int32_t r = d.sub_pages > 1 ? d.sub_pages : 1;
     w.kept_width = d.table_width * r;
-    const size_t bkv = size_t(d.batch) * d.num_kv_heads;
     const size_t bh = size_t(d.batch) * d.num_heads;
+    const size_t units = bh;  // selection rows: B * U with U <= H (select_units)
     const size_t np = size_t(d.table_width);
     size_t off = 0;
     char* p = static_cast<char*>(base);
@@ -237,12 +268,12 @@ inline Workspace layout_workspace(const QsaDims& d, void* base) {
         off += align_up(bytes);
         return r;
     };
-    w.kept_idx = static_cast<int32_t*>(take(bkv * size_t(w.kept_width) * sizeof(int32_t)));
-    w.kept_cnt = static_cast<int32_t*>(take(bkv * sizeof(int32_t)));
-    w.scores = static_cast<float*>(take(bkv * np * sizeof(float)));
+    w.kept_idx = static_cast<int32_t*>(take(units * size_t(w.kept_width) * sizeof(int32_t)));
+    w.kept_cnt = static_cast<int32_t*>(take(units * sizeof(int32_t)));
+    w.scores = static_cast<float*>(take(units * np * sizeof(float)));
     if (r > 1) {
-        w.fine = static_cast<float*>(take(bkv * size_t(w.kept_width) * sizeof(float)));
-        w.cand = static_cast<int32_t*>(take(bkv * np * sizeof(int32_t)));
+        w.fine = static_cast<float*>(take(units * size_t(w.kept_width) * sizeof(float)));
+        w.cand = static_cast<int32_t*>(take(units * np * sizeof(int32_t)));
     }
     w.part_m = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
     w.part_l = static_cast<float*>(take(bh * w.splits_cap * sizeof(float)));
@@ -258,16 +289,16 @@ cudaError_t launch_decode(const QsaForwardParams& p, const Workspace& ws, int32_
 cudaError_t launch_prefill(const QsaForwardParams& p, cudaStream_t stream);
 cudaError_t launch_append(const QsaAppendParams& p, cudaStream_t stream);
 
-// Shared memory the select kernel needs: the group's queries, plus the page
-// scores when they fit (the fused path); 0 scores bytes means they go to the workspace.
-// 40 KB of dynamic shared memory leaves room for the kernel's static part
-// (scan storage, histogram) under the 48 KB default without opt-in attributes.
+// Shared memory the select kernel needs: its unit's queries (the group's G, or one
+// per head), plus the page scores when they fit (the fused path); 0 scores bytes means
+// they go to the workspace. 40 KB of dynamic shared memory leaves room for the kernel's
+// static part (scan storage, histogram) under the 48 KB default without opt-in attributes.
 constexpr size_t kSelectSmemLimit = 40 * 1024;
-inline size_t select_query_smem(const QsaDims& d) {
-    return size_t(d.num_heads / d.num_kv_heads) * d.head_dim * sizeof(float);
+inline size_t select_query_smem(const QsaForwardParams& p) {
+    return size_t(select_unit(p, 0, 0).nq) * p.dims.head_dim * sizeof(float);
 }
-inline bool select_scores_in_smem(const QsaDims& d) {
-    return select_query_smem(d) + size_t(d.table_width) * sizeof(float) <= kSelectSmemLimit;
+inline bool select_scores_in_smem(const QsaForwardParams& p) {
+    return select_query_smem(p) + size_t(p.dims.table_width) * sizeof(float) <= kSelectSmemLimit;
 }
 
 }  // namespace qsa

@@ -5,9 +5,11 @@
 // over the kept cached tokens plus the new token); tests/kernels compare with it.
 //
 // Shape of the work:
-// * grid (splits, Hkv * gchunks, B): one block per (split of the kept list,
-//   KV head, chunk of <= QSA_MAX_GROUP_PER_BLOCK query heads of its GQA group),
-//   so every K/V row loaded is used by the whole group.
+// * grid (splits, U * gchunks, B): one block per (split of the kept list,
+//   selection unit, chunk of <= QSA_MAX_GROUP_PER_BLOCK of the unit's query heads).
+//   A unit shared by a GQA group (U = Hkv) reads each K/V row once for the whole
+//   group; with group_reduce head every query head is its own unit (U = H, one head,
+//   gchunks = 1) and reads the K/V rows of its own kept list.
 // * A K/V row is read as 16-byte vectors: LPT lanes cover one row (lane l holds
 //   vectors l, l + LPT, ...), so a warp reads 32 / LPT rows at once, each lane
 //   issuing 16-byte loads; the q.k dot product is a log2(LPT)-step shuffle
@@ -25,9 +27,10 @@
 // Plain loads only (no cp.async, no tensor cores), so the CPU emulation runs
 // exactly this code.
 //
-// Bytes moved per (sequence, KV head): kept_tokens * 2 * D * sizeof(T) of K/V
-// (int8 or int4 + scales for cold pages) + G * D * sizeof(T) of queries, plus the
-// partials (B * H * splits * (D + 2) * 4, written and read once).
+// Bytes moved per (sequence, unit): kept_tokens * 2 * D * sizeof(T) of K/V
+// (int8 or int4 + scales for cold pages) + nq * D * sizeof(T) of queries, plus the
+// partials (B * H * splits * (D + 2) * 4, written and read once). Per head that is G
+// times the shared K/V bytes at the same budget (each head its own kept tokens).
 #include "qsa_common.cuh"
 
 namespace qsa {
@@ -175,9 +178,11 @@ __global__ void __launch_bounds__(kWarps * 32)
     __shared__ float sm_m[kWarps][kMaxG], sm_l[kWarps][kMaxG];
     __shared__ float sm_acc[kWarps][kMaxG][DP];
     const QsaDims& d = p.dims;
-    const int split = blockIdx.x, h = blockIdx.y / gchunks, gc = blockIdx.y % gchunks, b = blockIdx.z;
-    const int D = d.head_dim, ps = d.page_size, NP = d.table_width, Hkv = d.num_kv_heads;
-    const int G = d.num_heads / Hkv, g0 = gc * kMaxG, ng = min(kMaxG, G - g0);
+    const int split = blockIdx.x, gc = blockIdx.y % gchunks, b = blockIdx.z;
+    const SelectUnit unit = select_unit(p, b, blockIdx.y / gchunks);
+    const int D = d.head_dim, ps = d.page_size, NP = d.table_width, Hkv = d.num_kv_heads, h = unit.kv_head;
+    const int G = d.num_heads / Hkv, g0 = unit.q_head - h * G + gc * kMaxG;  // g0: first head within the group
+    const int ng = min(kMaxG, unit.nq - gc * kMaxG);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gl = lane % LPT, slot = lane / LPT;  // lane within its group; which row of the warp
     const int bh = b * Hkv + h;
@@ -201,8 +206,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     // The kept list holds units of `us` rows: pages, or sub-pages (two-level). A unit's
     // rows are contiguous in its page, so a lane group's rows stay 16-byte vector loads.
     const int us = kept_unit_tokens(p), upp = ps / us;
-    const int32_t* kept = ws.kept_idx + size_t(bh) * ws.kept_width;
-    const int cnt = ws.kept_cnt[bh];
+    const int32_t* kept = ws.kept_idx + unit.row * ws.kept_width;
+    const int cnt = ws.kept_cnt[unit.row];
     const int chunk = (cnt + splits - 1) / splits;
     const int p0 = split * chunk, p1 = min(cnt, p0 + chunk);
     const int ntok = max(p1 - p0, 0) * us;
@@ -305,8 +310,8 @@ __global__ void combine_kernel(QsaForwardParams p, Workspace ws, int splits) {
 template <typename T, int LPT, int NV>
 cudaError_t launch_decode_t(const QsaForwardParams& p, const Workspace& ws, int32_t splits, cudaStream_t stream) {
     const QsaDims& d = p.dims;
-    const int G = d.num_heads / d.num_kv_heads, gchunks = (G + kMaxG - 1) / kMaxG;
-    const dim3 grid(splits, d.num_kv_heads * gchunks, d.batch);
+    const int nq = select_unit(p, 0, 0).nq, gchunks = (nq + kMaxG - 1) / kMaxG;  // per head: nq 1, one chunk
+    const dim3 grid(splits, select_units(p) * gchunks, d.batch);
     const auto kernel = p.key_cache_int8 == nullptr                ? decode_split_kernel<T, LPT, NV, kNoCold>
                         : p.cold.format == QSA_COLD_FORMAT_INT4 ? decode_split_kernel<T, LPT, NV, kColdInt4>
                                                                 : decode_split_kernel<T, LPT, NV, kColdInt8>;

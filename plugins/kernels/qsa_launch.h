@@ -12,6 +12,7 @@
  *   page_table [B, NP] int32   past_lens/token_budget [B] int32
  *   selected_pages [B, Hkv, NP] 0/1, one byte (numpy/torch bool) or int32
  *   (TensorRT plugins cannot output kBOOL), per selected_pages_elem_size; may be NULL.
+ *   With group_reduce head it marks a page any query head of the KV head's group attends.
  * Float tensors are all float32 or all float16 (`dtype`); accumulation is fp32.
  *
  * Optional cold tier (all four pointers set, or all NULL = hot pages only), in
@@ -94,20 +95,29 @@ typedef enum QsaDtype { QSA_DTYPE_FLOAT32 = 0, QSA_DTYPE_FLOAT16 = 1 } QsaDtype;
 #include "../generated/qsa_launch_structs.h"
 
 /* Bytes of scratch qsa_forward needs for these dims; sized for the largest
- * split count it may choose, so a plugin can size it once from max dims. */
+ * split count it may choose and a kept-list row per query head (whatever
+ * group_reduce is), so a plugin can size it once from max dims. */
 size_t qsa_workspace_size(const QsaDims* dims);
 
 /* Where a decode step leaves its kept list in a workspace laid out for `dims`:
- * int32 kept units at byte *idx_offset ([B, Hkv, width], ascending; unit u is
+ * int32 kept units at byte *idx_offset ([B, U, width], ascending; unit u is
  * logical page u / r, sub-page u % r; r = 1 single-level) and int32 counts at
- * byte *cnt_offset ([B, Hkv]). Returns width (0 for bad dims). For tests, which
+ * byte *cnt_offset ([B, U]), U = qsa_kept_rows() rows per sequence (the workspace
+ * has room for U = H). Returns width (0 for bad dims). For tests, which
  * read it once the stream has run; the kernels do not need it. */
 int32_t qsa_workspace_kept(const QsaDims* dims, size_t* idx_offset, size_t* cnt_offset);
+
+/* Kept-list rows per sequence a decode step with these params writes (selection units):
+ * H when each query head selects alone (group_reduce head, policy query_aware, S == 1:
+ * row b * H + query head), else Hkv (row b * Hkv + KV head; window and dense select the
+ * same units for every head of a group, so head shares them too). 0 for bad dims. */
+int32_t qsa_kept_rows(const QsaForwardParams* params);
 
 /* Checks dims and attributes without touching device memory. */
 int32_t qsa_check(const QsaForwardParams* params);
 
-/* Decode (S == 1): select pages, split-K attention over them, combine.
+/* Decode (S == 1): select pages (per KV head, or with group_reduce head per query head),
+ * split-K attention over them, combine.
  * Prefill (S > 1): exact causal attention over every cached page and the new
  * tokens. Asynchronous on `stream` (a cudaStream_t; NULL = legacy default). */
 int32_t qsa_forward(const QsaForwardParams* params, void* workspace, size_t workspace_bytes, void* stream);
@@ -119,7 +129,8 @@ const char* qsa_status_string(int32_t status);
 /* The status an error_flags word stands for (QSA_OK for 0). */
 int32_t qsa_flags_status(int32_t flags);
 
-/* Number of split-K partitions qsa_forward uses for these dims (0 = auto). */
+/* Number of split-K partitions qsa_forward uses for these dims (0 = auto). A per-head decode
+ * (qsa_kept_rows == H) counts its blocks as groups of one: pass dims with num_kv_heads = H. */
 int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms);
 
 #ifdef __cplusplus

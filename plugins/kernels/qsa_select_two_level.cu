@@ -1,7 +1,8 @@
 // Two-level selection for a decode step (attribute sub_page_size = sp, 0 < sp < ps):
 // candidate pages by the page score, then the candidates' sub-pages by the bound
-// decoded from key_sub_bounds. One block per (sequence, KV head), fused like
-// qsa_select.cu (whose helpers, qsa_topk.cuh, it shares).
+// decoded from key_sub_bounds. One block per (sequence, selection unit: a KV head, or
+// with group_reduce head a query head with its own candidates and sub-pages), fused like
+// qsa_select.cu (whose helpers, qsa_topk.cuh, and selected_pages union it shares).
 //
 // CPU reference: tinyserve_trt/ops/two_level.py (select_sub_pages,
 // candidate_pages) with ops/fine_bounds.py::decode. The rule is
@@ -14,7 +15,7 @@
 // sub-pages the forced ones plus the rule's kept_free(nc) best of the nc candidate
 // sub-pages; ties -> lower index, NaN last (qsa_math::order_key, as numpy).
 // Scores: the page's Quest bound from key_min/key_max, combined over the GQA
-// group by group_reduce; a sub-page's the same bound from its decoded [lo, hi]:
+// group by group_reduce (per head: its own query's); a sub-page's the same bound from its decoded [lo, hi]:
 //   step = (kmax - kmin) * f32(1/15); lo = kmin + (c & 15) * step; hi = kmax - (c >> 4) * step
 // each a single-rounded float32 operation (__fmul_rn etc.: no FMA contraction),
 // so lo/hi equal fine_bounds.decode's bit for bit.
@@ -24,7 +25,7 @@
 // units), which decode_split_kernel walks in sp-row runs; selected_pages marks a
 // page when any of its sub-pages is kept (ops/reference.py).
 //
-// Bytes moved per (sequence, KV head): the single-level step's n * 2 * D *
+// Bytes moved per (sequence, unit): the single-level step's n * 2 * D *
 // sizeof(T) of key_min/key_max, plus per candidate page 2 * D * sizeof(T)
 // (its bounds again, cached) and r * D bytes of codes.
 #include "qsa_topk.cuh"
@@ -40,12 +41,13 @@ __global__ void __launch_bounds__(kSelectThreads)
     QSA_DYNAMIC_SHARED(float, smem);
 
     const QsaDims& d = p.dims;
-    const int h = blockIdx.x, b = blockIdx.y;
+    const int b = blockIdx.y;
     const int NP = d.table_width, ps = d.page_size, D = d.head_dim, Hkv = d.num_kv_heads;
-    const int G = d.num_heads / Hkv;
     const int sp = p.attrs.sub_page_size, r = ps / sp;
-    const int bh = b * Hkv + h;
-    const SelectRow row = select_row(p, ws, b, h);
+    const SelectRow row = select_row(p, ws, b, blockIdx.x);
+    const SelectUnit& unit = row.unit;
+    const int h = unit.kv_head;
+    const size_t urow = unit.row;
     const int n = row.n;
     const qsa_math::SubPageRule rule =
         qsa_math::sub_page_rule(n, row.past, p.token_budget[b], ps, sp, p.attrs.candidate_share,
@@ -57,17 +59,17 @@ __global__ void __launch_bounds__(kSelectThreads)
     if (rule.all) {  // dense: every written sub-page
         for (int u = threadIdx.x; u < nw; u += blockDim.x) kept[u] = u;
         for (int i = threadIdx.x; i < NP; i += blockDim.x) sel.put(i, i < n);
-        if (threadIdx.x == 0) ws.kept_cnt[bh] = nw;
+        if (threadIdx.x == 0) ws.kept_cnt[urow] = nw;
         return;
     }
     // Not dense, so some page is not forced: n_sink <= recent_start <= n - 1 and the
     // sink and candidate pages are full (all r sub-pages written).
 
     // ---- level 1: page scores of the non-forced pages, candidates by radix select ----
-    float* q_s = smem;  // [G, D], float
-    float* scores = scores_in_smem ? smem + G * D : ws.scores + size_t(bh) * NP;
-    load_group_query<T>(p, q_s, b, h);
-    query_aware_page_scores<T>(p, q_s, scores, b, h, n_sink, recent_start);
+    float* q_s = smem;  // [nq, D], float
+    float* scores = scores_in_smem ? smem + unit.nq * D : ws.scores + urow * NP;
+    load_unit_query<T>(p, q_s, b, unit);
+    query_aware_page_scores<T>(p, q_s, scores, b, unit, n_sink, recent_start);
     __syncthreads();
 
     const int free_pages = recent_start - n_sink;
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     int krem = free_pages;
     if (cand_pages > 0 && cand_pages < free_pages)
         radix_threshold(scores, n_sink, recent_start, cand_pages, radix, prefix, krem);
-    int32_t* cand = ws.cand + size_t(bh) * NP;
+    int32_t* cand = ws.cand + urow * NP;
     int eq_base = 0, out_base = 0;
     if (cand_pages > 0) {
         for (int c = n_sink; c < recent_start; c += blockDim.x) {
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
 
     // ---- level 2: sub-page scores of the candidates, one warp per candidate page ----
-    float* fine = ws.fine + size_t(bh) * ws.kept_width;
+    float* fine = ws.fine + urow * ws.kept_width;
     {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
         const T* kmin = static_cast<const T*>(p.key_min);
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                     lo[e] = qsa_math::sub_lo(pmin[e], qsa_math::code_lo(code), step[e]);
                     hi[e] = qsa_math::sub_hi(pmax[e], qsa_math::code_hi(code), step[e]);
                 }
-                const float s = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
+                const float s = group_bound_score(q_s, unit.nq, D, p.attrs.group_reduce, lo, hi);
                 if (lane == 0) fine[c * r + j] = ok ? s : -INFINITY;
             }
         }
@@ -170,16 +172,16 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     const int recent_units = recent_start * r;
     for (int u = recent_units + threadIdx.x; u < nw; u += blockDim.x) kept[out_base + u - recent_units] = u;
-    if (threadIdx.x == 0) ws.kept_cnt[bh] = out_base + nw - recent_units;
+    if (threadIdx.x == 0) ws.kept_cnt[urow] = out_base + nw - recent_units;
 }
 
 }  // namespace
 
 cudaError_t launch_select_two_level(const QsaForwardParams& p, const Workspace& ws, cudaStream_t stream) {
     const QsaDims& d = p.dims;
-    const bool in_smem = select_scores_in_smem(d);
-    const size_t smem = select_query_smem(d) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
-    const dim3 grid(d.num_kv_heads, d.batch);
+    const bool in_smem = select_scores_in_smem(p);
+    const size_t smem = select_query_smem(p) + (in_smem ? size_t(d.table_width) * sizeof(float) : 0);
+    const dim3 grid(select_units(p), d.batch);
     if (p.dtype == QSA_DTYPE_FLOAT16)
         return launch_kernel(select_two_level_kernel<__half>, grid, kSelectThreads, smem, stream, p, ws, int(in_smem));
     return launch_kernel(select_two_level_kernel<float>, grid, kSelectThreads, smem, stream, p, ws, int(in_smem));

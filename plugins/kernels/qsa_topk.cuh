@@ -3,7 +3,8 @@
 // check, the Quest page score over a warp, and the radix top-K threshold. The score's
 // term, the group combination, the keep order and the keep/drop rule are
 // qsa_select_math.h's (shared with the CPU node); this file is their parallel form.
-// Internal to plugins/kernels; one block of kSelectThreads per (sequence, KV head).
+// Internal to plugins/kernels; one block of kSelectThreads per (sequence, selection unit):
+// a KV head, or with group_reduce head a query head (qsa_common.cuh::select_unit).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -21,13 +22,16 @@ using SelectScan = cub::BlockScan<int, kSelectThreads>;
 // NaN-scored page is kept only after every other one (lowest index first).
 using qsa_math::order_key;
 
-// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT.
+// The selected_pages row of one (sequence, KV head): bytes, or int32 for TensorRT. merge (per-head
+// selection): the row is the union of the group's units, which clear_selected_kernel zeroed before
+// them, so a unit stores only its 1s - never a 0 over a page another head of the group kept.
 struct SelOut {
     void* base;
     size_t row;
     bool wide;
+    bool merge;
     __device__ void put(int i, bool v) const {
-        if (!base) return;
+        if (!base || (merge && !v)) return;
         if (wide)
             static_cast<int32_t*>(base)[row + i] = v;
         else
@@ -48,42 +52,45 @@ __device__ __forceinline__ void check_page_ids(const QsaForwardParams& p, int b,
     }
 }
 
-// One (sequence, KV head) of a decode step's selection, as both kernels start it: its
-// written pages n, its kept-list row and selected_pages row (the rule that decides what is
-// kept: qsa_math::page_rule / sub_page_rule). The h == 0 block also checks the page ids.
+// One (sequence, selection unit) of a decode step's selection, as both kernels start it: its
+// written pages n, the unit (KV head, query heads, row), its kept-list row and its KV head's
+// selected_pages row (the rule that decides what is kept: qsa_math::page_rule / sub_page_rule).
+// The unit == 0 block also checks the page ids.
 struct SelectRow {
     int past, n;
+    SelectUnit unit;
     int32_t* kept;
     SelOut sel;
 };
 
-__device__ __forceinline__ SelectRow select_row(const QsaForwardParams& p, const Workspace& ws, int b, int h) {
+__device__ __forceinline__ SelectRow select_row(const QsaForwardParams& p, const Workspace& ws, int b, int unit) {
     const QsaDims& d = p.dims;
     const int NP = d.table_width, ps = d.page_size;
-    const int bh = b * d.num_kv_heads + h;
     SelectRow row;
     row.past = max(p.past_lens[b], 0);
     row.n = min((row.past + ps - 1) / ps, NP);
-    row.kept = ws.kept_idx + size_t(bh) * ws.kept_width;
-    row.sel = SelOut{p.selected_pages, size_t(bh) * NP, p.selected_pages_elem_size == 4};
-    if (h == 0) check_page_ids(p, b, row.past, row.n);
+    row.unit = select_unit(p, b, unit);
+    row.kept = ws.kept_idx + row.unit.row * ws.kept_width;
+    row.sel = SelOut{p.selected_pages, (size_t(b) * d.num_kv_heads + row.unit.kv_head) * NP,
+                     p.selected_pages_elem_size == 4, per_head_select(p)};
+    if (unit == 0) check_page_ids(p, b, row.past, row.n);
     return row;
 }
 
-// The GQA group's queries of KV head h into q_s [G, D] as fp32 (decode: S == 1); ends with
-// a barrier, so every thread may read q_s after it.
+// The unit's queries (its group's G, or its one query head) into q_s [nq, D] as fp32 (decode:
+// S == 1); ends with a barrier, so every thread may read q_s after it.
 template <typename T>
-__device__ __forceinline__ void load_group_query(const QsaForwardParams& p, float* q_s, int b, int h) {
+__device__ __forceinline__ void load_unit_query(const QsaForwardParams& p, float* q_s, int b, const SelectUnit& u) {
     const QsaDims& d = p.dims;
-    const int D = d.head_dim, G = d.num_heads / d.num_kv_heads;
-    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(h) * G) * D;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) q_s[i] = to_f(q[i]);
+    const int D = d.head_dim;
+    const T* q = static_cast<const T*>(p.query) + (size_t(b) * d.num_heads + size_t(u.q_head)) * D;
+    for (int i = threadIdx.x; i < u.nq * D; i += blockDim.x) q_s[i] = to_f(q[i]);
     __syncthreads();
 }
 
-// The group's combined Quest score sum_d max(q*lo, q*hi) of one bound pair held by the
-// warp (lane holds channels lane + 32 e); q_s is the group's [G, D] queries in fp32.
-// Every lane of the warp calls it and gets the same value.
+// The unit's combined Quest score sum_d max(q*lo, q*hi) of one bound pair held by the
+// warp (lane holds channels lane + 32 e); q_s is the unit's [G, D] queries in fp32 (G = 1
+// per head: its own score). Every lane of the warp calls it and gets the same value.
 __device__ __forceinline__ float group_bound_score(const float* q_s, int G, int D, int group_reduce,
                                                    const float (&lo)[kMaxEptMeta], const float (&hi)[kMaxEptMeta]) {
     const int lane = threadIdx.x & 31;
@@ -103,12 +110,13 @@ __device__ __forceinline__ float group_bound_score(const float* q_s, int G, int 
     return r;
 }
 
-// Quest scores of logical pages [begin, end) into scores[i], one warp per page.
+// Quest scores of logical pages [begin, end) into scores[i] for unit u (its KV head's bounds,
+// its nq queries in q_s), one warp per page.
 template <typename T>
-__device__ void query_aware_page_scores(const QsaForwardParams& p, const float* q_s, float* scores, int b, int h,
-                                        int begin, int end) {
+__device__ void query_aware_page_scores(const QsaForwardParams& p, const float* q_s, float* scores, int b,
+                                        const SelectUnit& u, int begin, int end) {
     const QsaDims& d = p.dims;
-    const int NP = d.table_width, D = d.head_dim, G = d.num_heads / d.num_kv_heads;
+    const int NP = d.table_width, D = d.head_dim, h = u.kv_head;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const T* kmin = static_cast<const T*>(p.key_min);
     const T* kmax = static_cast<const T*>(p.key_max);
@@ -123,7 +131,7 @@ __device__ void query_aware_page_scores(const QsaForwardParams& p, const float* 
             lo[e] = (ok && dd < D) ? to_f(kmin[row + dd]) : 0.f;
             hi[e] = (ok && dd < D) ? to_f(kmax[row + dd]) : 0.f;
         }
-        const float r = group_bound_score(q_s, G, D, p.attrs.group_reduce, lo, hi);
+        const float r = group_bound_score(q_s, u.nq, D, p.attrs.group_reduce, lo, hi);
         if (lane == 0) scores[i] = ok ? r : -INFINITY;
     }
 }

@@ -50,11 +50,40 @@ def test_oracle_is_reference_only_for_decode(host_lib, attrs, S, status):
     assert _check(host_lib, _params(attrs, S)) == status
 
 
-@pytest.mark.parametrize("S,status", [(1, 2), (4, 0)])
-def test_per_head_selection_is_refused_not_run_as_max(host_lib, S, status):
-    """group_reduce "head" (each query head selects alone) is not in the CUDA kernels yet: a decode
-    step is QSA_ERR_UNSUPPORTED, never a shared selection; prefill attends every page either way."""
-    assert _check(host_lib, _params(schema.OpAttributes(group_reduce="head"), S)) == status
+@pytest.mark.parametrize("S", [1, 4])
+def test_per_head_selection_is_accepted(host_lib, S):
+    """group_reduce "head" (each query head selects alone): decode and prefill both run."""
+    assert _check(host_lib, _params(schema.OpAttributes(group_reduce="head"), S)) == 0
+    assert _check(host_lib, _params(schema.OpAttributes(group_reduce="head", sub_page_size=4), S,
+                                    dims=library.QsaDims(2, 8, 2, S, 64, 10, 16, 4, 10, 4))) == 0
+
+
+@pytest.mark.parametrize("attrs,S,rows", [(schema.OpAttributes(group_reduce="head"), 1, 8),
+                                          (schema.OpAttributes(group_reduce="head"), 4, 2),  # prefill: no selection
+                                          (schema.OpAttributes(group_reduce="head", policy="window"), 1, 2),
+                                          (schema.OpAttributes(group_reduce="max"), 1, 2)])
+def test_kept_rows_per_query_head_only_where_the_query_selects(host_lib, attrs, S, rows):
+    """A kept-list row per query head (H = 8) for a per-head decode, else one per KV head (Hkv = 2):
+    window and dense select the same pages for every head of a group."""
+    assert host_lib.qsa_kept_rows(ctypes.byref(_params(attrs, S))) == rows
+
+
+def test_per_head_grid_limit(host_lib):
+    """A decode block per query head: grid y holds at most 65535 of them."""
+    head = schema.OpAttributes(group_reduce="head")
+    p = _params(head, dims=library.QsaDims(1, 65536, 1, 1, 1, 10, 16, 4, 10))
+    assert _check(host_lib, p) == 1
+    p.dims.num_heads = 65535
+    assert _check(host_lib, p) == 0
+    assert _check(host_lib, _params(head, 4, dims=library.QsaDims(1, 65536, 1, 4, 1, 10, 16, 4, 10))) == 0
+
+
+def test_workspace_does_not_depend_on_group_reduce(host_lib):
+    """Sized from the dims for a kept-list row per query head: a plugin sizes it before it knows the rule."""
+    d = library.QsaDims(2, 8, 2, 1, 64, 10, 16, 4, 10, 4)
+    idx, cnt = ctypes.c_size_t(), ctypes.c_size_t()
+    width = host_lib.qsa_workspace_kept(ctypes.byref(d), ctypes.byref(idx), ctypes.byref(cnt))
+    assert cnt.value - idx.value >= 2 * 8 * width * 4  # B * H rows of kept units
 
 
 def _fake_pointers(names):

@@ -121,22 +121,28 @@ class ForwardCall:
         ws_bytes = self.lib.qsa_workspace_size(ctypes.byref(dims))
         self.workspace = torch.full((max(ws_bytes, 1),), 0xFF if poison else 0, dtype=torch.uint8,
                                     device=dev.name)
-        self.num_splits = self.lib.qsa_num_splits(ctypes.byref(dims), num_splits, dev.num_sms())
+        # selection units per sequence: H when each query head selects alone (group_reduce head), else Hkv
+        self.kept_rows = self.lib.qsa_kept_rows(ctypes.byref(p))
+        self.per_head = self.kept_rows == dims.num_heads  # a row per query head (or groups of one)
+        split_dims = library.QsaDims.from_buffer_copy(dims)
+        split_dims.num_kv_heads = self.kept_rows  # qsa_forward counts a unit's blocks (per head: groups of one)
+        self.num_splits = self.lib.qsa_num_splits(ctypes.byref(split_dims), num_splits, dev.num_sms())
 
     def kept_units(self) -> list[list[np.ndarray]]:
         """After a decode launch has run: the kept list the select kernels left in the workspace,
-        ``[b][h] -> int array`` of units (ascending; unit u = logical page u // r, sub-page
-        u % r; r = 1 single-level). Read through ``qsa_workspace_kept``'s offsets."""
+        ``[b][u] -> int array`` of units (ascending; unit = logical page // r, sub-page % r;
+        r = 1 single-level), one row per selection unit ``u``: a KV head, or with ``per_head``
+        (group_reduce head) a query head. Read through ``qsa_workspace_kept``'s offsets."""
         idx_off, cnt_off = ctypes.c_size_t(), ctypes.c_size_t()
         width = self.lib.qsa_workspace_kept(ctypes.byref(self.params.dims), ctypes.byref(idx_off),
                                             ctypes.byref(cnt_off))
         if width <= 0:
             raise ValueError("qsa_workspace_kept refused these dims")
-        B, Hkv = self.params.dims.batch, self.params.dims.num_kv_heads
+        B, U = self.params.dims.batch, self.kept_rows
         ws = self.workspace.cpu().numpy()
-        idx = ws[idx_off.value: idx_off.value + 4 * B * Hkv * width].view(np.int32).reshape(B, Hkv, width)
-        cnt = ws[cnt_off.value: cnt_off.value + 4 * B * Hkv].view(np.int32).reshape(B, Hkv)
-        return [[idx[b, h, : cnt[b, h]].copy() for h in range(Hkv)] for b in range(B)]
+        idx = ws[idx_off.value: idx_off.value + 4 * B * U * width].view(np.int32).reshape(B, U, width)
+        cnt = ws[cnt_off.value: cnt_off.value + 4 * B * U].view(np.int32).reshape(B, U)
+        return [[idx[b, u, : cnt[b, u]].copy() for u in range(U)] for b in range(B)]
 
     def launch(self) -> None:
         """Enqueue on torch's current stream; raises KernelError on a bad status. Does not sync

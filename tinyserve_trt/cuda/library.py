@@ -126,6 +126,8 @@ def load(path: str | os.PathLike | None = None, plugin_dir: str | os.PathLike | 
     lib.qsa_workspace_kept.argtypes = [ctypes.POINTER(QsaDims), ctypes.POINTER(ctypes.c_size_t),
                                        ctypes.POINTER(ctypes.c_size_t)]
     lib.qsa_workspace_kept.restype = _i32
+    lib.qsa_kept_rows.argtypes = [ctypes.POINTER(QsaForwardParams)]
+    lib.qsa_kept_rows.restype = _i32
     lib.qsa_num_splits.argtypes = [ctypes.POINTER(QsaDims), _i32, _i32]
     lib.qsa_num_splits.restype = _i32
     lib.qsa_check.argtypes = [ctypes.POINTER(QsaForwardParams)]
