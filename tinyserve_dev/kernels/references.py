@@ -10,6 +10,8 @@
   (STYLE principle 8: scores, not indices).
 * ``append_kv_ref``: the cache write + metadata refresh of ``qsa_append_kv``.
 * ``dequantized_float32_case``: a hot + INT8 case as the all-hot cache the kernels see.
+* ``per_query_head_case`` / ``group_union``: ``group_reduce="head"`` as the shared rule with
+  groups of one, so the checks above apply per query head.
 Cases may carry the INT8 cold tier (``schema.COLD_INPUTS``): every K/V read goes
 through ``ops.reference.page_keys_values``, which dequantizes cold pages with the
 op's own rule, so nothing here re-implements it. None of them modifies its inputs.
@@ -73,6 +75,30 @@ def dequantized_float32_case(case: dict) -> dict:
     wide = {n: a.astype(np.float32) if a.dtype.kind == "f" and n not in schema.COLD_INPUTS else a
             for n, a in case.items()}
     return dequantized_case(wide)
+
+
+# Inputs with a KV-head axis at 1 (schema layouts): [B, Hkv, S, D], [P, Hkv, ps, D], [Ptot, Hkv, D],
+# [Ptot, Hkv, r, D], and the cold tier's [Pcold, Hkv, ...] pools and scales.
+_PER_KV_HEAD = ("key", "value", "key_cache", "value_cache", "key_min", "key_max", "key_sub_bounds",
+                *schema.COLD_INPUTS)
+
+
+def per_query_head_case(case: dict) -> dict:
+    """``case`` with each KV head's pages repeated for its ``G = H / Hkv`` query heads (every input
+    with a KV-head axis, ``[.., Hkv, ..] -> [.., H, ..]``: query head ``hq`` reads KV head
+    ``hq // G``'s K/V, bounds, codes and cold pages), so ``Hkv = H``. A shared selection
+    (``group_reduce`` max or sum) with groups of one on it IS ``group_reduce="head"`` on ``case``:
+    the same kept units ``[B, H, NP * r]`` per query head, the same output, and its
+    ``selected_pages [B, H, NP]`` under :func:`group_union` the head rule's. Does not modify ``case``."""
+    G = case["query"].shape[1] // case["key"].shape[1]
+    return {n: np.repeat(a, G, axis=1) if n in _PER_KV_HEAD and a is not None else a for n, a in case.items()}
+
+
+def group_union(mask: np.ndarray, num_kv_heads: int, r: int = 1) -> np.ndarray:
+    """Per-query-head kept units ``[B, H, NP * r]`` as the op's ``selected_pages [B, Hkv, NP]``: a
+    page any sub-page of which any query head of the KV head's group keeps."""
+    B, H, width = mask.shape
+    return np.asarray(mask, bool).reshape(B, num_kv_heads, H // num_kv_heads, width // r, r).any(axis=(2, 4))
 
 
 def group_scores_ref(case: dict, attrs: schema.OpAttributes) -> list[list[np.ndarray]]:
