@@ -30,8 +30,9 @@ DTYPES = {"float32": 0, "float16": 1}
 POLICY_IDS = schema.POLICY_IDS  # the generated header's QSA_POLICY_*: only the policies C knows
 CUDA_POLICIES = policies.implemented_by("cuda")  # qsa_api.cu's policy_supported; the others are refused
 GROUP_REDUCE_IDS = {name: i for i, name in enumerate(schema.GROUP_REDUCTIONS)}
-# the group reductions a CUDA decode step runs: qsa_api.cu refuses "head" (per query head selection)
-CUDA_GROUP_REDUCTIONS = tuple(g for g in schema.GROUP_REDUCTIONS if g != "head")
+# the group reductions a CUDA decode step runs: all of them ("head": a selection unit per query head,
+# qsa_common.cuh::select_unit; checked in the CPU emulation only, never on a GPU yet)
+CUDA_GROUP_REDUCTIONS = tuple(schema.GROUP_REDUCTIONS)
 COLD_FORMAT_IDS = {name: i for i, name in enumerate(schema.COLD_FORMATS)}
 
 # ctypes mirrors of qsa_launch.h's structs, built from the definition the C ones are generated from
