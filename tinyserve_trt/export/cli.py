@@ -10,7 +10,7 @@ from pathlib import Path
 from ..contracts.dense_layers import parse_dense_layers
 from ..ops import schema
 from ..ops.policies import selecting
-from .config import BACKENDS, INT8_LAYER_CHOICES, ExportConfig
+from .config import BACKENDS, DEFAULT_GROUP_REDUCE, INT8_LAYER_CHOICES, ExportConfig
 from .errors import ExportError, InputError
 
 DEFAULTS = ExportConfig()
@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                    help="two-level: share of the pages kept as candidates; default %(default)s")
     p.add_argument("--group-reduce", choices=schema.GROUP_REDUCTIONS, default=None,
                    help="how a GQA group selects: head (each query head its own pages), max or sum (one selection "
-                        "per KV head); default head, max with --backend trt (the CUDA kernels select per KV head)")
+                        f"per KV head); default {DEFAULT_GROUP_REDUCE} for every backend")
     p.add_argument("--fp16", action="store_true", help="FP16 KV pages (half the cache memory; attention math stays fp32) and, with --backend trt, "
                         "an FP16 engine; validated to 5e-2 instead of 1e-4")
     p.add_argument("--fp32-kv", action="store_true",

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..contracts.budget import DecodeBudget
 from ..contracts.cold_tier import check_int8_layers
-from ..cuda.library import CUDA_GROUP_REDUCTIONS
 from ..contracts.dense_layers import dense_layer_indices
 from ..ops import policies, schema
 
@@ -24,9 +23,10 @@ DEFAULT_SUB_PAGE_SIZE = 4
 # tokens (issue #31): chosen with the torch probe on KJV Genesis at 8K and 16K on Qwen2.5-Coder-0.5B
 # (GQA 14:2), checked on Hamlet (benchmarks/results/selection_probe.md, long_context.md "Session 18
 # probe"): the shared two-level default cost 5-6% at 8K and 9-17% at 16K; per head with every page a
-# candidate 0.7-1.3% at 8K and, at 2048 = 1/8 of 16K, 1.5% (KJV) / -0.9% (Hamlet). The CUDA kernels
-# select per KV head only: a trt package keeps "max" (one selection per group).
-DEFAULT_GROUP_REDUCE = {"ort": "head", "trt": "max"}
+# candidate 0.7-1.3% at 8K and, at 2048 = 1/8 of 16K, 1.5% (KJV) / -0.9% (Hamlet). Every backend's
+# default: the CUDA kernels select per query head too (a selection unit per query head,
+# plugins/kernels/qsa_common.cuh; checked in the CPU emulation, not yet on a GPU).
+DEFAULT_GROUP_REDUCE = "head"
 DEFAULT_CANDIDATE_SHARE = 1.0
 DEFAULT_TOKEN_BUDGET = 1024
 DEFAULT_BUDGET_SHARE = 0.125
@@ -108,7 +108,7 @@ class ExportConfig:
     sub_page_size: int | None = None
     candidate_share: float = DEFAULT_CANDIDATE_SHARE
     # How a GQA group selects: "head" (each query head its own pages), "max" / "sum" (one selection
-    # per KV head); None: DEFAULT_GROUP_REDUCE of the backend
+    # per KV head); None: DEFAULT_GROUP_REDUCE
     group_reduce: str | None = None
     # model.ort.onnx decodes on the op's native CPU kernel (an ORT custom op built with the host
     # C++ compiler on first use: tinyserve_trt/cpu, export/native_decode.py) where it validates;
@@ -125,9 +125,6 @@ class ExportConfig:
         DecodeBudget(self.token_budget, self.budget_share)  # ValueError, one line
         if self.group_reduce is not None and self.group_reduce not in schema.GROUP_REDUCTIONS:
             raise ValueError(f"group_reduce must be one of {schema.GROUP_REDUCTIONS}, got {self.group_reduce!r}")
-        if self.backend == "trt" and self.group_reduce not in (None, *CUDA_GROUP_REDUCTIONS):
-            raise ValueError(f"group_reduce {self.group_reduce!r} has no CUDA kernel, so a TensorRT engine cannot run "
-                             f"it (CUDA: {', '.join(CUDA_GROUP_REDUCTIONS)}); export it with --backend ort")
         indices = dense_layer_indices(self.dense_layers)  # ValueError, one line, for a bad value
         if not isinstance(self.dense_layers, int):  # indices: sorted, a tuple (the config stays hashable)
             object.__setattr__(self, "dense_layers", indices)
@@ -165,7 +162,7 @@ class ExportConfig:
 
     @property
     def resolved_group_reduce(self) -> str:
-        return self.group_reduce or DEFAULT_GROUP_REDUCE[self.backend]
+        return self.group_reduce or DEFAULT_GROUP_REDUCE
 
     @property
     def decode_budget(self) -> DecodeBudget:
