@@ -107,6 +107,13 @@ int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms) 
     return s < 1 ? 1 : (s > cap ? cap : s);
 }
 
+int32_t qsa_forward_splits(const QsaForwardParams* p, int32_t num_sms) {
+    if (!p || !dims_ok(p->dims)) return 1;
+    QsaDims unit_dims = p->dims;  // blocks per split: one per selection unit (per head: groups of one)
+    unit_dims.num_kv_heads = qsa::select_units(*p);
+    return qsa_num_splits(&unit_dims, p->num_splits, num_sms);
+}
+
 int32_t qsa_check(const QsaForwardParams* p) {
     if (!p || !dims_ok(p->dims) || !attrs_ok(p->attrs) || !dtype_ok(p->dtype)) return QSA_ERR_INVALID_ARGUMENT;
     if (p->dims.batch == 0) return QSA_OK;
@@ -139,8 +146,6 @@ int32_t qsa_forward(const QsaForwardParams* p, void* workspace, size_t workspace
     }
     const qsa::Workspace ws = qsa::layout_workspace(p->dims, workspace);
     if (!workspace || workspace_bytes < ws.bytes) return QSA_ERR_WORKSPACE;
-    QsaDims split_dims = p->dims;  // blocks per split: one per selection unit (per head: groups of one)
-    split_dims.num_kv_heads = qsa::select_units(*p);
     int32_t num_sms = 0;
     if (p->num_splits <= 0) {  // host-side attribute queries: no device work, no sync
         int dev = 0;
@@ -148,7 +153,7 @@ int32_t qsa_forward(const QsaForwardParams* p, void* workspace, size_t workspace
             cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
             num_sms = 0;
     }
-    const int32_t splits = qsa_num_splits(&split_dims, p->num_splits, num_sms);
+    const int32_t splits = qsa_forward_splits(p, num_sms);
     if (qsa::launch_select(*p, ws, false, s) != cudaSuccess) return QSA_ERR_CUDA;
     return qsa::launch_decode(*p, ws, splits, s) == cudaSuccess ? QSA_OK : QSA_ERR_CUDA;
 }

@@ -129,9 +129,12 @@ const char* qsa_status_string(int32_t status);
 /* The status an error_flags word stands for (QSA_OK for 0). */
 int32_t qsa_flags_status(int32_t flags);
 
-/* Number of split-K partitions qsa_forward uses for these dims (0 = auto). A per-head decode
- * (qsa_kept_rows == H) counts its blocks as groups of one: pass dims with num_kv_heads = H. */
+/* Number of split-K partitions for these dims (0 = auto), counting a block per KV head. */
 int32_t qsa_num_splits(const QsaDims* dims, int32_t requested, int32_t num_sms);
+
+/* The split-K partitions qsa_forward's decode uses for params (params->num_splits; 0 = auto):
+ * qsa_num_splits over a block per selection unit (qsa_kept_rows: per head, groups of one). */
+int32_t qsa_forward_splits(const QsaForwardParams* params, int32_t num_sms);
 
 #ifdef __cplusplus
 }

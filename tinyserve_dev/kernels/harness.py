@@ -124,9 +124,7 @@ class ForwardCall:
         # selection units per sequence: H when each query head selects alone (group_reduce head), else Hkv
         self.kept_rows = self.lib.qsa_kept_rows(ctypes.byref(p))
         self.per_head = self.kept_rows == dims.num_heads  # a row per query head (or groups of one)
-        split_dims = library.QsaDims.from_buffer_copy(dims)
-        split_dims.num_kv_heads = self.kept_rows  # qsa_forward counts a unit's blocks (per head: groups of one)
-        self.num_splits = self.lib.qsa_num_splits(ctypes.byref(split_dims), num_splits, dev.num_sms())
+        self.num_splits = self.lib.qsa_forward_splits(ctypes.byref(p), dev.num_sms())  # what qsa_forward runs
 
     def kept_units(self) -> list[list[np.ndarray]]:
         """After a decode launch has run: the kept list the select kernels left in the workspace,
