@@ -59,6 +59,11 @@ def raise_opset(model: onnx.ModelProto, target: int = ORT_OPSET) -> onnx.ModelPr
     for t in converted.graph.initializer:
         if t.name in big:
             t.raw_data = big[t.name]
+    # The converter types every value by inference without data propagation: a Reshape by a
+    # computed shape gets all-unknown dims, which later inference (data_prop on) keeps, so the
+    # shared-shape pass would miss every layer after the first. The source's own value_info stays.
+    del converted.graph.value_info[:]
+    converted.graph.value_info.extend(work.graph.value_info)
     return attach_functions(converted)
 
 
