@@ -21,8 +21,10 @@ In order, and why there:
 6. ``InferShapes`` again: the merged graph's shapes (folded Shapes resolve more dims).
 7. ``rotate_half.FuseRotateHalf``; with ``contrib_ops``, ``skip_norm.FuseSkipRmsNorm`` and
    ``rotary.FuseRotary`` (which reads the MatMuls rotate_half made); ``RemoveUnusedNodesPass``.
-8. ``native_switch.SwitchDecodeSteps`` (``native``) last: each layer's own body nodes (not
+8. ``native_switch.SwitchDecodeSteps`` (``native``): each layer's own body nodes (not
    the merged per-step ones) go into its prefill branch.
+9. ``output_identities.DropOutputIdentities`` last: the Identity copies that only name the new
+   key / value rows as graph outputs (ORT keeps every one, two per layer per step) removed.
 
 The fusions are our own patterns, not onnxscript's rewriter: its ``ort_fusions`` match none
 of our graphs (``skip_norm.py``, ``rotary.py`` say why).
@@ -79,6 +81,9 @@ def post_passes(contrib_ops: bool = True, native: bool = False) -> list:
         from .native_switch import SwitchDecodeSteps
 
         passes.append(SwitchDecodeSteps(calls))
+    from .output_identities import DropOutputIdentities
+
+    passes.append(DropOutputIdentities())
     return passes
 
 
