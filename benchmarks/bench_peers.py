@@ -113,12 +113,31 @@ def start_genai(args, rows: list[list[int]], notes: list[str], num_heads: int):
     return None
 
 
+STEP_ROOM = 8  # positions past the prompt and the timed steps a peer's cache is sized with
+
+
+def fit_contexts(contexts: list[int], max_context: int, steps: int, notes: list[str]) -> list[int]:
+    """Each decode context cut to what leaves room for ``steps`` timed steps inside the model's
+    ``max_context`` positions (GenAI refuses a max_length past the model's; so would our engine), a note per cut."""
+    room = max_context - steps - STEP_ROOM
+    if room < 2:
+        raise SystemExit(f"error: --steps {steps} leaves no room for a prompt in the model's {max_context} positions")
+    out = []
+    for c in contexts:
+        if c > room:
+            notes.append(f"context {c} cut to {room}: the model holds {max_context} positions, the {steps} timed "
+                         f"steps and {STEP_ROOM} more go after the prompt")
+            c = room
+        out.append(c)
+    return list(dict.fromkeys(out))
+
+
 def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]:
     geometry, weights = StepGeometry.of_package(package), {}
     out = []
-    for context in args.contexts:
+    for context in fit_contexts(args.contexts, package.max_context, args.steps, notes):
         base = prompts(package.vocab_size, context, 1)[0]
-        peer = start_peer(args, context + args.steps + 8, notes) if 1 in args.batches else None
+        peer = start_peer(args, context + args.steps + STEP_ROOM, notes) if 1 in args.batches else None
         first = prefill_peer(peer, base, notes)  # the prompt, once per context (untimed)
         if first is None and peer is not None:
             peer = peer.close()

@@ -116,3 +116,13 @@ def test_genai_prefill_that_cannot_fit_is_skipped_before_it_runs(monkeypatch):
     args, notes = types.SimpleNamespace(genai_model=Path("m"), genai_chunk=1024, steps=2, threads=1), []
     assert bench.start_genai(args, rows4, notes, 14) is None
     assert len(notes) == 1 and "genai skipped at context 16384 batch 4: its prefill needs 56 GiB" in notes[0]
+
+
+def test_contexts_past_the_model_are_cut_to_leave_the_steps_room():
+    fit, notes = load("bench_peers").fit_contexts, []
+    assert fit([512, 32768], 32768, 16, notes) == [512, 32744]  # 32768 + 16 + 8 is past GenAI's max_length
+    assert notes == ["context 32768 cut to 32744: the model holds 32768 positions, the 16 timed steps and 8 more "
+                     "go after the prompt"]
+    assert fit([32744, 40000], 32768, 16, []) == [32744]  # one row per context left
+    with pytest.raises(SystemExit, match="--steps 40 leaves no room"):
+        fit([16], 48, 40, [])
