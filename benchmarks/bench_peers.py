@@ -4,8 +4,8 @@ Same weights for all (``scripts/setup_llamacpp.sh`` converts the HF folder a pac
 from to an F32 GGUF; the GenAI model is built from the same folder), the same prompts (random
 token ids, ``bench_decode.prompts``), ``--threads`` threads each, side by side in one run.
 
---mode decode (per context x batch): tinyserve sparse (budget ``--budget``; dense below
-``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as ``bench_decode.py`` times them
+--mode decode (per context x batch): tinyserve sparse (budget ``--budget``, default the package's at
+each context; dense below ``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as ``bench_decode.py`` times them
 (``TinyserveTimer``: one engine per context, its prompt prefix prefilled once and reused by every
 batch and pass); ORT GenAI (``--genai-model``; it prefills each batch and pass itself, in
 ``--genai-chunk`` pieces); llama.cpp (``--gguf``, batch 1 only: llama-cpp-python's ``Llama`` holds one
@@ -43,6 +43,7 @@ from bench_decode import GenaiTimer, TinyserveTimer, prompts  # noqa: E402
 from tinyserve_dev.peers import llamacpp, machine  # noqa: E402
 from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table  # noqa: E402
 from tinyserve_dev.peers.step_bytes import StepBytes, StepGeometry, kv_bytes, sparse_applies, weight_bytes  # noqa: E402
+from tinyserve_trt.contracts.budget import DecodeBudget  # noqa: E402
 from tinyserve_trt.runtime import SamplingParams  # noqa: E402
 from tinyserve_trt.runtime.config import EngineConfig, total_ram_bytes  # noqa: E402
 from tinyserve_trt.runtime.model_package import ModelPackage  # noqa: E402
@@ -132,10 +133,20 @@ def fit_contexts(contexts: list[int], max_context: int, steps: int, notes: list[
     return list(dict.fromkeys(out))
 
 
+def budget_text(budget: int | None, package: ModelPackage) -> str:
+    if budget is not None:
+        return str(budget)
+    return f"the package's ({DecodeBudget(package.token_budget, package.budget_share).describe()})"
+
+
 def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]:
     geometry, weights = StepGeometry.of_package(package), {}
     out = []
+    default = DecodeBudget(package.token_budget, package.budget_share)
     for context in fit_contexts(args.contexts, package.max_context, args.steps, notes):
+        budget = args.budget if args.budget is not None else default.at(context)
+        if args.budget is None:
+            notes.append(f"sparse budget at context {context}: {budget} tokens (the package's default)")
         base = prompts(package.vocab_size, context, 1)[0]
         peer = start_peer(args, context + args.steps + STEP_ROOM, notes) if 1 in args.batches else None
         first = prefill_peer(peer, base, notes)  # the prompt, once per context (untimed)
@@ -147,7 +158,7 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                 rows, best = prompts(package.vocab_size, context, batch), {}
                 genai = start_genai(args, rows, notes, package.num_heads)
                 for _ in range(args.passes):
-                    res = timer.time(rows, {"sparse": args.budget, "dense": 0}, args.steps)
+                    res = timer.time(rows, {"sparse": budget, "dense": 0}, args.steps)
                     if genai is not None:
                         res["genai"] = genai.time(args.steps)
                     if peer is not None and batch == 1:
@@ -158,13 +169,13 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                 genai = None  # its model and cache go before the next batch's are made
                 w = weights.setdefault(batch, weight_bytes(package.model_path, batch))
                 dense = StepBytes(w, kv_bytes(geometry, context, batch))
-                sizes = {"sparse": StepBytes(w, kv_bytes(geometry, context, batch, args.budget, args.sparse_min_ratio)),
+                sizes = {"sparse": StepBytes(w, kv_bytes(geometry, context, batch, budget, args.sparse_min_ratio)),
                          "dense": dense, "genai": dense}
                 if batch == 1:
                     sizes["llama.cpp"] = StepBytes(w, kv_bytes(geometry, context, 1, kv_dtype="float16"))
                 out.append(DecodeRow(context, batch, best, {k: v for k, v in sizes.items() if k in best}))
-                mode = "" if sparse_applies(context, args.budget, args.sparse_min_ratio) else " (sparse decodes dense)"
-                print(f"context {context} batch {batch}{mode}: "
+                mode = "" if sparse_applies(context, budget, args.sparse_min_ratio) else " (sparse decodes dense)"
+                print(f"context {context} batch {batch} budget {budget}{mode}: "
                       + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in best.items()), flush=True)
         finally:
             timer.close()
@@ -226,7 +237,7 @@ def parse(argv):
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp column")
     ap.add_argument("--contexts", default="512,1024,4096,8000", help="contexts (decode) or prompt lengths (prefill)")
     ap.add_argument("--batches", default="1", help="decode batch sizes (llama.cpp: batch 1 only)")
-    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--budget", type=int, help="sparse budget in tokens (default: the package's at each context)")
     ap.add_argument("--sparse-min-ratio", type=float, default=EngineConfig.sparse_min_ratio,
                     help="sparse decodes dense below this many times the budget (default: the runtime's, %(default)s)")
     ap.add_argument("--steps", type=int, default=16)
@@ -240,6 +251,8 @@ def parse(argv):
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error("--contexts and --batches are comma-separated ints")
+    if args.budget is not None and args.budget < 1:
+        ap.error("--budget must be >= 1 (omit it for the package's default)")
     if min(args.contexts) < 2 or min(args.batches) < 1:
         ap.error("contexts must be >= 2 and batches >= 1")
     for name in ("steps", "passes", "threads", "bandwidth_mib", "genai_chunk"):
@@ -268,7 +281,8 @@ def main(argv=None) -> int:
                  else f"best of {args.passes} passes"),
         load=load, commit=machine.git_commit(HERE.parent), bandwidth=bandwidth,
         models=f"`{package.path.name}` ({package.num_layers} layers, {package.num_heads} heads / "
-               f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}, budget {args.budget}, "
+               f"{package.num_kv_heads} KV heads, page {package.page_size}, {package.dtype}, "
+               f"budget {budget_text(args.budget, package)}, "
                f"sparse from {args.sparse_min_ratio} x budget)"
                + (f"; GenAI `{args.genai_model.name}`" if args.genai_model else ""), notes=tuple(notes),
         probe_mib=args.bandwidth_mib)

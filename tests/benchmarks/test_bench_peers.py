@@ -126,3 +126,23 @@ def test_contexts_past_the_model_are_cut_to_leave_the_steps_room():
     assert fit([32744, 40000], 32768, 16, []) == [32744]  # one row per context left
     with pytest.raises(SystemExit, match="--steps 40 leaves no room"):
         fit([16], 48, 40, [])
+
+
+def test_without_budget_sparse_runs_the_packages_default_at_each_context(llama, tmp_path, capsys):
+    from tinyserve_trt.contracts.budget import DecodeBudget
+    from tinyserve_trt.runtime.model_package import ModelPackage
+
+    out, pkg = tmp_path / "peers.md", ModelPackage.load(llama[1])
+    assert load("bench_peers").main(["--model", str(llama[1]), "--no-llamacpp", "--contexts", "40,64", "--steps", "2",
+                                     "--passes", "1", "--threads", "1", "--bandwidth-mib", "8", "--out", str(out)]) == 0
+    text, printed = out.read_text(), capsys.readouterr().out
+    for context in (40, 64):
+        budget = DecodeBudget(pkg.token_budget, pkg.budget_share).at(context)
+        assert f"- sparse budget at context {context}: {budget} tokens (the package's default)" in text
+        assert f"context {context} batch 1 budget {budget}" in printed
+    assert "budget the package's (" in text
+
+
+def test_a_budget_below_one_is_refused():
+    with pytest.raises(SystemExit):
+        load("bench_peers").parse(["--model", "x", "--budget", "0"])
