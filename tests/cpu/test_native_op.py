@@ -35,10 +35,10 @@ def run_native(case: dict, attrs: schema.OpAttributes, with_selected: bool = Tru
     return _SESSIONS[key].run(None, {n: case[n] for n in input_names(attrs.two_level, cold) if n})
 
 
-def check_case(case: dict, attrs: schema.OpAttributes, lib=None):
+def check_case(case: dict, attrs: schema.OpAttributes, lib=None, tol: dict | None = None):
     out, sel = run_native(case, attrs, lib=lib)
     ref_out, ref_sel = sparse_attention_ref(**case, attrs=attrs)
-    np.testing.assert_allclose(out, ref_out, **schema.TOLERANCES["float32"])
+    np.testing.assert_allclose(out, ref_out, **(tol or schema.TOLERANCES["float32"]))
     assert sel.dtype == bool and sel.shape == ref_sel.shape
     np.testing.assert_array_equal(sel, ref_sel)
 
@@ -90,18 +90,26 @@ def test_two_level_at_smollm2_shapes(rng):
         check_case(case, schema.OpAttributes(sub_page_size=4, candidate_share=share))
 
 
+# Logits 12x float32's usual size carry 12x its rounding into each exp's argument: over 60 seeds the
+# kernel's worst error was 1.33x the float32 tolerance (1e-5; CI's seed 2449288782 hit 1.35e-5); a wrong
+# exponent or polynomial is off by 1e-3 or more
+PEAKED_TOL = {"rtol": 4e-5, "atol": 4e-5}
+
+
 @pytest.mark.parametrize("sp", [0, 4])
-def test_peaked_softmax_over_the_whole_exp_range(rng, sp):
+@pytest.mark.parametrize("seed", [None, 2449288782])  # None: the rng fixture's fresh seed
+def test_peaked_softmax_over_the_whole_exp_range(rng, sp, seed):
     """Queries scaled so each head's logits minus their max reach about -200: every exp the
     softmax takes (the kernel's vectorized one, 8 lanes at a time, and its scalar tail) from 1 down
     past float32's smallest normal, where it must give 0. The output is then a few rows' mix, so
     a wrong exponent or polynomial moves it far outside the tolerance."""
+    rng = rng if seed is None else np.random.default_rng(seed)
     for past in (7, 300, 2000):
         case = make_case(CaseSpec((past, 45), 9, 3, 64, 16, budget=256, sub_page_size=sp), rng)
         case["query"] = case["query"] * np.float32(12.0)
-        check_case(case, schema.OpAttributes(sub_page_size=sp))
+        check_case(case, schema.OpAttributes(sub_page_size=sp), tol=PEAKED_TOL)
         if not sp:
-            check_case(case, schema.OpAttributes(policy="dense"))
+            check_case(case, schema.OpAttributes(policy="dense"), tol=PEAKED_TOL)
 
 
 @pytest.mark.parametrize("head_dim", [4, 20])
