@@ -5,7 +5,8 @@ from to an F32 GGUF; the GenAI model is built from the same folder), the same pr
 token ids, ``bench_decode.prompts``), ``--threads`` threads each, side by side in one run.
 
 --mode decode (per context x batch): tinyserve sparse (budget ``--budget``, default the package's at
-each context; dense below ``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as ``bench_decode.py`` times them
+each context; dense below ``--sparse-min-ratio`` x budget, the runtime's rule) and dense, as
+``bench_decode.py`` times them
 (``TinyserveTimer``: one engine per context, its prompt prefix prefilled once and reused by every
 batch and pass); ORT GenAI (``--genai-model``; it prefills each batch and pass itself, in
 ``--genai-chunk`` pieces); llama.cpp (``--gguf``, batch 1 only: llama-cpp-python's ``Llama`` holds one
@@ -144,8 +145,9 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
     out = []
     default = DecodeBudget(package.token_budget, package.budget_share)
     for context in fit_contexts(args.contexts, package.max_context, args.steps, notes):
-        budget = args.budget if args.budget is not None else default.at(context)
-        if args.budget is None:
+        budget = args.budget
+        if budget is None:
+            budget = default.at(context)
             notes.append(f"sparse budget at context {context}: {budget} tokens (the package's default)")
         base = prompts(package.vocab_size, context, 1)[0]
         peer = start_peer(args, context + args.steps + STEP_ROOM, notes) if 1 in args.batches else None
