@@ -232,11 +232,6 @@ def _error(case, attrs, match):
     assert "\n" not in str(info.value).strip().split(native.OP_TYPE, 1)[1]
 
 
-def test_prefill_is_refused_with_one_line(rng):
-    case = make_case(CaseSpec((20, 3), 4, 2, 16, 8, new_tokens=2, budget=8), rng)
-    _error(case, schema.OpAttributes(), r"QueryAwareSparseAttentionDecode: decode only \(S=2\)")
-
-
 def test_page_id_out_of_range(rng):
     case = make_case(CaseSpec((20, 30), 4, 2, 16, 8, budget=8), rng)
     case["page_table"][1, 2] = case["key_cache"].shape[0]

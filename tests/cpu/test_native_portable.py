@@ -88,3 +88,28 @@ def test_bad_arch_is_one_line(monkeypatch):
 def test_unknown_arch_fails_the_build_with_one_line(tmp_path):
     with pytest.raises(native.NativeUnavailable, match=r"compiling libtinyserve_cpu.so failed: .*error"):
         native.build(native.SOURCE_DIR, tmp_path, march="no-such-cpu")
+
+
+@pytest.mark.parametrize("layout", [None, COLD_LAYOUTS[0], COLD_LAYOUTS[3]], ids=str)
+def test_baseline_prefill(rng, lib, layout):
+    """The prefill's generic vectors (no FMA, scalar exp) on the baseline build."""
+    kw = dict(num_heads=6, num_kv_heads=2, head_dim=32 if layout else 20, page_size=16, budget=16, new_tokens=37,
+              sub_page_size=4)
+    attrs = schema.OpAttributes(sub_page_size=4, cold_format=layout[0] if layout else "int8")
+    case = cold_case(rng, ragged_lens(rng, 16), kw, layout) if layout else make_case(
+        CaseSpec(ragged_lens(rng, 16), **kw), rng)
+    check_case(case, attrs, lib)
+
+
+AVX2_ONLY = {"x86_64": "x86-64-v3"}.get(platform.machine())  # AVX2 + FMA, no AVX-512
+
+
+@pytest.mark.skipif(AVX2_ONLY is None, reason="no AVX2-only -march on this machine")
+def test_avx2_build_prefill_and_decode(rng, tmp_path_factory):
+    """The 8-lane paths (the prefill's ymm tiles, vexp) that an AVX-512 machine's -march=native
+    build never takes."""
+    lib = native.build(native.SOURCE_DIR, tmp_path_factory.mktemp("avx2"), march=AVX2_ONLY)
+    for new_tokens, sp in ((1, 4), (45, 0), (45, 4)):
+        case = make_case(CaseSpec((500, 37, 0), 14, 2, 64, 32, new_tokens=new_tokens, budget=128, sub_page_size=sp),
+                         rng)
+        check_case(case, schema.OpAttributes(sub_page_size=sp, group_reduce="head"), lib)

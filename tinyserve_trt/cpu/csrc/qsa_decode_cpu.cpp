@@ -1,22 +1,23 @@
-// tinyserve.cpu::QueryAwareSparseAttentionDecode: one decode step (S == 1) of
-// tinyserve::QueryAwareSparseAttention as an ONNX Runtime CPU custom op.
+// tinyserve.cpu::QueryAwareSparseAttentionDecode: tinyserve::QueryAwareSparseAttention as an ONNX
+// Runtime CPU custom op - a decode step (S == 1) and, since node version 3, a prefill chunk (S > 1:
+// qsa_prefill.h, exact causal attention over every cached token; tests/cpu/test_native_prefill.py).
 //
-// The semantics are ops/reference.py's sparse_attention_ref for S == 1 (policies
-// query_aware and dense; single-level and two-level selection), checked by
-// tests/cpu/test_native_op.py. Per (sequence, KV head): score the sequence's pages
+// The semantics are ops/reference.py's sparse_attention_ref (policies query_aware and dense;
+// single-level and two-level selection), checked by tests/cpu/test_native_op.py. Decode, per
+// (sequence, KV head): score the sequence's pages
 // from key_min/key_max, keep the best within the token budget (ties to the lower
 // page index, as a stable sort by -score), then attend the kept cached tokens plus
 // the new token, the G query heads of the GQA group together so each K/V row is read
 // once. Reads only what the selection keeps; never writes the cache.
 //
-// Inputs (schema order): query [B,H,1,D], key/value [B,Hkv,1,D], key_cache/value_cache
+// Inputs (schema order): query [B,H,S,D], key/value [B,Hkv,S,D], key_cache/value_cache
 // [P,Hkv,ps,D], key_min/key_max [Pm,Hkv,D], page_table [B,NP] int32, past_lens [B] int32,
 // token_budget [B] int32, then optionally the four cold-page inputs (key_cache_int8,
 // value_cache_int8, key_scale, value_scale; attribute cold_format), whose element types depend on
 // the format, then optionally key_sub_bounds [Ps,Hkv,r,D] uint8 (two-level). Positions, attribute
 // names, defaults and ranges are the schema's, from the generated qsa_schema.h (an omitted
 // optional input never shifts the ones after it).
-// Outputs: output [B,H,1,D], optional selected_pages [B,Hkv,NP] bool.
+// Outputs: output [B,H,S,D], optional selected_pages [B,Hkv,NP] bool.
 //
 // Build with -ffp-contract=off (tinyserve_trt/cpu/native.py does): the sub-page bound
 // decode (ops/fine_bounds.py) must round each product and sum separately; the dot
@@ -30,6 +31,7 @@
 #include "ort_abi.h"
 #include "qsa_decode_step.h"
 #include "qsa_inputs.h"
+#include "qsa_prefill.h"
 
 namespace {
 
@@ -186,7 +188,7 @@ OrtStatus* compute_impl(void* kernel_ptr, OrtKernelContext* ctx) {
   qsa::Problem p;
   std::string e = check(in, kernel.attrs, &p);
   if (!e.empty()) return error(api, e);
-  int64_t out_dims[4] = {p.B, p.H, 1, p.D};
+  int64_t out_dims[4] = {p.B, p.H, p.S, p.D};
   OrtValue* out = nullptr;
   QSA_TRY(api->KernelContext_GetOutput(ctx, 0, out_dims, 4, &out));
   void* data = nullptr;
@@ -226,7 +228,7 @@ OrtStatus* compute_impl(void* kernel_ptr, OrtKernelContext* ctx) {
       }
     };
   }
-  const bool ok = qsa::run(p, kernel.attrs);
+  const bool ok = p.S == 1 ? qsa::run(p, kernel.attrs) : qsa::prefill::run(p, kernel.attrs);
   qsa::external_pool = qsa::ExternalPool{};
   if (dispatch.status) api->ReleaseStatus(dispatch.status);
   if (!ok) return api->CreateStatus(ORT_FAIL, "QueryAwareSparseAttentionDecode: out of memory");

@@ -105,8 +105,8 @@ inline std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p)
              shape_str(in[i].shape);
   }
   const auto& q = in[QSA_IN_QUERY].shape;
-  if (q[2] != 1) return "decode only (S=" + std::to_string(q[2]) + ")";
-  p->B = q[0], p->H = q[1], p->D = q[3], p->Hkv = in[QSA_IN_KEY].shape[1];
+  if (q[2] < 1) return "query has no new token (S=" + std::to_string(q[2]) + ")";
+  p->B = q[0], p->H = q[1], p->S = q[2], p->D = q[3], p->Hkv = in[QSA_IN_KEY].shape[1];
   p->P = in[QSA_IN_KEY_CACHE].shape[0], p->ps = in[QSA_IN_KEY_CACHE].shape[2];
   p->Pm = in[QSA_IN_KEY_MIN].shape[0], p->NP = in[QSA_IN_PAGE_TABLE].shape[1];
   if (p->Hkv < 1 || p->H % p->Hkv) return "query heads " + std::to_string(p->H) + " not a multiple of KV heads " +
@@ -115,7 +115,7 @@ inline std::string check(const Tensor* in, const qsa::Attrs& a, qsa::Problem* p)
   p->G = p->H / p->Hkv;
   std::string e;
   for (int i : {QSA_IN_KEY, QSA_IN_VALUE})
-    if (!(e = want(i, {p->B, p->Hkv, 1, p->D})).empty()) return e;
+    if (!(e = want(i, {p->B, p->Hkv, p->S, p->D})).empty()) return e;
   for (int i : {QSA_IN_KEY_CACHE, QSA_IN_VALUE_CACHE})
     if (!(e = want(i, {p->P, p->Hkv, p->ps, p->D})).empty()) return e;
   for (int i : {QSA_IN_KEY_MIN, QSA_IN_KEY_MAX})

@@ -28,8 +28,8 @@ struct Cold {
   const void *kq = nullptr, *vq = nullptr, *ks = nullptr, *vs = nullptr;
 };
 
-struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for single-level
-  int64_t B = 0, H = 0, Hkv = 0, G = 1, D = 0, P = 0, Pm = 0, ps = 1, NP = 0, sp = 1, r = 1;
+struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for single-level; S new tokens
+  int64_t B = 0, H = 0, Hkv = 0, G = 1, D = 0, P = 0, Pm = 0, ps = 1, NP = 0, sp = 1, r = 1, S = 1;
   const float *q = nullptr, *k = nullptr, *v = nullptr, *kc = nullptr, *vc = nullptr, *kmin = nullptr,
               *kmax = nullptr;
   const int32_t *table = nullptr, *past = nullptr, *budget = nullptr;
@@ -37,6 +37,12 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
   Cold cold;
   float* out = nullptr;
   bool* selected = nullptr;  // may be null (output not requested)
+
+  // Rows of query / output [B, H, S, D] and of the new key / value [B, Hkv, S, D].
+  const float* q_row(int64_t b, int64_t qh, int64_t s) const { return q + ((b * H + qh) * S + s) * D; }
+  const float* k_row(int64_t b, int64_t h, int64_t s) const { return k + ((b * Hkv + h) * S + s) * D; }
+  const float* v_row(int64_t b, int64_t h, int64_t s) const { return v + ((b * Hkv + h) * S + s) * D; }
+  float* out_row(int64_t b, int64_t qh, int64_t s) const { return out + ((b * H + qh) * S + s) * D; }
 };
 
 // One task of a decode step: sequence b, KV head h and its query heads h*G + g0 .. h*G + g0 + gn - 1.

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__FMA__) || defined(__AVX2__)
+#if defined(__FMA__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -26,6 +26,14 @@ inline vf vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// x in every lane: one broadcast (`vf{} + x` compiles to a scalar add of 0, then the broadcast)
+inline vf vsplat(float x) {
+#if defined(__AVX__)
+  return _mm256_set1_ps(x);
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
+}
 
 // a * b + c: qsa_math::madd, explicit FMA where the CPU has it (the node builds with
 // -ffp-contract=off for the sub-page bound decode, so the compiler fuses nothing by itself).
@@ -74,7 +82,7 @@ inline void prefetch_row(const float* row, int64_t n) {
 
 // o[d] += w * x[d]
 inline void axpy(float w, const float* x, float* o, int64_t n) {
-  const vf wv = vf{} + w;
+  const vf wv = vsplat(w);
   int64_t d = 0;
   for (; d + kW <= n; d += kW) vstore(o + d, madd(wv, vload(x + d), vload(o + d)));
   for (; d < n; ++d) o[d] = madd(w, x[d], o[d]);
@@ -109,7 +117,7 @@ inline vf vexp(vf x) {
 
 // l[i] = exp(l[i] - m) for i < n.
 inline void exp_shifted(float* l, int64_t n, float m) {
-  const vf mv = vf{} + m;
+  const vf mv = vsplat(m);
   int64_t i = 0;
   for (; i + kW <= n; i += kW) vstore(l + i, vexp(vload(l + i) - mv));
   for (; i < n; ++i) l[i] = std::exp(l[i] - m);
