@@ -271,10 +271,11 @@ def test_node_builder_refuses_what_the_kernel_cannot_run():
 
 def test_node_inputs_sit_at_the_schema_positions():
     """Optional inputs never shift: the native node, the op node and the generated header agree on
-    every position (version 1 had key_sub_bounds at 10 and the cold tier after it)."""
-    from tinyserve_trt.cpu.node import VERSION
+    every position (version 1 had key_sub_bounds at 10 and the cold tier after it; version 3 runs
+    prefill too, at version 2's positions, so a version-2 graph still runs)."""
+    from tinyserve_trt.cpu.node import RUNS_VERSIONS, VERSION
 
-    assert VERSION == 2
+    assert VERSION == 3 and RUNS_VERSIONS == (2, 3)
     for two_level in (False, True):
         for cold in (False, True):
             names = input_names(two_level, cold)

@@ -1,7 +1,7 @@
-"""model.ort.onnx decodes on the native CPU kernel: each op node becomes If(S == 1).
+"""model.ort.onnx runs the op on the native CPU kernel: each op node it implements becomes one
+native node, for decode steps and prefill chunks (node version 3; no ``If``, no inlined function).
 
-The structure (then: one native node; else: the op's inlined function), which
-nodes it leaves alone (cold pages, policies the kernel lacks), the manifest
+The structure, which nodes it leaves alone (policies the kernel lacks), the manifest
 record, and that the native graph gives the function graph's logits with
 selection on and the original export's greedy ids dense.
 """
@@ -35,34 +35,34 @@ def _export(export_fixture, tmp_path, name="pkg", config=CONFIG, kind="llama"):
     return tmp_path / name, json.loads((tmp_path / name / MANIFEST_FILE).read_text())
 
 
-def _switches(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    return [n for n in graph.node if n.op_type == "If" and n.name.endswith("_decode_switch")]
+def _natives(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The native nodes: the op's, or the layer's around it (native_layer.py, test_native_layer.py)."""
+    return [n for n in graph.node if n.domain == NATIVE_DOMAIN and n.op_type in (NATIVE_OP, cpu_native.LAYER_OP_TYPE)]
 
 
-def _branches(node: onnx.NodeProto) -> dict[str, onnx.GraphProto]:
-    return {a.name: a.g for a in node.attribute}
-
-
-def test_every_layer_switches_between_the_kernel_and_the_function(export_fixture, tmp_path):
+def test_every_layer_runs_on_the_kernel_without_a_switch(export_fixture, tmp_path):
     pkg, manifest = _export(export_fixture, tmp_path, config=ExportConfig(page_size=8, sub_page_size=4,
                                                                           dense_layers=1, validate=False))
     proto = onnx.load(str(pkg / MODEL_FILE), load_external_data=False)
     plain, native = prepared_graph(proto), prepared_graph(proto, native=True)
-    assert not _switches(plain.graph) and not uses_native(plain)
-    switches = _switches(native.graph)
-    assert len(switches) == manifest["num_layers"] and uses_native(native)
-    for node in switches:
-        then, other = _branches(node)["then_branch"], _branches(node)["else_branch"]
-        assert [(n.domain, n.op_type) for n in then.node] == [(NATIVE_DOMAIN, NATIVE_OP)]
-        assert len(other.node) > 5 and not any(n.domain == schema.DOMAIN for n in other.node)  # inlined
-    # the per-step bookkeeping stays in the main graph, merged across layers as without the kernel
-    assert len(native.graph.node) < len(plain.graph.node)
-    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in _branches(n)["then_branch"].node[0].attribute}
-             for n in switches]
+    assert not _natives(plain.graph) and not uses_native(plain)
+    natives = _natives(native.graph)
+    assert len(natives) == manifest["num_layers"] and uses_native(native)
+    # no If, no inlined op body, none of the per-step values only the body read
+    assert not [n for n in native.graph.node if n.op_type == "If"]
+    assert not [n for n in native.graph.node if n.op_type == "TopK"]
+    assert len(native.graph.node) < len(plain.graph.node) - 40 * manifest["num_layers"]
+    # each native node reads its layer's pools and writes the selected pages the op node wrote
+    ops = [n for n in proto.graph.node if n.domain == schema.DOMAIN]
+    assert [n.output[1] for n in natives] == [o.output[1] for o in ops]
+    pools = schema.INPUT_NAMES.index("key_cache")
+    assert [n.input[-len(o.input) + pools:] for n, o in zip(natives, ops)] == [o.input[pools:] for o in ops]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in natives]
     assert [a["policy"] for a in attrs] == [b"dense", b"query_aware"]
     assert attrs[1]["sub_page_size"] == 4 and "cold_format" not in attrs[1]
+    assert {i.domain: i.version for i in native.opset_import}[NATIVE_DOMAIN] == 3
     # the portable model (what TensorRT parses) is untouched
-    assert not uses_native(proto) and not _switches(proto.graph)
+    assert not uses_native(proto) and not _natives(proto.graph)
 
 
 def _node(policy="query_aware", cold=False):
@@ -83,7 +83,7 @@ def test_nodes_the_kernel_does_not_implement_keep_the_function():
     assert "policy 'window'" in unsupported(model)  # the export's record says why, and skips the check
 
 
-def test_unsupported_names_why_no_layer_switches():
+def test_unsupported_names_why_no_layer_is_native():
     def model(*nodes, elem=onnx.TensorProto.FLOAT):
         inputs = {n for node in nodes for n in node.input if n}
         return onnx.helper.make_model(onnx.helper.make_graph(
@@ -106,7 +106,9 @@ def test_the_summary_names_what_decodes_and_why_the_function():
         return OrtOptimized(ORT_GRAPH_FILE, "1.0", plan=OrtGraphPlan(21, **plan))
 
     assert decode_summary(None) is None  # no ORT graph (a trt package)
-    assert decode_summary(record(native_domain=NATIVE_DOMAIN)) == \
+    assert decode_summary(record(native_domain=NATIVE_DOMAIN, native_version=3)) == \
+        f"native CPU kernel ({NATIVE_DOMAIN}), decode steps and prefill chunks"
+    assert decode_summary(record(native_domain=NATIVE_DOMAIN, native_version=2)) == \
         f"native CPU kernel ({NATIVE_DOMAIN}); prefill: the op's ONNX function"
     assert decode_summary(record(native_why="package exported with --no-native-decode")) == \
         "the op's ONNX function (package exported with --no-native-decode)"
@@ -120,10 +122,10 @@ def test_export_records_the_kernel_and_its_graph_equals_the_function_graph(expor
 
     pkg, manifest = _export(export_fixture, tmp_path)
     plan = manifest["ort_optimized"]["plan"]
-    assert (plan["native_domain"], plan["native_version"], plan["native_why"]) == (NATIVE_DOMAIN, 2, None)
+    assert (plan["native_domain"], plan["native_version"], plan["native_why"]) == (NATIVE_DOMAIN, 3, None)
     assert "ort_native" not in manifest["validation"]  # the choice is the typed plan; validation holds figures
     assert manifest["validation"]["ort_native_check"].startswith("dense max |logit diff| ")
-    assert _switches(onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph)
+    assert _natives(onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph)
     import onnxruntime as ort
 
     proto = onnx.load(str(pkg / MODEL_FILE))
@@ -182,8 +184,8 @@ def test_runtime_without_the_kernel_loads_the_portable_model_and_decodes_the_sam
 @pytest.mark.parametrize("cold_format", ["int8", "int4"])
 def test_cold_page_packages_decode_on_the_kernel_as_on_the_function(export_fixture, tmp_path, monkeypatch,
                                                                     cold_format):
-    """A package with a cold tier (INT8, or INT4 with keys on the sub-page bounds) switches every layer
-    too, and with pages really demoted the runtime's greedy ids on the kernel equal those on the
+    """A package with a cold tier (INT8, or INT4 with keys on the sub-page bounds) runs every layer on
+    the kernel too, and with pages really demoted the runtime's greedy ids on the kernel equal those on the
     function (model.onnx, TINYSERVE_NATIVE=0)."""
     from tinyserve_trt import LLM, SamplingParams
 
@@ -192,9 +194,12 @@ def test_cold_page_packages_decode_on_the_kernel_as_on_the_function(export_fixtu
     pkg, manifest = _export(export_fixture, tmp_path, f"cold-{cold_format}", config)
     assert manifest["ort_optimized"]["plan"]["native_domain"] == NATIVE_DOMAIN
     graph = onnx.load(str(pkg / ORT_GRAPH_FILE), load_external_data=False).graph
-    natives = [_branches(n)["then_branch"].node[0] for n in _switches(graph)]
+    natives = _natives(graph)
     assert len(natives) == manifest["num_layers"]
-    assert all(len([i for i in n.input if i]) == 10 + 4 + (1 if i else 0) for i, n in enumerate(natives))
+    # the pools, page table, lengths, budget, the cold tier, and key_sub_bounds of the two-level layer
+    first = {NATIVE_OP: 3, cpu_native.LAYER_OP_TYPE: 6}  # the layer node's prefix: rows and rotary tables
+    pools = [[i for i in n.input[first[n.op_type]:] if i] for n in natives]
+    assert [len(p) for p in pools] == [7 + 4, 7 + 4 + 1]
 
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[(i * 37 + 11) % 256 for i in range(70)], [(i * 13 + 5) % 256 for i in range(41)]]

@@ -35,10 +35,10 @@ def test_post_passes_are_onnx_ir_passes_in_order(contrib, native):
     assert names.index("InlinePass") < names.index("ShareShapeDims") < names.index("MergeIdenticalNodes")
     assert ("FuseSkipRmsNorm" in names) == ("FuseRotary" in names) == contrib
     assert names[-1] == "DropOutputIdentities"  # after every pass that reads the graph's values
-    if native:  # the calls are taken before inlining; the switch is last but the output renaming
-        assert names[0] == "CollectNativeCalls" and names[-2] == "SwitchDecodeSteps"
+    if native:  # the op nodes become native nodes before inlining would dissolve them
+        assert names[0] == "ReplaceNativeCalls" and names.index("ReplaceNativeCalls") < names.index("InlinePass")
     else:
-        assert not {"CollectNativeCalls", "SwitchDecodeSteps"} & set(names)
+        assert "ReplaceNativeCalls" not in names
 
 
 def _model(folder: Path, cols: int = COLS) -> Path:

@@ -40,9 +40,10 @@ from pathlib import Path
 
 DOMAIN = "tinyserve.cpu"
 OP_TYPE = "QueryAwareSparseAttentionDecode"
+LAYER_OP_TYPE = "QueryAwareSparseAttentionLayer"  # the op with its layer's head split / rotary / transposes
 LIBRARY_NAME = "libtinyserve_cpu.so"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("qsa_decode_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next to it are hashed too
+SOURCES = ("qsa_decode_cpu.cpp", "qsa_layer_cpu.cpp", "qsa_append.cpp")  # compiled; the headers next to it are hashed too
 # Where plugins/ is: an installed wheel's copy (setup.py), else a source checkout's (an editable install).
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 PLUGIN_SOURCE_ROOTS = (_PACKAGE_DIR / "cuda" / "plugin_sources", _PACKAGE_DIR.parent / "plugins")
@@ -59,7 +60,7 @@ ENV_DISABLE = "TINYSERVE_NATIVE"
 # of the architecture (no AVX2 / FMA: the generic paths tests/cpu/test_native_portable.py checks), its
 # C ABI version in the file name. Bump ABI_VERSION when the node's inputs, attributes or domain, or an
 # exported function (SYMBOLS), change: a library of another version is then not picked up.
-ABI_VERSION = 2  # = cpu/node.VERSION (2: the schema's input positions); test_native_prebuilt holds them equal
+ABI_VERSION = 3  # = cpu/node.VERSION (3: prefill too); test_native_prebuilt holds them equal
 PREBUILT_DIR_NAME = "prebuilt"
 PREBUILT_DIR = Path(__file__).resolve().parent / PREBUILT_DIR_NAME
 PREBUILT_MARCH = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}

@@ -44,6 +44,7 @@ class InferShapes(ir.passes.InPlacePass):
         finally:
             for v, t in held.items():
                 v.const_value = t
+        _stand_in_native(proto)
         try:
             typed = shape_inference.infer_shapes(proto, data_prop=True)
         except Exception:  # inference refused the graph: the passes see the shapes it had
@@ -61,3 +62,17 @@ class InferShapes(ir.passes.InPlacePass):
             elem = kind.dtype if kind is not None and kind.dtype != ir.DataType.UNDEFINED else None
             v.meta[INFERRED] = (elem, None if shape is None else [d if isinstance(d, int) else d.value for d in shape])
         return ir.passes.PassResult(model, modified=False)
+
+
+def _stand_in_native(proto) -> None:
+    """Give onnx's inference a way through the native CPU node (a custom op it has no schema for, so
+    every value after it would be untyped): in this copy each becomes ``Identity(query)``, whose
+    output has the node's output shape ``[B, H, S, D]`` and type; its ``selected_pages``, a graph
+    output, keeps its declared type."""
+    from onnx import helper
+
+    from .native_decode import NATIVE_DOMAIN, NATIVE_OP
+
+    for i, node in enumerate(proto.graph.node):
+        if (node.domain, node.op_type) == (NATIVE_DOMAIN, NATIVE_OP) and node.output and node.output[0]:
+            proto.graph.node[i].CopyFrom(helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))

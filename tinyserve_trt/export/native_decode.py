@@ -1,4 +1,4 @@
-"""Decode steps on the op's native CPU kernel: each layer switches on ``If(S == 1)``.
+"""The op on its native CPU kernel in the ORT graph: which nodes it takes, and what a package says of it.
 
 On ONNX Runtime's CPU EP the op otherwise runs as its inlined ONNX function: ~80-110
 small nodes per layer (scores, TopK, gathers, masks) whose per-node cost, not the
@@ -7,16 +7,10 @@ cache reads, sets the decode step (``benchmarks/results/decode_profile.md#decode
 (``tinyserve.cpu::QueryAwareSparseAttentionDecode``, an ORT custom op checked against
 the numpy reference). In ``model.ort.onnx`` (``ort_graph.prepared_graph(native=True)``)
 every op node the kernel implements (``NATIVE_POLICIES``, float32 hot pools, INT8 or INT4 cold pages:
-:func:`ineligible`, taken before inlining) becomes, after inlining and the per-step
-merge (the onnx-ir passes of ``native_switch.py``)::
-
-    If(Shape(query)[2] == 1)                       # one condition for all layers
-      then: QueryAwareSparseAttentionDecode(the node's inputs and attributes)
-      else: the layer's own inlined body nodes     # prefill: the function, as before
-
-The per-step bookkeeping (page counts, masks, the dense switch inputs) stays in the
-main graph, merged across layers as without the kernel, so prefill runs what it ran
-before. ``model.onnx`` and its TensorRT plugin node are untouched. The graph then needs
+:func:`ineligible`) becomes that node before inlining (``native_switch.py``): decode steps run its
+selection, prefill chunks its causal attention (node version 3; version 2 packages switched each
+layer on ``If(S == 1)`` with the inlined function for prefill, and still load). ``model.onnx`` and its
+TensorRT plugin node are untouched. The graph then needs
 the custom-op library in every session that loads it (:func:`session_options`;
 ``OrtGraphPlan.native_domain``: the runtime loads ``model.onnx`` when it cannot build it).
 Does not read external data.
@@ -33,12 +27,6 @@ from ..cpu.node import POLICIES as NATIVE_POLICIES
 from ..ops import schema
 
 NATIVE_FLOAT_TYPES = (TensorProto.FLOAT,)
-SWITCH_SUFFIX = "_decode_switch"
-
-
-def is_switch(node: onnx.NodeProto) -> bool:
-    """An ``If`` this module made (then: the native kernel; else: the function)."""
-    return node.op_type == "If" and node.name.endswith(SWITCH_SUFFIX)
 
 
 def is_op(node: onnx.NodeProto) -> bool:
@@ -91,14 +79,15 @@ def decode_summary(record) -> str | None:
     if record is None:
         return None
     if record.native:
+        if (record.plan.native_version or 0) >= 3:  # node version 3 runs prefill chunks too
+            return f"native CPU kernel ({record.native}), decode steps and prefill chunks"
         return f"native CPU kernel ({record.native}); prefill: the op's ONNX function"
     return f"the op's ONNX function ({record.native_note})" if record.native_note else "the op's ONNX function"
 
 
 def native_calls(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    """Copies of the op nodes of ``model``'s main graph the native kernel implements (what
-    ``native_switch.CollectNativeCalls`` takes before inlining; the switch finds their bodies by
-    their inputs and outputs)."""
+    """Copies of the op nodes of ``model``'s main graph the native kernel implements (those
+    ``native_switch.ReplaceNativeCalls`` replaces)."""
     elem_types = {vi.name: vi.type.tensor_type.elem_type for vi in model.graph.input}
     calls = []
     for node in model.graph.node:

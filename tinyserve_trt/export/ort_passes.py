@@ -8,8 +8,8 @@ are), and serializing writes its reference back, not its bytes.
 
 In order, and why there:
 
-1. ``native_switch.CollectNativeCalls`` (``native``): the op nodes the native CPU kernel
-   takes, before inlining dissolves them.
+1. ``native_switch.ReplaceNativeCalls`` (``native``): the op nodes the native CPU kernel
+   takes become its node, for every S, before inlining would dissolve them.
 2. onnx-ir ``InlinePass``: the op's functions (and any other local function) inlined, after
    :class:`NameFunctionNodes` names their unnamed nodes.
 3. ``inferred_shapes.InferShapes``: onnx's shape inference (data propagation on, weights left
@@ -20,9 +20,10 @@ In order, and why there:
    also those If branches read.
 6. ``InferShapes`` again: the merged graph's shapes (folded Shapes resolve more dims).
 7. ``rotate_half.FuseRotateHalf``; with ``contrib_ops``, ``skip_norm.FuseSkipRmsNorm`` and
-   ``rotary.FuseRotary`` (which reads the MatMuls rotate_half made); ``RemoveUnusedNodesPass``.
-8. ``native_switch.SwitchDecodeSteps`` (``native``): each layer's own body nodes (not
-   the merged per-step ones) go into its prefill branch.
+   ``rotary.FuseRotary`` (which reads the MatMuls rotate_half made).
+8. ``native_layer.FuseNativeLayer`` (``native``): each native node with its layer's head split,
+   rotary and transposes as one layer node (after the rotary fusion it absorbs);
+   ``RemoveUnusedNodesPass``.
 9. ``output_identities.DropOutputIdentities`` last: the Identity copies that only name the new
    key / value rows as graph outputs (ORT keeps every one, two per layer per step) removed.
 
@@ -63,12 +64,11 @@ def post_passes(contrib_ops: bool = True, native: bool = False) -> list:
     from .rotate_half import FuseRotateHalf
     from .shared_shapes import ShareShapeDims
 
-    calls: list = []
     passes = []
     if native:
-        from .native_switch import CollectNativeCalls
+        from .native_switch import ReplaceNativeCalls
 
-        passes.append(CollectNativeCalls(calls))
+        passes.append(ReplaceNativeCalls())
     passes += [NameFunctionNodes(), InlinePass(), InferShapes(), ShareShapeDims(), RemoveUnusedNodesPass(), MergeIdenticalNodes(),
                InferShapes(), FuseRotateHalf()]
     if contrib_ops:
@@ -76,11 +76,11 @@ def post_passes(contrib_ops: bool = True, native: bool = False) -> list:
         from .skip_norm import FuseSkipRmsNorm
 
         passes += [FuseSkipRmsNorm(), FuseRotary()]
-    passes.append(RemoveUnusedNodesPass())
     if native:
-        from .native_switch import SwitchDecodeSteps
+        from .native_layer import FuseNativeLayer
 
-        passes.append(SwitchDecodeSteps(calls))
+        passes.append(FuseNativeLayer())
+    passes.append(RemoveUnusedNodesPass())
     from .output_identities import DropOutputIdentities
 
     passes.append(DropOutputIdentities())

@@ -42,7 +42,12 @@ struct Problem {  // named dims as in ops/schema.py; sp == ps and r == 1 for sin
   const float* q_row(int64_t b, int64_t qh, int64_t s) const { return q + ((b * H + qh) * S + s) * D; }
   const float* k_row(int64_t b, int64_t h, int64_t s) const { return k + ((b * Hkv + h) * S + s) * D; }
   const float* v_row(int64_t b, int64_t h, int64_t s) const { return v + ((b * Hkv + h) * S + s) * D; }
-  float* out_row(int64_t b, int64_t qh, int64_t s) const { return out + ((b * H + qh) * S + s) * D; }
+  // the output's layout: [B, H, S, D] (the op's), or [B, S, H * D] (out_bshd: the attention layer's
+  // node, which feeds the output projection); one layout when S == 1
+  bool out_bshd = false;
+  float* out_row(int64_t b, int64_t qh, int64_t s) const {
+    return out + (out_bshd ? (b * S + s) * H + qh : (b * H + qh) * S + s) * D;
+  }
 };
 
 // One task of a decode step: sequence b, KV head h and its query heads h*G + g0 .. h*G + g0 + gn - 1.

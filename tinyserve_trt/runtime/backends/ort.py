@@ -161,15 +161,15 @@ class OrtBackend(Backend):
             self._report = KernelReport("ort", "cpu", graph, "onnx_function", reason=export_note(spec))
             return path
         from tinyserve_trt.cpu import native
-        from tinyserve_trt.cpu.node import VERSION
+        from tinyserve_trt.cpu.node import RUNS_VERSIONS, VERSION
 
         try:
             found = _domain_version(path, opt.native)  # what the graph imports; the plan records it too
         except Exception:  # an unreadable graph: the session fails on it below and loads the portable model
             found = None
-        if found in (None, VERSION) and opt.plan.native_version not in (None, VERSION):
+        if (found is None or found in RUNS_VERSIONS) and opt.plan.native_version not in (None, *RUNS_VERSIONS):
             found = opt.plan.native_version
-        if found is not None and found != VERSION:  # its node reads inputs at other positions
+        if found is not None and found not in RUNS_VERSIONS:  # its node reads inputs at other positions
             self._report = self._portable(f"{graph} calls the native node version {found}, this runtime's is "
                                           f"{VERSION}: loading the portable model (re-export the package for the "
                                           "native kernel)")
