@@ -209,6 +209,28 @@ def test_exact_ties_go_to_the_lower_page(rng):
     assert np.flatnonzero(sel[0, 0]).tolist() == [2, 8, 9]
 
 
+@pytest.mark.parametrize("levels", [2, 4])
+@pytest.mark.parametrize("group_reduce", ["head", "sum"])
+def test_top_k_over_many_exact_ties(rng, levels, group_reduce):
+    """Keys and queries on a few binary levels: every page score is exact in float32 and float64
+    alike, so hundreds of pages tie exactly, and the k-th score's ties cut through them (the radix
+    select's last digits and its tie rule, qsa_topk.h): the kept set is still the reference's - the
+    k largest, the lower index on a tie. 4-token pages: 750 candidates per sequence."""
+    case = make_case(CaseSpec((3000, 2100), 14, 2, 64, 4, budget=512), rng)
+    for name in ("key_cache", "query"):
+        case[name] = (1.0 + np.floor(rng.random(case[name].shape) * levels) / levels).astype(np.float32)
+    from tinyserve_trt.ops.reference import page_min_max  # the new keys' metadata, as the runtime keeps it
+
+    for b, past in enumerate((3000, 2100)):
+        for i, pid in enumerate(case["page_table"][b, :-(-past // 4)]):
+            for h in range(2):
+                case["key_min"][pid, h], case["key_max"][pid, h] = page_min_max(case["key_cache"][pid, h],
+                                                                              min(4, past - i * 4))
+    for budget in (64, 512, 1500):
+        case["token_budget"][:] = budget
+        check_case(case, schema.OpAttributes(group_reduce=group_reduce))
+
+
 @pytest.mark.parametrize("sp", [0, 4])
 def test_nan_scores_rank_like_numpy(rng, sp):
     """The selection order at NaN is the reference's (qsa_select_math.h, issue #32): a NaN in one

@@ -9,11 +9,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <vector>
 
 #include "qsa_cold.h"
 #include "qsa_problem.h"
+#include "qsa_topk.h"
 #include "qsa_vector.h"
 
 namespace qsa {
@@ -34,24 +34,8 @@ struct Scratch {  // per thread, reused across calls
   Rows rows;
   ColdScratch cold;
   std::vector<char> keep, page_keep;
+  TopkScratch topk;
 };
-
-// Marks the k best of `cand` by score in `keep`: the k largest qsa_math::rank_key (ties to the
-// lower index, NaN last: the reference's stable argsort of -score); nth_element then compares
-// integers, not floats through a lambda.
-inline void keep_best(std::vector<int64_t>& cand, const float* score, size_t k, char* keep) {
-  thread_local std::vector<uint64_t> keys;
-  k = std::min(k, cand.size());
-  if (k == cand.size()) {
-    for (size_t i = 0; i < k; ++i) keep[cand[i]] = 1;
-    return;
-  }
-  keys.resize(cand.size());
-  for (size_t i = 0; i < cand.size(); ++i)
-    keys[i] = qsa_math::rank_key(score[cand[i]], static_cast<uint32_t>(cand[i]));
-  std::nth_element(keys.begin(), keys.begin() + k, keys.end(), std::greater<uint64_t>());
-  for (size_t i = 0; i < k; ++i) keep[qsa_math::rank_index(keys[i])] = 1;
-}
 
 // One task (a sequence's KV head and its group's query heads, or one query head: Task): the
 // selection of its query heads, then the rows they attend.
@@ -83,8 +67,9 @@ class HeadStep {
     keep_pages(rule.pages, s_.page_keep.data());
     fine_scores(rule.pages, written);
     for (int64_t u = 0; u < units; ++u) s_.keep[u] = u < written && rule.pages.forced(u / p_.r);
+    char* keep = s_.keep.data();
     keep_best(s_.cand, s_.fine.data(), static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size()))),
-              s_.keep.data());
+              s_.topk, [keep](int64_t u, bool kept) { keep[u] |= kept; });
   }
   // group_reduce "head" where level 1 keeps every page (candidate_share 1.0, the export default):
   // every query head's sub-page scores from one pass over each page's codes (the per-head form of
@@ -119,11 +104,11 @@ class HeadStep {
       for (int64_t j = 0; j < nsub; ++j) s_.cand.push_back(i * r + j);
     }
     const size_t k = static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size())));
+    uint64_t* heads = unit_heads.data();
     for (int64_t g = 0; g < gn_; ++g) {
-      s_.keep.assign(units, 0);
-      keep_best(s_.cand, &s_.fine[g * units], k, s_.keep.data());
-      for (const int64_t u : s_.cand)
-        if (s_.keep[u]) unit_heads[u] |= uint64_t{1} << g;
+      const uint64_t bit = uint64_t{1} << g;
+      keep_best(s_.cand, &s_.fine[g * units], k, s_.topk,
+                [heads, bit](int64_t u, bool kept) { heads[u] |= bit & (uint64_t{0} - kept); });
     }
     return true;
 #else
@@ -168,7 +153,8 @@ class HeadStep {
       keep[i] = rule.forced(i);
       if (!keep[i]) s_.cand.push_back(i), s_.coarse[i] = coarse_score(i);
     }
-    keep_best(s_.cand, s_.coarse.data(), static_cast<size_t>(rule.kept_free()), keep);
+    keep_best(s_.cand, s_.coarse.data(), static_cast<size_t>(rule.kept_free()), s_.topk,
+              [keep](int64_t u, bool kept) { keep[u] |= kept; });
   }
 
   // Sub-page scores of the candidate pages' written, not forced sub-pages (into s_.cand).
