@@ -93,17 +93,22 @@ def genai_scores_bytes(num_heads: int, rows: list[list[int]], chunk: int) -> int
 
 
 def start_genai(args, rows: list[list[int]], notes: list[str], num_heads: int):
-    """A prefilled GenaiTimer, or None (no --genai-model, no onnxruntime_genai, a prefill that
-    cannot fit in half the RAM - a one-piece 16K x 4 prefill would need 60 GB and meet the OOM
-    killer, not an exception - or another failure: the reason in ``notes``)."""
+    """A prefilled GenaiTimer; where GenAI's own prefill cannot fit in half the RAM (a one-piece
+    16K x 4 prefill would need 60 GB and meet the OOM killer, not an exception) a GenaiGraphTimer
+    (its graph, run as its generator runs it: tinyserve_dev/peers/genai_graph.py), with a note; or
+    None (no --genai-model, no onnxruntime_genai, another failure: the reason in ``notes``)."""
     if args.genai_model is None:
         return None
     need = genai_scores_bytes(num_heads, rows, args.genai_chunk)
     try:
         if need > total_ram_bytes() // 2:
-            half = total_ram_bytes() / 2 ** 31
-            raise MemoryError(f"its prefill needs {need / 2 ** 30:.0f} GiB of attention scores alone (half the RAM: "
-                              f"{half:.0f}); GenAI 0.18 takes the prompt in one piece at batch > 1")
+            from tinyserve_dev.peers.genai_graph import GenaiGraphTimer
+
+            notes.append(f"genai at context {len(rows[0])} batch {len(rows)}: GenAI's own model.onnx in ONNX Runtime "
+                         f"as its generator runs it (shared past/present buffers), the shared prompt prefilled at "
+                         f"batch 1 in {args.genai_chunk}-token pieces and copied to each row: GenAI 0.18 takes a "
+                         f"batch > 1 prompt in one piece, {need / 2 ** 30:.0f} GiB of attention scores")
+            return GenaiGraphTimer(args.genai_model, rows, args.steps, args.threads, args.genai_chunk)
         return GenaiTimer(args.genai_model, rows, args.steps, args.threads, args.genai_chunk)
     except ImportError:
         reason = "genai skipped: onnxruntime_genai is not installed (pip install onnxruntime-genai==0.18.0)"

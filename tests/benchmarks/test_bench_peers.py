@@ -107,15 +107,23 @@ def test_a_genai_model_that_fails_is_one_reason(llama, tmp_path):
     assert cells(text, "| 40 | 1 |")[4] == "n/a" and "- llama.cpp skipped: --no-llamacpp" in text
 
 
-def test_genai_prefill_that_cannot_fit_is_skipped_before_it_runs(monkeypatch):
+def test_genai_prefill_that_cannot_fit_runs_its_graph_instead(monkeypatch):
+    """GenAI's own prefill would not fit (one piece at batch > 1): its graph runs as its generator
+    runs it (GenaiGraphTimer, test_genai_graph.py), prefilled in pieces, with a note."""
     bench = load("bench_peers")
     rows4 = [[1] * 16384] * 4
     assert bench.genai_scores_bytes(14, rows4, 1024) == 4 * 14 * 16384 * 16384 * 4  # one piece at batch > 1
     assert bench.genai_scores_bytes(14, rows4[:1], 1024) == 14 * 1024 * 16384 * 4  # pieces at batch 1
-    monkeypatch.setattr(bench, "GenaiTimer", lambda *a: pytest.fail("GenAI must not start"))
+    monkeypatch.setattr(bench, "GenaiTimer", lambda *a: pytest.fail("GenAI's generator must not start"))
+    import tinyserve_dev.peers.genai_graph as genai_graph
+
+    monkeypatch.setattr(genai_graph, "GenaiGraphTimer", lambda *a: ("graph", a))
     args, notes = types.SimpleNamespace(genai_model=Path("m"), genai_chunk=1024, steps=2, threads=1), []
-    assert bench.start_genai(args, rows4, notes, 14) is None
-    assert len(notes) == 1 and "genai skipped at context 16384 batch 4: its prefill needs 56 GiB" in notes[0]
+    assert bench.start_genai(args, rows4, notes, 14) == ("graph", (Path("m"), rows4, 2, 1, 1024))
+    assert len(notes) == 1 and notes[0].startswith("genai at context 16384 batch 4: GenAI's own model.onnx")
+    assert "56 GiB of attention scores" in notes[0]
+    monkeypatch.setattr(bench, "GenaiTimer", lambda *a: ("generator", a))  # it fits at batch 1: GenAI itself
+    assert bench.start_genai(args, rows4[:1], notes, 14)[0] == "generator" and len(notes) == 1
 
 
 def test_contexts_past_the_model_are_cut_to_leave_the_steps_room():

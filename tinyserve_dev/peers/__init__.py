@@ -5,6 +5,8 @@
   llamacpp.py        the parent side: start that child, time evals / decode steps, skip reasons
   step_bytes.py      bytes a decode step reads: weights (from the package's graph) + KV (from
                      its manifest's geometry and selection rule)
+  genai_graph.py     ORT GenAI's graph run as its generator runs it, where GenAI cannot prefill
+                     the batch itself (batch > 1 at long context)
   machine.py         the header facts: measured read bandwidth, load, git commit, peak RSS
   peer_table.py      the decode and prefill tables of benchmarks/bench_peers.py
 The benchmark process never imports llama_cpp: it runs only in the child.
