@@ -198,8 +198,28 @@ inline void attend_block(Scratch& s, int64_t rows, int64_t D, const float* const
         }
       }
     }
-    // values: acc[r] += sum_j p[r][j] * v[j], a vector of channels at a time
-    for (int64_t c = 0; c < Dp; c += kPW) {
+    // values: acc[r] += sum_j p[r][j] * v[j], two vectors of channels at a time (each row's
+    // probability broadcast once for both: 10 loads per 16 FMAs, where one vector took 9 per 8)
+    int64_t c = 0;
+    for (; c + 2 * kPW <= Dp; c += 2 * kPW) {
+      pvec a[kVR], b[kVR];
+      for (int64_t i = 0; i < kVR; ++i) {
+        a[i] = i < rn ? pload(s.acc.data() + (r0 + i) * Dp + c) : pvec{};
+        b[i] = i < rn ? pload(s.acc.data() + (r0 + i) * Dp + c + kPW) : pvec{};
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const pvec va = pload(vb + j * Dp + c), vb2 = pload(vb + j * Dp + c + kPW);
+        for (int64_t i = 0; i < kVR; ++i) {
+          const pvec p = splat(probs[i * kKB + j]);
+          a[i] = pmadd(p, va, a[i]), b[i] = pmadd(p, vb2, b[i]);
+        }
+      }
+      for (int64_t i = 0; i < rn; ++i) {
+        pstore(s.acc.data() + (r0 + i) * Dp + c, a[i]);
+        pstore(s.acc.data() + (r0 + i) * Dp + c + kPW, b[i]);
+      }
+    }
+    for (; c < Dp; c += kPW) {
       pvec a[kVR];
       for (int64_t i = 0; i < kVR; ++i) a[i] = i < rn ? pload(s.acc.data() + (r0 + i) * Dp + c) : pvec{};
       for (int64_t j = 0; j < n; ++j) {
