@@ -115,6 +115,19 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
       float* out = part + g * (2 + D) + 2;
       if (out[-1] == 0.0f) continue;  // no row
       const float* l = &logits[g * LT];
+#ifdef __AVX512F__
+      if (C % 2 == 0) {  // 16 channels a register: half the FMAs of the 8-lane loop below
+        __m512 acc[kMaxChunks / 2];
+        for (int64_t c = 0; c < C / 2; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
+        for (int64_t t = t0; t < t1; ++t) {
+          const __m512 w = _mm512_set1_ps(l[t]);
+          const float* v = vrow(t);
+          for (int64_t c = 0; c < C / 2; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[c]);
+        }
+        for (int64_t c = 0; c < C / 2; ++c) _mm512_storeu_ps(out + c * 16, acc[c]);
+        continue;
+      }
+#endif
       vf acc[kMaxChunks];
       for (int64_t c = 0; c < C; ++c) acc[c] = vload(out + c * kW);
       for (int64_t t = t0; t < t1; ++t) {
