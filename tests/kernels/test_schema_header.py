@@ -106,7 +106,7 @@ def test_native_kernels_implement_exactly_the_registry_policies():
     switch = api[api.index("bool decode_policy_implemented"):]
     switch = switch[:switch.index("}")]
     assert _policy_cases(switch, r"case QSA_POLICY_(\w+):") == set(policies.implemented_by("cuda"))
-    cpu = _code([ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_decode_cpu.cpp"])
+    cpu = _code([ROOT / "tinyserve_trt" / "cpu" / "csrc" / "qsa_ort_kernel.h"])  # both CPU ops' attribute check
     check = cpu[cpu.index("if (policy != kPolicies"):]
     check = check[:check.index(")\n")]
     assert _policy_cases(check, r"kPolicies\[QSA_POLICY_(\w+)\]") == set(policies.implemented_by("cpu"))
@@ -173,8 +173,8 @@ def test_page_scoring_and_the_selection_rule_exist_once():
     uses = {"qsa_topk.cuh": ("bound_madd", "query_pos", "group_combine", "order_key"),
             "qsa_select.cu": ("page_rule",), "qsa_select_two_level.cu": ("sub_page_rule",),
             "qsa_vector.h": ("bound_madd",),
-            "qsa_decode_math.h": ("query_pos", "group_combine", "rank_key", "page_rule", "sub_page_rule",
-                                  "level_weight_lo")}
+            "qsa_decode_math.h": ("query_pos", "group_combine", "page_rule", "sub_page_rule", "level_weight_lo"),
+            "qsa_topk.h": ("order_key",)}
     for name, calls in uses.items():
         for call in calls:
             assert f"qsa_math::{call}" in code[name], f"{name} does not call qsa_math::{call}"

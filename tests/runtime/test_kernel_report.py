@@ -178,7 +178,7 @@ def test_metrics_carry_the_report_as_an_info_gauge():
 
 def test_a_package_with_an_older_native_node_decodes_on_the_function_and_says_re_export(llama, tmp_path):
     """A package exported before the node's inputs moved (tinyserve.cpu version 1: key_sub_bounds at
-    10) must not reach this runtime's version-2 kernel, which reads inputs at the schema's positions:
+    10) must not reach this runtime's kernel (versions 2-3), which reads inputs at the schema's positions:
     before, its first decode step failed ("cold pages need all of key_cache_int8, ..."). It now loads
     the portable model, says why, and decodes the same ids."""
     import shutil
@@ -197,13 +197,13 @@ def test_a_package_with_an_older_native_node_decodes_on_the_function_and_says_re
     model = onnx.load(str(graph), load_external_data=False)
     for op in model.opset_import:
         if op.domain == node.DOMAIN:
-            op.version = node.VERSION - 1
+            op.version = min(node.RUNS_VERSIONS) - 1  # version 1: its own input positions
     onnx.save(model, str(graph))
     want = LLM(pkg, max_batch=1).generate(prompt_token_ids=[[5, 6, 7, 8, 9]], params=GREEDY)[0].outputs[0].token_ids
     llm = LLM(old, max_batch=1)
     stats = llm.stats()
     assert stats["kernel_decode"] == "onnx_function" and stats["kernel_fallback"] is True
-    assert "re-export" in stats["kernel_reason"] and f"version {node.VERSION - 1}" in stats["kernel_reason"]
+    assert "re-export" in stats["kernel_reason"] and f"version {min(node.RUNS_VERSIONS) - 1}," in stats["kernel_reason"]
     got = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9]], params=GREEDY)[0].outputs[0].token_ids
     assert got == want
     with pytest.raises(NativeRequired, match="re-export"):
@@ -226,7 +226,12 @@ def test_a_plan_recording_an_older_native_node_loads_the_portable_model(llama, t
     old = tmp_path / "old-plan"
     shutil.copytree(pkg, old)
     data = json.loads((old / MANIFEST_FILE).read_text())
-    data["ort_optimized"]["plan"]["native_version"] = node.VERSION - 1
+    older = min(node.RUNS_VERSIONS) - 1
+    data["ort_optimized"]["plan"]["native_version"] = older
     (old / MANIFEST_FILE).write_text(json.dumps(data))
     stats = LLM(old, max_batch=1).stats()
-    assert stats["kernel_decode"] == "onnx_function" and f"version {node.VERSION - 1}" in stats["kernel_reason"]
+    assert stats["kernel_decode"] == "onnx_function" and f"version {older}" in stats["kernel_reason"]
+    # version 2 (decode only, its graphs switch on If(S == 1)) reads the same positions: it runs
+    data["ort_optimized"]["plan"]["native_version"] = 2
+    (old / MANIFEST_FILE).write_text(json.dumps(data))
+    assert 2 in node.RUNS_VERSIONS and LLM(old, max_batch=1).stats()["kernel_decode"] == "native_cpu"

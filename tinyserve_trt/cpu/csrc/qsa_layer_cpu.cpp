@@ -99,7 +99,8 @@ struct LayerOp {
   }
 
   static std::string name(size_t i) {
-    static const char* const kPrefixNames[kPrefix] = {"query", "key", "value", "rotary_positions", "cos_cache",
+    static const char* const kPrefixNames[kPrefix] = {kInputNames[QSA_IN_QUERY], kInputNames[QSA_IN_KEY],
+                                                      kInputNames[QSA_IN_VALUE], "rotary_positions", "cos_cache",
                                                       "sin_cache"};
     return i < kPrefix ? kPrefixNames[i] : kInputNames[op_index(i)];
   }
