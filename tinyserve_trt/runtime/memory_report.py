@@ -3,7 +3,8 @@
 Peak RSS is the process's high-water mark; the weights are the package's data file (ORT maps or
 reads them once); the KV pages are the pool's pages at their peak use (the pool reserves more,
 committed by the OS only as pages are written). What is left is the backend's workspace - for a
-chunked prefill, about one chunk's activations and attention scores, whatever the context.
+chunked prefill, about one chunk's activations whatever the context (the native CPU node holds no
+attention scores; the op's ONNX function, where it runs, one chunk's [heads, chunk, context] scores).
 """
 
 from __future__ import annotations
