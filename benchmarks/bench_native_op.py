@@ -7,7 +7,8 @@ KV head; head: per query head). ``function`` = a single-node model with the op's
 (ops/node.py make_op_model); ``native`` = tinyserve.cpu::QueryAwareSparseAttentionDecode
 (tinyserve_trt/cpu); ``dense`` = the dense policy (the calibrated dense layers). With --baseline-lib,
 another build of the library beside them (a kernel change measured against the last one in one run).
-All checked against each other before timing. Median of --repeats runs, interleaved (the order
+Each output checked against the float64 reference (ops/reference.py) before timing (``check``: near-tie
+flips noted, a build off on more than 1/8 of the heads fails). Median of --repeats runs, interleaved (the order
 turning each repeat); ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS
 (read once per process; set it with --native-threads). Appends to
 benchmarks/results/native_op_cpu.md; the LAST line printed is
@@ -29,10 +30,27 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tinyserve_dev.cases import CaseSpec, make_case  # noqa: E402
 from tinyserve_trt.ops import schema  # noqa: E402
+from tinyserve_trt.ops.reference import sparse_attention_ref  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = (("two-level ps32/sp4", 32, 4, "query_aware"), ("single-level ps16", 16, 0, "query_aware"),
            ("dense ps32", 32, 0, "dense"))  # dense: the calibrated dense layers, every cached token
+
+
+def check(case: str, outputs: dict, ref: np.ndarray, notes: list[str]) -> None:
+    """Each output [B, H, 1, D] against the float64 reference: float32 scores may order a near-tie at
+    the budget's edge otherwise (thousands of candidates, random keys), and that query head then
+    attends another sub-page - noted; a build off on more than 1/8 of the (sequence, head) rows is
+    wrong, not rounded (an AssertionError)."""
+    tol = schema.TOLERANCES["float32"]
+    for name, out in outputs.items():
+        bad = ~np.isclose(out, ref, **tol).reshape(out.shape[0] * out.shape[1], -1).all(axis=1)
+        if bad.sum() * 8 > bad.size:
+            raise AssertionError(f"{case}: {name} is off the reference on {bad.sum()} of {bad.size} heads")
+        if bad.any():
+            notes.append(f"- {case}: {name} is {float(np.abs(out - ref).max()):.1e} off the float64 reference on "
+                         f"{bad.sum()} of {bad.size} query heads (a near-tie at the budget's edge ordered "
+                         f"otherwise in float32)")
 
 
 def session(model, threads: int, native_lib: bool | str):
@@ -110,7 +128,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|" + ("---|---|" if args.baseline_lib else "")]
     if args.baseline_lib:
         lines.insert(2, f"baseline: {args.baseline_lib}\n")
-    ratios = []
+    ratios, notes = [], []
     runs = [(label if policy == "dense" else f"{label}, {gr}", ps, sp, policy, gr)
             for label, ps, sp, policy in CONFIGS
             for gr in (args.group_reduce[:1] if policy == "dense" else args.group_reduce)]
@@ -127,11 +145,12 @@ def main(argv=None) -> int:
             f_feeds = {n: case[n] for n in schema.node_input_names(two_level=attrs.two_level) if n}
             n_feeds = {n: case[n] for n in input_names(attrs.two_level) if n}  # "": a skipped optional input
             f_out, n_out = fn.run(None, f_feeds)[0], nat.run(None, n_feeds)[0]
-            np.testing.assert_allclose(n_out, f_out, atol=1e-4, rtol=1e-4)
+            ref = sparse_attention_ref(**case, attrs=attrs)[0]  # float64: the judge of every build
+            check(f"{label} batch {batch}", {"function": f_out, "native": n_out}, ref, notes)
             fns = {"function": lambda: fn.run(None, f_feeds), "native": lambda: nat.run(None, n_feeds)}
             if base is not None:  # its own copy of the pages: none read warm from the other build's call
                 b_feeds = {n: np.array(v) for n, v in n_feeds.items()}
-                np.testing.assert_allclose(base.run(None, b_feeds)[0], f_out, atol=1e-4, rtol=1e-4)
+                check(f"{label} batch {batch}", {"baseline": base.run(None, b_feeds)[0]}, ref, notes)
                 fns["baseline"] = lambda: base.run(None, b_feeds)
             ms = interleaved_medians(fns, args.warmup, args.repeats)
             row = (f"| {label} | {batch} | {ms['function']:.3f} | {ms['native']:.3f} | "
@@ -141,6 +160,8 @@ def main(argv=None) -> int:
             print(row, flush=True)
             lines.append(row)
             ratios.append(ms["native"] / ms["function"])
+    if notes:
+        lines += [""] + notes
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:
         f.write("\n".join(lines) + "\n")
