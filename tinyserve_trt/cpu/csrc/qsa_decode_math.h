@@ -93,6 +93,10 @@ class HeadStep {
     s_.fine.resize(gn_ * units);
     s_.cand.clear();
     for (int64_t i = 0; i < n_; ++i) {
+      if (i + kPagesAhead < n_) {  // no coarse pass has read the bounds: they sit at random pool slots
+        prefetch_row(meta(p_.kmin, i + kPagesAhead), D);
+        prefetch_row(meta(p_.kmax, i + kPagesAhead), D);
+      }
       if (rule.pages.forced(i) || i * r >= written) continue;
       if (i + 1 < n_) {
         const char* next = reinterpret_cast<const char*>(p_.sub + (pages_[i + 1] * p_.Hkv + h_) * r * D);
