@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 
+import onnx
 import pytest
 
 from tinyserve_trt.cpu import native
@@ -90,6 +91,10 @@ def test_the_engine_reports_its_kernel_in_stats_and_the_log(llama, caplog):
         assert stats["kernel_fallback"] is False and stats["kernel_reason"] is None
         assert stats["kernel_library"].endswith(native.LIBRARY_NAME)
         assert caplog.records[-1].levelno == logging.INFO
+        # the line names the native node types the loaded graph runs (a version-3 graph: the layer node)
+        graph = onnx.load(str(pkg / manifest["ort_optimized"]["file"]), load_external_data=False)
+        types = {n.op_type for n in graph.graph.node if n.domain == native.DOMAIN}
+        assert types and all(t in lines[0] for t in types), (types, lines[0])
     llm.close()
 
 

@@ -9,7 +9,8 @@ is not native (:data:`NATIVE_KERNELS`) is :class:`NativeRequired` - one line say
 
 Decode kernels (:data:`DECODE_KERNELS`):
 
-  native_cpu       the op's decode step as one C++ node (``tinyserve.cpu``), prefill on the function
+  native_cpu       the op as C++ nodes (``tinyserve.cpu``): decode steps, and prefill chunks in node-version-3
+                   graphs (``QueryAwareSparseAttentionLayer``: with the layer's head split and rotary)
   onnx_function    the op's ONNX function (model-local), inlined by ONNX Runtime - ~80-110 nodes a layer
   cuda_ep          the same function, inlined, on ONNX Runtime's CUDA EP
   tensorrt_plugin  the CUDA kernels as the TensorRT plugin (TensorRT backend, or ORT's TensorRT EP)
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 DECODE_KERNELS = {
-    "native_cpu": "the native CPU node (tinyserve.cpu::QueryAwareSparseAttentionDecode)",
+    "native_cpu": "the native CPU node (tinyserve.cpu)",
     "onnx_function": "the op's ONNX function",
     "cuda_ep": "the op's ONNX function on the CUDA EP",
     "tensorrt_plugin": "the TensorRT plugin (tinyserve::QueryAwareSparseAttention)",
@@ -47,6 +48,8 @@ class KernelReport:
     cold_format:   the cold pages' format as served (``int8``, ``int4 (int8 layers 3)``); None: every
                    page hot (no cold tier, or ``kv_tiers=False``).
     library:       the native library or plugin loaded (a path), None when none is.
+    nodes:         the native node types the graph runs (``domain::type``; the log line names them), () when
+                   not read.
     fallback:      True when the package asked for a faster kernel than the one that runs here.
     reason:        why this kernel and not a native one (None when native): e.g. ``no C++ compiler``,
                    ``package exported with --no-native-decode``.
@@ -60,6 +63,7 @@ class KernelReport:
     library: str | None = None
     fallback: bool = False
     reason: str | None = None
+    nodes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.decode_kernel not in DECODE_KERNELS:
@@ -75,6 +79,8 @@ class KernelReport:
             object.__setattr__(self, "reason", " ".join(self.reason.split()))
         if not isinstance(self.fallback, bool):
             raise ValueError(f"fallback must be a bool, got {self.fallback!r}")
+        if not isinstance(self.nodes, tuple) or not all(isinstance(n, str) and n for n in self.nodes):
+            raise ValueError(f"nodes must be a tuple of node type names, got {self.nodes!r}")
         if self.fallback and not self.reason:
             raise ValueError("a fallback needs a reason")
 
@@ -90,6 +96,8 @@ class KernelReport:
         cold pages: int8; fallback: <why>``."""
         text = (f"kernel report: graph {self.graph} ({self.backend} {self.provider}), decode: "
                 f"{DECODE_KERNELS[self.decode_kernel]}")
+        if self.nodes:
+            text += " as " + ", ".join(self.nodes)
         if self.library:
             text += f" from {self.library}"
         text += f", cold pages: {self.cold_format or 'none (all hot)'}"

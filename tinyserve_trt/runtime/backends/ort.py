@@ -164,9 +164,9 @@ class OrtBackend(Backend):
         from tinyserve_trt.cpu.node import RUNS_VERSIONS, VERSION
 
         try:
-            found = _domain_version(path, opt.native)  # what the graph imports; the plan records it too
+            found, nodes = _domain_version(path, opt.native)  # what the graph imports; the plan records it too
         except Exception:  # an unreadable graph: the session fails on it below and loads the portable model
-            found = None
+            found, nodes = None, ()
         if (found is None or found in RUNS_VERSIONS) and opt.plan.native_version not in (None, *RUNS_VERSIONS):
             found = opt.plan.native_version
         if found is not None and found not in RUNS_VERSIONS:  # its node reads inputs at other positions
@@ -176,7 +176,8 @@ class OrtBackend(Backend):
             return self.package.model_path
         try:  # the kernel runs its parallel work on this session's intra-op pool
             lib = native.register(so, self._native_arch)
-            self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(lib))
+            self._report = KernelReport("ort", "cpu", graph, "native_cpu", library=str(lib),
+                                        nodes=tuple(f"{opt.native}::{t}" for t in nodes))
             return path
         except native.NativeUnavailable as e:
             reason = str(e)
@@ -314,12 +315,14 @@ class OrtBackend(Backend):
         self.session = None
 
 
-def _domain_version(path, domain: str) -> int | None:
-    """The opset version of ``domain`` the graph at ``path`` imports (its nodes only are read)."""
+def _domain_version(path, domain: str) -> tuple[int | None, tuple[str, ...]]:
+    """The opset version of ``domain`` the graph at ``path`` imports, and the node types of that domain
+    its main graph runs, sorted (its nodes only are read)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    return next((op.version for op in model.opset_import if op.domain == domain), None)
+    types = tuple(sorted({n.op_type for n in model.graph.node if n.domain == domain}))
+    return next((op.version for op in model.opset_import if op.domain == domain), None), types
 
 
 def _buffers(storage) -> tuple:
