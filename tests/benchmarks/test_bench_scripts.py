@@ -248,7 +248,7 @@ def test_bench_native_op_check_notes_a_near_tie_and_fails_a_wrong_build():
 
 def test_bench_native_op_compares_group_reductions(tmp_path, capsys):
     """--heads and --group-reduce: Qwen's 14/2 heads, a row per reduction for each selecting config
-    (the outputs of each checked against the function's before timing)."""
+    (the outputs of each checked against the float64 reference before timing)."""
     from tinyserve_trt.cpu.native import available
 
     if available():

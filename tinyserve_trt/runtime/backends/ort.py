@@ -164,7 +164,7 @@ class OrtBackend(Backend):
         from tinyserve_trt.cpu.node import RUNS_VERSIONS, VERSION
 
         try:
-            found, nodes = _domain_version(path, opt.native)  # what the graph imports; the plan records it too
+            found, nodes = _native_import(path, opt.native)  # what the graph imports; the plan records it too
         except Exception:  # an unreadable graph: the session fails on it below and loads the portable model
             found, nodes = None, ()
         if (found is None or found in RUNS_VERSIONS) and opt.plan.native_version not in (None, *RUNS_VERSIONS):
@@ -315,7 +315,7 @@ class OrtBackend(Backend):
         self.session = None
 
 
-def _domain_version(path, domain: str) -> tuple[int | None, tuple[str, ...]]:
+def _native_import(path, domain: str) -> tuple[int | None, tuple[str, ...]]:
     """The opset version of ``domain`` the graph at ``path`` imports, and the node types of that domain
     its main graph runs, sorted (its nodes only are read)."""
     import onnx
