@@ -128,7 +128,8 @@ inline bool row_selects(const Problem& p, const Attrs& a, int64_t b) {
 
 // Every task of the call (Task: a (sequence, KV head), or per query head) over the pool's threads.
 // With fewer than 2 of them per thread (batch 1), the selection runs one task each and the
-// attention splits each one's kept rows into chunks, merged after. Returns false when a task could
+// attention splits each one's kept rows into chunks, merged after; a thread starts on a selected
+// task's chunks while another still selects. Returns false when a task could
 // not allocate its scratch (nothing may throw into ORT or out of a pool thread).
 inline bool run(const Problem& p, const Attrs& attrs) {
   // Per-query-head tasks only when a row selects: a dense step (short contexts, budget 0) attends
@@ -172,23 +173,48 @@ inline bool run(const Problem& p, const Attrs& attrs) {
   thread_local std::vector<float> call_parts;
   auto& rows = call_rows;
   auto& parts = call_parts;
+  std::unique_ptr<std::atomic<bool>[]> selected;
   try {
     rows.resize(tasks), parts.resize(tasks * chunks * part_size);
+    selected.reset(new std::atomic<bool>[tasks]);
   } catch (...) {
     return false;
   }
-  parallel_for(tasks, guarded([&](int64_t i) {
-    thread_local Scratch s;
-    const Task t = task_of(p, a, i);
-    select_rows(p, a, s, t, rows[i], sel.row(t));
-  }), 1);
-  parallel_for(tasks * chunks, guarded([&](int64_t i) {
-    thread_local Scratch s;
-    const int64_t task = i / chunks, c = i % chunks, n = static_cast<int64_t>(rows[task].k.size());
-    const int64_t begin = n * c / chunks, end = n * (c + 1) / chunks;
-    attend_rows(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin,
-                heads_of(rows[task], begin), end - begin, c == chunks - 1, s.logits, parts.data() + i * part_size);
-  }), 1);
+  for (int64_t i = 0; i < tasks; ++i) selected[i].store(false, std::memory_order_relaxed);
+  // One worker per thread claims the items in order from one counter: the tasks' selections, then
+  // each task's attention chunks, a chunk waiting for its task's selection. A thread done with its
+  // selections attends the tasks already selected (3 KV heads on 2 threads: in two phases one
+  // thread idled for a third of the selections). In order from any pool: a waited-for item was
+  // claimed earlier, by a worker that does not wait on a later one (no deadlock, even serially).
+  std::atomic<int64_t> next{0};
+  const int64_t items = tasks + tasks * chunks;
+  parallel_for(threads, [&](int64_t) {
+    thread_local Scratch tls;
+    Scratch& s = tls;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      if (i < tasks) {
+        try {
+          const Task t = task_of(p, a, i);
+          select_rows(p, a, s, t, rows[i], sel.row(t));
+        } catch (...) {
+          ok = false;
+        }
+        selected[i].store(true, std::memory_order_release);
+        continue;
+      }
+      const int64_t task = (i - tasks) / chunks, c = (i - tasks) % chunks;
+      while (!selected[task].load(std::memory_order_acquire)) spin_pause();
+      if (!ok) continue;
+      try {
+        const int64_t n = static_cast<int64_t>(rows[task].k.size()), begin = n * c / chunks, end = n * (c + 1) / chunks;
+        attend_rows(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin,
+                    heads_of(rows[task], begin), end - begin, c == chunks - 1, s.logits,
+                    parts.data() + (i - tasks) * part_size);
+      } catch (...) {
+        ok = false;
+      }
+    }
+  }, 1);
   if (ok) {
     for (int64_t task = 0; task < tasks; ++task)
       merge_parts(p, task_of(p, a, task), parts.data() + task * chunks * part_size, chunks);

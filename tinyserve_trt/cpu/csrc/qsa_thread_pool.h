@@ -121,6 +121,17 @@ inline int64_t pool_size() {
   return pool().usable() ? pool().size() : 1;
 }
 
+// A busy-wait's pause (another thread of the same call is about to publish what this one needs).
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
 inline void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int64_t min_per_thread = 2) {
   if (external_pool.run && n >= 2 && pool_threads() > 1) return external_pool.run(external_pool.self, n, fn);
   pool().run(n, fn, min_per_thread);
