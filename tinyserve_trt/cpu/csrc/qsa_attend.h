@@ -96,6 +96,21 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
     for (int64_t g = 0; g < G; ++g) {
       vf acc[kW] = {};
       const float* qg = q + g * D;
+#ifdef __AVX512F__
+      if (C % 2 == 0) {  // 16 channels a register: half the FMAs; each row's sum folds to 8 lanes
+        __m512 wide[kW];
+        for (int64_t i = 0; i < kW; ++i) wide[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C / 2; ++c) {
+          const __m512 qc = _mm512_loadu_ps(qg + c * 16);
+          for (int64_t i = 0; i < kW; ++i) wide[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c * 16), wide[i]);
+        }
+        for (int64_t i = 0; i < kW; ++i)
+          acc[i] = _mm512_castps512_ps256(wide[i]) +
+                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[i]), 1));
+        vstore(&logits[g * LT + t0], hsum8(acc) * scale);
+        continue;
+      }
+#endif
       for (int64_t c = 0; c < C; ++c) {
         const vf qc = vload(qg + c * kW);
         for (int64_t i = 0; i < kW; ++i) acc[i] = madd(qc, vload(k[i] + c * kW), acc[i]);
