@@ -14,7 +14,8 @@ sequence) in a child process with the llama-cpp-python venv's python (``--llamac
 ``Llama(gguf, n_ctx, n_threads=T, n_batch=512, logits_all=False)``, the prompt prefilled once per
 context with ``eval(ids)``, then each pass cuts the cache back to the prompt and times one
 ``eval([tok])`` + argmax per step. Median of ``--steps`` steps, best of ``--passes`` passes
-(interleaved, so a slow spell hits every column alike). Each row has the bytes a step reads -
+(interleaved, so a slow spell hits every column alike; each pass turns the systems' order, and the
+table gives each ratio's range and median within the passes beside the ratio of the bests). Each row has the bytes a step reads -
 the package graph's weights (an embedding table costs one row per sequence) plus the KV attended
 (``tinyserve_dev/peers/step_bytes.py``; GenAI at the package's dtype, llama.cpp's float16 cache) -
 and the share of the read bandwidth measured at start. Writes benchmarks/results/peers_decode_cpu.md.
@@ -42,7 +43,8 @@ sys.path.insert(0, str(HERE))
 from bench_decode import GenaiTimer, TinyserveTimer, prompts  # noqa: E402
 
 from tinyserve_dev.peers import llamacpp, machine  # noqa: E402
-from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table  # noqa: E402
+from tinyserve_dev.peers.peer_table import (  # noqa: E402
+    DecodeRow, PrefillRow, TableHeader, decode_table, pass_ratios, prefill_table)
 from tinyserve_dev.peers.step_bytes import StepBytes, StepGeometry, kv_bytes, sparse_applies, weight_bytes  # noqa: E402
 from tinyserve_trt.contracts.budget import DecodeBudget  # noqa: E402
 from tinyserve_trt.runtime import SamplingParams  # noqa: E402
@@ -145,6 +147,17 @@ def budget_text(budget: int | None, package: ModelPackage) -> str:
     return f"the package's ({DecodeBudget(package.token_budget, package.budget_share).describe()})"
 
 
+PASS_ORDER = ("tinyserve", "genai", "llama.cpp")
+
+
+def pass_order(p: int) -> tuple[str, ...]:
+    """The systems in pass ``p``'s order: turned by one each pass (and tinyserve's sparse and dense
+    swapped every other pass), so no system is always timed first after a context's setup or
+    always right after the same neighbour."""
+    k = p % len(PASS_ORDER)
+    return PASS_ORDER[k:] + PASS_ORDER[:k]
+
+
 def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]:
     geometry, weights = StepGeometry.of_package(package), {}
     out = []
@@ -162,17 +175,23 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
         timer = TinyserveTimer(package, base[:-1], max(args.batches), args.steps, args.threads, args.sparse_min_ratio)
         try:
             for batch in args.batches:
-                rows, best = prompts(package.vocab_size, context, batch), {}
+                rows, best, passes = prompts(package.vocab_size, context, batch), {}, []
                 genai = start_genai(args, rows, notes, package.num_heads)
-                for _ in range(args.passes):
-                    res = timer.time(rows, {"sparse": budget, "dense": 0}, args.steps)
-                    if genai is not None:
-                        res["genai"] = genai.time(args.steps)
-                    if peer is not None and batch == 1:
-                        res["llama.cpp"] = statistics.median(peer.steps(context, first, args.steps))
+                for p in range(args.passes):
+                    res = {}
+                    for name in pass_order(p):
+                        if name == "tinyserve":
+                            budgets = {"sparse": budget, "dense": 0}
+                            res.update(timer.time(rows, budgets if p % 2 == 0 else dict(reversed(budgets.items())),
+                                                  args.steps))
+                        elif name == "genai" and genai is not None:
+                            res["genai"] = genai.time(args.steps)
+                        elif name == "llama.cpp" and peer is not None and batch == 1:
+                            res["llama.cpp"] = statistics.median(peer.steps(context, first, args.steps))
+                    res = {k: v for k, v in res.items() if v is not None}
+                    passes.append(res)
                     for k, v in res.items():
-                        if v is not None:
-                            best[k] = min(best.get(k, float("inf")), v)
+                        best[k] = min(best.get(k, float("inf")), v)
                 genai = None  # its model and cache go before the next batch's are made
                 w = weights.setdefault(batch, weight_bytes(package.model_path, batch))
                 dense = StepBytes(w, kv_bytes(geometry, context, batch))
@@ -180,7 +199,7 @@ def run_decode(args, package: ModelPackage, notes: list[str]) -> list[DecodeRow]
                          "dense": dense, "genai": dense}
                 if batch == 1:
                     sizes["llama.cpp"] = StepBytes(w, kv_bytes(geometry, context, 1, kv_dtype="float16"))
-                out.append(DecodeRow(context, batch, best, {k: v for k, v in sizes.items() if k in best}))
+                out.append(DecodeRow(context, batch, best, {k: v for k, v in sizes.items() if k in best}, tuple(passes)))
                 mode = "" if sparse_applies(context, budget, args.sparse_min_ratio) else " (sparse decodes dense)"
                 print(f"context {context} batch {batch} budget {budget}{mode}: "
                       + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in best.items()), flush=True)
@@ -309,8 +328,13 @@ def result_line(mode: str, rows) -> str:
         return f"RESULT prefill_{r.tokens}_tinyserve_vs_llamacpp={ratio:.2f}"
     r = max(rows, key=lambda r: (r.context, -r.batch))
     s = r.seconds
-    ratios = [f"sparse_vs_{k.replace('.', '')}_{r.context}_b{r.batch}={s['sparse'] / s[k]:.2f}" if k in s
-              else f"sparse_vs_{k.replace('.', '')}_{r.context}_b{r.batch}=nan" for k in ("genai", "llama.cpp")]
+    ratios = []
+    for k in ("genai", "llama.cpp"):
+        name = f"sparse_vs_{k.replace('.', '')}_{r.context}_b{r.batch}"
+        ratios.append(f"{name}={s['sparse'] / s[k]:.2f}" if k in s else f"{name}=nan")
+        each = pass_ratios(r, "sparse", k)
+        if len(each) > 1:
+            ratios.append(f"{name}_pass_median={statistics.median(each):.2f}")
     return "RESULT " + " ".join(ratios)
 
 

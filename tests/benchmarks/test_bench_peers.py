@@ -52,6 +52,20 @@ def test_decode_table_has_every_column(llama, tmp_path, capsys, fake_llamacpp):
     assert re.fullmatch(r"\d+ \(\d+%\)", b1[9])
 
 
+def test_passes_turn_the_systems_order_and_the_table_gives_per_pass_ratios(llama, tmp_path, capsys, fake_llamacpp):
+    bench = load("bench_peers")
+    assert [bench.pass_order(p)[0] for p in range(4)] == ["tinyserve", "genai", "llama.cpp", "tinyserve"]
+    assert all(sorted(bench.pass_order(p)) == sorted(bench.PASS_ORDER) for p in range(3))
+    out = tmp_path / "peers.md"
+    assert bench.main(["--model", str(llama[1]), *fake_llamacpp, "--contexts", "40", "--budget", "16", "--steps", "2",
+                       "--passes", "3", "--threads", "1", "--bandwidth-mib", "8", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT sparse_vs_genai_40_b1=nan sparse_vs_llamacpp_40_b1=\d+\.\d+ "
+                        r"sparse_vs_llamacpp_40_b1_pass_median=\d+\.\d+", last)
+    row = cells(out.read_text(), "| 40 | 1 |")
+    assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d, median \d+\.\d\d\)", row[7])
+
+
 def test_missing_venv_skips_the_column_with_one_reason(llama, tmp_path, capsys):
     out = tmp_path / "peers.md"
     assert load("bench_peers").main(["--model", str(llama[1]), "--llamacpp-python", str(tmp_path / "none" / "python"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, prefill_table
+from tinyserve_dev.peers.peer_table import DecodeRow, PrefillRow, TableHeader, decode_table, pass_ratios, prefill_table
 from tinyserve_dev.peers.step_bytes import StepBytes
 
 HEADER = TableHeader(title="Decode test", command="python benchmarks/bench_peers.py --model P",
@@ -33,6 +33,23 @@ def test_decode_table_cells():
                     "540 (90%)", "540 (84%)", "540 (45%)", "n/a"]
     row4 = [c.strip() for c in next(x for x in lines if x.startswith("| 512 | 4 |")).strip("|").split("|")]
     assert row4[2] == "50.0 (80)" and row4[3:9] == ["n/a"] * 6 and row4[9] == "540 (54%)"
+
+
+def test_ratio_cells_give_each_pass_ratio_beside_the_ratio_of_the_bests():
+    """Passes timed seconds apart: the ratio within each pass (range, median) beside best / best -
+    here the two bests fall in different passes (a slow spell in pass 2 hit both systems)."""
+    b = StepBytes(weights=500_000_000, kv=40_000_000)
+    passes = ({"sparse": 0.040, "llama.cpp": 0.060}, {"sparse": 0.030, "llama.cpp": 0.050},
+              {"sparse": 0.033, "llama.cpp": 0.044})
+    row = DecodeRow(8000, 1, {"sparse": 0.030, "llama.cpp": 0.044}, {"sparse": b, "llama.cpp": b}, passes)
+    assert [round(x, 3) for x in pass_ratios(row, "sparse", "llama.cpp")] == [0.667, 0.6, 0.75]
+    assert pass_ratios(row, "sparse", "genai") == []
+    text = decode_table(HEADER, [row])
+    cells = [c.strip() for c in next(x for x in text.splitlines() if x.startswith("| 8000 | 1 |")).strip("|").split("|")]
+    assert cells[6:9] == ["n/a", "0.68x (0.60-0.75, median 0.67)", "n/a"]
+    assert "the range and median of the ratio within each pass" in text
+    one = DecodeRow(8000, 1, {"sparse": 0.030, "llama.cpp": 0.044}, {"sparse": b}, passes[:1])
+    assert "0.68x |" in decode_table(HEADER, [one])  # one pass: no range to give
 
 
 def test_prefill_table_cells():

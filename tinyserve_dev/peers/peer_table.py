@@ -9,6 +9,7 @@ and the header says why.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from tinyserve_dev.peers.step_bytes import StepBytes
@@ -48,8 +49,26 @@ class TableHeader:
 class DecodeRow:
     context: int
     batch: int
-    seconds: dict  # system -> seconds per step of the whole batch
+    seconds: dict  # system -> seconds per step of the whole batch (best of the passes)
     bytes: dict  # system -> StepBytes
+    passes: tuple = ()  # per pass, system -> seconds: the ratios within each pass
+
+
+def pass_ratios(row: DecodeRow, a: str, b: str) -> list[float]:
+    """a / b in each pass that timed both (measured seconds apart, so a slow spell of the machine
+    that lasts a pass hits both)."""
+    return [p[a] / p[b] for p in row.passes if p.get(a) and p.get(b)]
+
+
+def _ratio_cell(row: DecodeRow, a: str, b: str) -> str:
+    s = row.seconds
+    if not (s.get(a) and s.get(b)):
+        return "n/a"
+    cell = f"{s[a] / s[b]:.2f}x"
+    each = sorted(pass_ratios(row, a, b))
+    if len(each) > 1:
+        cell += f" ({each[0]:.2f}-{each[-1]:.2f}, median {statistics.median(each):.2f})"
+    return cell
 
 
 def _time_cell(seconds: float | None, batch: int) -> str:
@@ -67,14 +86,15 @@ def decode_table(header: TableHeader, rows: list[DecodeRow]) -> str:
     cols = [f"{s} ms/step (tok/s)" for s in SYSTEMS] + [f"{a} / {b}" for a, b in RATIOS]
     cols += [f"{s} MB/step (BW share)" for s in SYSTEMS]
     lines = header.lines() + [
-        "Step-time ratios are tinyserve / peer (below 1: tinyserve is faster). MB/step: the weights a step "
+        "Step-time ratios are tinyserve / peer (below 1: tinyserve is faster): of the best passes, then in "
+        "parentheses the range and median of the ratio within each pass. MB/step: the weights a step "
         "streams plus the KV it attends (benchmarks/bench_peers.py --help); BW share: those bytes / step "
         "time / the measured read bandwidth.", "",
         "| context | batch | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for r in rows:
         s = r.seconds
         cells = [_time_cell(s.get(k), r.batch) for k in SYSTEMS]
-        cells += [f"{s[a] / s[b]:.2f}x" if s.get(a) and s.get(b) else "n/a" for a, b in RATIOS]
+        cells += [_ratio_cell(r, a, b) for a, b in RATIOS]
         cells += [_bytes_cell(r.bytes.get(k), s.get(k), header.bandwidth) for k in SYSTEMS]
         lines.append(f"| {r.context} | {r.batch} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
