@@ -44,7 +44,7 @@ def test_decode_table_has_every_column(llama, tmp_path, capsys, fake_llamacpp):
     text = out.read_text()
     assert "Threads: 1 for every system. Median of 3 decode steps, best of 1 passes." in text
     assert re.search(r"load at start [\d.]+ / [\d.]+ / [\d.]+; commit \w+", text)
-    assert re.search(r"Measured read bandwidth: \d+\.\d GB/s \(numpy sum over 8 MiB, 1 threads", text)
+    assert re.search(r"Measured read bandwidth: \d+\.\d GB/s \(numpy max over 8 MiB of float32, 1 threads", text)
     assert "llama-cpp-python 0.0.fake" in text and "genai skipped: no --genai-model given" in text
     b1, b2 = cells(text, "| 40 | 1 |"), cells(text, "| 40 | 2 |")
     assert b1[5] != "n/a" and b1[7] != "n/a" and b1[12] != "n/a"  # llama.cpp time, sparse / llama.cpp, its bytes

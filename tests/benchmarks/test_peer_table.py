@@ -21,7 +21,7 @@ def test_decode_table_cells():
     assert lines[0] == "# Decode test"
     assert "Threads: 2 for every system. Median of 16 decode steps, best of 2 passes." in text
     assert "load at start 1.50 / 1.00 / 0.50; commit abc1234" in text
-    assert "Measured read bandwidth: 20.0 GB/s (numpy sum over 1024 MiB, 2 threads, best of 3)" in text
+    assert "Measured read bandwidth: 20.0 GB/s (numpy max over 1024 MiB of float32, 2 threads, best of 3)" in text
     assert "- llama.cpp skipped: no GGUF at /x.gguf" in text
     head = next(x for x in lines if x.startswith("| context"))
     cells = [c.strip() for c in head.strip("|").split("|")]
@@ -33,6 +33,17 @@ def test_decode_table_cells():
                     "540 (90%)", "540 (84%)", "540 (45%)", "n/a"]
     row4 = [c.strip() for c in next(x for x in lines if x.startswith("| 512 | 4 |")).strip("|").split("|")]
     assert row4[2] == "50.0 (80)" and row4[3:9] == ["n/a"] * 6 and row4[9] == "540 (54%)"
+    assert "faster than the measured bandwidth" not in text  # every share <= 100%
+
+
+def test_a_share_over_the_measured_bandwidth_is_flagged():
+    """540 MB in 20 ms at a measured 20 GB/s is 135% of it: the probe, not the step, was wrong - the
+    table says so instead of printing an impossible share silently."""
+    b = StepBytes(weights=500_000_000, kv=40_000_000)
+    text = decode_table(HEADER, [DecodeRow(512, 1, {"sparse": 0.020, "dense": 0.030}, {"sparse": b, "dense": b})])
+    assert "540 (135%)" in text
+    assert ("A step read faster than the measured bandwidth (up to 135% of it): the probe underestimated this "
+            "machine's read bandwidth during the run") in text
 
 
 def test_ratio_cells_give_each_pass_ratio_beside_the_ratio_of_the_bests():

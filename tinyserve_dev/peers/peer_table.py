@@ -39,7 +39,7 @@ class TableHeader:
         out = [f"# {self.title}", "", f"Command: `{self.command}`", "",
                f"Machine: {self.machine}; load at start {self.load}; commit {self.commit}. "
                f"Threads: {self.threads} for every system. {self.measure[0].upper() + self.measure[1:]}.",
-               f"Measured read bandwidth: {self.bandwidth / 1e9:.1f} GB/s (numpy sum over {self.probe_mib} MiB, "
+               f"Measured read bandwidth: {self.bandwidth / 1e9:.1f} GB/s (numpy max over {self.probe_mib} MiB of float32, "
                f"{self.threads} threads, best of 3).", f"Models: {self.models}."]
         out += [f"- {n}" for n in self.notes]
         return out + [""]
@@ -97,6 +97,12 @@ def decode_table(header: TableHeader, rows: list[DecodeRow]) -> str:
         cells += [_ratio_cell(r, a, b) for a, b in RATIOS]
         cells += [_bytes_cell(r.bytes.get(k), s.get(k), header.bandwidth) for k in SYSTEMS]
         lines.append(f"| {r.context} | {r.batch} | " + " | ".join(cells) + " |")
+    over = max((r.bytes[k].share(r.seconds[k], header.bandwidth) for r in rows for k in SYSTEMS
+                if r.bytes.get(k) and r.seconds.get(k)), default=0.0)
+    if over > 1.0:  # a step cannot read faster than the machine: the probe ran slower than a step did
+        lines += ["", f"A step read faster than the measured bandwidth (up to {over:.0%} of it): the probe "
+                      "underestimated this machine's read bandwidth during the run, so compare the shares "
+                      "between rows, not with 100%."]
     return "\n".join(lines) + "\n"
 
 
