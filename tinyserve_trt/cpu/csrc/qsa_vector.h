@@ -115,12 +115,20 @@ inline vf vexp(vf x) {
   return _mm256_blendv_ps(_mm256_andnot_ps(under, r), x, nan);
 }
 
-// l[i] = exp(l[i] - m) for i < n.
-inline void exp_shifted(float* l, int64_t n, float m) {
+// l[i] = exp(l[i] - m) for i < n; returns their sum (8 lane sums, then the tail: the scalar sum
+// after the loop waited on each add).
+inline float exp_shifted(float* l, int64_t n, float m) {
   const vf mv = vsplat(m);
+  vf acc = {};
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) vstore(l + i, vexp(vload(l + i) - mv));
-  for (; i < n; ++i) l[i] = std::exp(l[i] - m);
+  for (; i + kW <= n; i += kW) {
+    const vf e = vexp(vload(l + i) - mv);
+    vstore(l + i, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) l[i] = std::exp(l[i] - m), sum += l[i];
+  return sum;
 }
 
 // Sums of 8 vectors, one per lane: lane i of the result is the sum of the lanes of a[i].
