@@ -109,7 +109,7 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
     const int64_t n = std::min<int64_t>(kW, T - t0);
     for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + kW, count); ++t) {
       prefetch_row(krows[t], D);
-      prefetch_row(vrows[t], D);
+      prefetch_row_l2(vrows[t], D);
     }
     const float* k[kW];
     for (int64_t i = 0; i < kW; ++i) k[i] = krow(t0 + (i < n ? i : 0));
@@ -155,6 +155,7 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
         __m512 acc[kMaxChunks / 2];
         for (int64_t c = 0; c < C / 2; ++c) acc[c] = _mm512_loadu_ps(out + c * 16);
         for (int64_t t = t0; t < t1; ++t) {
+          if (g == 0 && t + kAhead < count) prefetch_row(vrows[t + kAhead], D);
           const __m512 w = _mm512_set1_ps(l[t]);
           const float* v = vrow(t);
           for (int64_t c = 0; c < C / 2; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + c * 16), acc[c]);

@@ -79,6 +79,10 @@ inline float bound(const float* qpos, const float* qneg, const float* lo, const 
 inline void prefetch_row(const float* row, int64_t n) {
   for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
 }
+// Into L2 only (a row read later in the call: its L1 line would be evicted before the read).
+inline void prefetch_row_l2(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, 2);
+}
 
 // o[d] += w * x[d]
 inline void axpy(float w, const float* x, float* o, int64_t n) {
