@@ -167,6 +167,7 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
       vf acc[kMaxChunks];
       for (int64_t c = 0; c < C; ++c) acc[c] = vload(out + c * kW);
       for (int64_t t = t0; t < t1; ++t) {
+        if (g == 0 && t + kAhead < count) prefetch_row(vrows[t + kAhead], D);
         const vf w = vsplat(l[t]);
         const float* v = vrow(t);
         for (int64_t c = 0; c < C; ++c) acc[c] = madd(w, vload(v + c * kW), acc[c]);
