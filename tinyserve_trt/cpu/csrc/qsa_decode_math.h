@@ -240,19 +240,21 @@ class HeadStep {
         for (int64_t j = 0; j < kW; ++j)
           if (j < nsub) acc[j] = madd(wlo[c], lo_c[j][c], acc[j]), acc2[j] = madd(whi[c], hi_c[j][c], acc2[j]);
       for (int64_t j = 0; j < kW; ++j) acc[j] += acc2[j];
-      const vf sums = hsum8(acc) + bound(qp, qn, kmin, kmax, D);
-      if (stride) {
-        float lanes[kW];
-        vstore(lanes, sums);
-        for (int64_t j = 0; j < nsub; ++j) out[g * stride + j] = lanes[j];
-        continue;
-      }
-      best = qsa_math::group_combine(best, sums, g == 0, a_.reduce_sum);
+      put_sums(hsum8(acc) + bound(qp, qn, kmin, kmax, D), g, nsub, out, stride, best);
     }
-    if (stride) return;
+    if (!stride) store_lanes(best, nsub, out);
+  }
+
+  // Query head g's sub-page sums: to out[g * stride ..) (stride > 0), else combined into the
+  // group's `best` (written by the caller after the last head).
+  void put_sums(vf sums, int64_t g, int64_t nsub, float* out, int64_t stride, vf& best) const {
+    if (stride) return store_lanes(sums, nsub, out + g * stride);
+    best = qsa_math::group_combine(best, sums, g == 0, a_.reduce_sum);
+  }
+  static void store_lanes(vf v, int64_t n, float* out) {
     float lanes[kW];
-    vstore(lanes, best);
-    for (int64_t j = 0; j < nsub; ++j) out[j] = lanes[j];
+    vstore(lanes, v);
+    for (int64_t j = 0; j < n; ++j) out[j] = lanes[j];
   }
 
 #ifdef __AVX512F__
@@ -293,19 +295,9 @@ class HeadStep {
         const __m512 a = _mm512_add_ps(acc[j], acc2[j]);
         half[j] = _mm512_castps512_ps256(a) + _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
       }
-      const vf sums = hsum8(half) + bound(qp, qn, kmin, kmax, D);
-      if (stride) {
-        float lanes[kW];
-        vstore(lanes, sums);
-        for (int64_t j = 0; j < nsub; ++j) out[g * stride + j] = lanes[j];
-        continue;
-      }
-      best = qsa_math::group_combine(best, sums, g == 0, a_.reduce_sum);
+      put_sums(hsum8(half) + bound(qp, qn, kmin, kmax, D), g, nsub, out, stride, best);
     }
-    if (stride) return;
-    float lanes[kW];
-    vstore(lanes, best);
-    for (int64_t j = 0; j < nsub; ++j) out[j] = lanes[j];
+    if (!stride) store_lanes(best, nsub, out);
   }
 #endif
 #endif
