@@ -109,7 +109,7 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
     const int64_t n = std::min<int64_t>(kW, T - t0);
     for (int64_t t = t0 + kAhead; t < std::min(t0 + kAhead + kW, count); ++t) {
       prefetch_row(krows[t], D);
-      prefetch_row_l2(vrows[t], D);
+      prefetch_row<2>(vrows[t], D);
     }
     const float* k[kW];
     for (int64_t i = 0; i < kW; ++i) k[i] = krow(t0 + (i < n ? i : 0));
@@ -124,9 +124,7 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
           const __m512 qc = _mm512_loadu_ps(qg + c * 16);
           for (int64_t i = 0; i < kW; ++i) wide[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k[i] + c * 16), wide[i]);
         }
-        for (int64_t i = 0; i < kW; ++i)
-          acc[i] = _mm512_castps512_ps256(wide[i]) +
-                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[i]), 1));
+        for (int64_t i = 0; i < kW; ++i) acc[i] = fold16(wide[i]);
         vstore(&logits[g * LT + t0], hsum8(acc) * scale);
         continue;
       }

@@ -291,10 +291,7 @@ class HeadStep {
           if (j < nsub)
             acc[j] = _mm512_fmadd_ps(wlo[c], lo_c[j][c], acc[j]), acc2[j] = _mm512_fmadd_ps(whi[c], hi_c[j][c], acc2[j]);
       vf half[kW];
-      for (int64_t j = 0; j < kW; ++j) {
-        const __m512 a = _mm512_add_ps(acc[j], acc2[j]);
-        half[j] = _mm512_castps512_ps256(a) + _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-      }
+      for (int64_t j = 0; j < kW; ++j) half[j] = fold16(_mm512_add_ps(acc[j], acc2[j]));
       put_sums(hsum8(half) + bound(qp, qn, kmin, kmax, D), g, nsub, out, stride, best);
     }
     if (!stride) store_lanes(best, nsub, out);

@@ -13,8 +13,8 @@
 // on each other, and the pool after the first pass held a large share of the candidates.
 #pragma once
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 

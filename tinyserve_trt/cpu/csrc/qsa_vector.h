@@ -76,12 +76,11 @@ inline float bound(const float* qpos, const float* qneg, const float* lo, const 
   return hsum(acc0 + acc1) + tail;
 }
 
+// Every cache line of row [n] into L1 (Locality 3), or into L2 only (2: a row read later in the
+// call, whose L1 line would be evicted before the read).
+template <int Locality = 3>
 inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
-}
-// Into L2 only (a row read later in the call: its L1 line would be evicted before the read).
-inline void prefetch_row_l2(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, 2);
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, Locality);
 }
 
 // o[d] += w * x[d]
@@ -134,6 +133,13 @@ inline float exp_shifted(float* l, int64_t n, float m) {
   for (; i < n; ++i) l[i] = std::exp(l[i] - m), sum += l[i];
   return sum;
 }
+
+#ifdef __AVX512F__
+// 16 lanes to 8: lane i + lane i + 8 (a 16-channel sum handed to the 8-lane reductions below).
+inline vf fold16(__m512 v) {
+  return _mm512_castps512_ps256(v) + _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+#endif
 
 // Sums of 8 vectors, one per lane: lane i of the result is the sum of the lanes of a[i].
 inline vf hsum8(const vf* a) {
