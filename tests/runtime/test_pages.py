@@ -104,6 +104,23 @@ def test_partial_page_minmax_covers_written_tokens_only():
     assert pool.key_min(0)[p, 0, 0] == 1.0 and pool.key_max(0)[p, 0, 0] == 3.0
 
 
+def test_one_token_a_page_writes_append_overwrite_and_reject_gaps():
+    """A decode step's write (one token in each of several pages, every layer at once): an append
+    at a page's valid count grows it, an overwrite below it keeps it, one past it is a gap that
+    raises before anything is written."""
+    pool = make_pool(page_size=4, layers=2, heads=1, dim=1)
+    a, b, c = pool.allocate(3)
+    kv = lambda n: np.zeros((2, 2, 1, n, 1), np.float32)  # [layers, batch, heads, new, dim]
+    pool.write_step(np.array([[a * 4], [b * 4]]), kv(1), kv(1))
+    pool.write_step(np.array([[b * 4 + 1], [a * 4 + 1]]), kv(1), kv(1))
+    assert [int(pool.num_valid(0)[p]) for p in (a, b, c)] == [2, 2, 0]
+    pool.write_step(np.array([[a * 4], [b * 4 + 2]]), kv(1), kv(1))  # a: overwrite, b: append
+    assert [int(pool.num_valid(1)[p]) for p in (a, b)] == [2, 3]
+    with pytest.raises(ValueError, match="gap"):
+        pool.write_step(np.array([[a * 4 + 2], [c * 4 + 1]]), kv(1), kv(1))
+    assert [int(pool.num_valid(1)[p]) for p in (a, b, c)] == [2, 3, 0]
+
+
 def test_write_rejects_gaps_duplicates_and_shared_pages():
     pool = make_pool(page_size=4, layers=1, heads=1, dim=1)
     a, b = pool.allocate(2)

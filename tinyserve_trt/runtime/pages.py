@@ -305,12 +305,18 @@ class PagePool:
         n_tok = slots.shape[0]
         if n_tok == 0:
             return None
-        if np.unique(slots).shape[0] != n_tok:
-            raise ValueError("duplicate slots in one write")
         phys = self._physical_ids(slots // self.page_size) * self.page_size + slots % self.page_size
         pages, offs = phys // self.page_size, phys % self.page_size
         upages, inv = np.unique(pages, return_inverse=True)
         old = self._num_valid[layer, upages].reshape(-1, upages.shape[0])  # [layers, U]
+        if upages.shape[0] == n_tok:  # a token a page (a decode step): no duplicates; a gap iff past the count
+            off = np.empty_like(offs)
+            off[inv] = offs
+            if np.any(off > old):
+                raise ValueError("write leaves a gap of unwritten tokens inside a page")
+            return phys, upages, np.maximum(old, off + 1)
+        if np.unique(slots).shape[0] != n_tok:
+            raise ValueError("duplicate slots in one write")
         last = np.full(upages.shape, -1, np.int64)
         np.maximum.at(last, inv, offs)
         new = np.maximum(old, last + 1)

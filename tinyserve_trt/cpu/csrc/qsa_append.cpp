@@ -13,6 +13,12 @@
 //
 // Build with -ffp-contract=off (native.py does): the encoder's decode check rounds each
 // product and sum separately, as numpy does.
+// Every loop over D here is selects, no branch: GCC if-converts (and so vectorizes) them only
+// without trapping math, which concerns FP exception flags, never results. For the whole file
+// (the headers too), so qsa_math's helpers still inline into these functions.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -26,11 +32,7 @@ constexpr int kLevels = 15;  // fine_bounds.LEVELS
 enum Status : int { kOk = 0, kBadPage = 1, kBadOffset = 2, kSharedPage = 3, kOutsidePage = 4 };
 
 // fine_bounds.encode's first guess for each channel: the float64 floor of the distance in
-// steps, clipped to [0, 15] (step <= 0: code 0). Branch-free, so the float64 divisions vectorize
-// (GCC if-converts the selects only without trapping math: FP exception flags, never results).
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("no-trapping-math")))
-#endif
+// steps, clipped to [0, 15] (step <= 0: code 0). Branch-free, so the float64 divisions vectorize.
 void first_codes(const float* smin, const float* smax, const float* kmin, const float* kmax, int64_t D,
                         int32_t* lo, int32_t* hi) {
   for (int64_t d = 0; d < D; ++d) {
@@ -64,16 +66,24 @@ inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float k
   return static_cast<uint8_t>(lo + (hi << 4));
 }
 
-// numpy's minimum/maximum: a NaN on either side propagates
-inline float np_min(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b < a ? b : a)); }
-inline float np_max(float a, float b) { return std::isnan(a) ? a : (std::isnan(b) ? b : (b > a ? b : a)); }
+// numpy's minimum/maximum: a NaN on either side propagates (a's if both). Selects only, no
+// branch, so the loops over D vectorize (built without trapping math: see first_codes).
+inline float np_min(float a, float b) {
+  const float m = b < a ? b : a;
+  return a != a ? a : (b != b ? b : m);
+}
+inline float np_max(float a, float b) {
+  const float m = b > a ? b : a;
+  return a != a ? a : (b != b ? b : m);
+}
 
 // The codes of one sub-page - its written tokens [t0, t1) of the page's keys kp [ps, D] - in the
 // channels `moved` marks (every channel when null) into codes [D], against the page bounds mn/mx
-// (fine_bounds.encode); smin/smax/lo/hi: [D] scratch. False when a token lies outside the bounds
+// (fine_bounds.encode); smin/smax/lo/hi/done: [D] scratch. False when a token lies outside the bounds
 // (the encoder's precondition: a stale page bound), with the channels before it written.
 bool encode_sub_page(const float* kp, int64_t t0, int64_t t1, int64_t D, const float* mn, const float* mx,
-                     const uint8_t* moved, float* smin, float* smax, int32_t* lo, int32_t* hi, uint8_t* codes) {
+                     const uint8_t* moved, float* smin, float* smax, int32_t* lo, int32_t* hi, uint8_t* done,
+                     uint8_t* codes) {
   for (int64_t d = 0; d < D; ++d) smin[d] = smax[d] = kp[t0 * D + d];
   for (int64_t i = t0 + 1; i < t1; ++i) {
     const float* row = kp + i * D;
@@ -83,10 +93,17 @@ bool encode_sub_page(const float* kp, int64_t t0, int64_t t1, int64_t D, const f
     }
   }
   first_codes(smin, smax, mn, mx, D, lo, hi);
+  // widen's first test for all channels at once: most first guesses decode inside the sub-page
+  for (int64_t d = 0; d < D; ++d) {
+    const float step = qsa_math::level_step(mn[d], mx[d]);
+    const bool bad_lo = qsa_math::sub_lo(mn[d], static_cast<float>(lo[d]), step) > smin[d] && lo[d] > 0;
+    const bool bad_hi = qsa_math::sub_hi(mx[d], static_cast<float>(hi[d]), step) < smax[d] && hi[d] > 0;
+    done[d] = !(bad_lo || bad_hi);
+  }
   for (int64_t d = 0; d < D; ++d) {
     if (moved && !moved[d]) continue;
     if (smin[d] < mn[d] || smax[d] > mx[d]) return false;
-    codes[d] = widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
+    codes[d] = done[d] ? static_cast<uint8_t>(lo[d] + (hi[d] << 4)) : widen(lo[d], hi[d], smin[d], smax[d], mn[d], mx[d]);
   }
   return true;
 }
@@ -111,6 +128,7 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
   std::vector<uint8_t> moved(D);
   std::vector<float> smin(D), smax(D);
   std::vector<int32_t> lo(D), hi(D);
+  std::vector<uint8_t> done(D);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t p = page[t], valid = off[t] + 1, j = off[t] / sp;
@@ -131,30 +149,14 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_append_bounds(
         if (!sub) continue;
         const float* kp = keys + ((l * N + p) * H + h) * ps * D;
         uint8_t* codes = sub + ((l * Nm + p) * H + h) * r * D;
-        // sub-pages 0..j hold tokens; j (the token's own) changes in every channel, 0..j-1 in the
-        // moved ones: all channels at once when many moved (a young page), else channel by channel
-        // (an old page moves a few of its D channels)
-        const bool few = n_moved * 4 < D;
-        if (few) {
-          for (int64_t d = 0; d < D; ++d) {
-            if (!moved[d]) continue;
-            for (int64_t s = 0; s < j; ++s) {
-              float lo_v = kp[s * sp * D + d], hi_v = lo_v;
-              for (int64_t i = s * sp + 1; i < (s + 1) * sp; ++i) {  // s < j: a full sub-page
-                lo_v = np_min(lo_v, kp[i * D + d]);
-                hi_v = np_max(hi_v, kp[i * D + d]);
-              }
-              if (lo_v < mn[d] || hi_v > mx[d]) return kOutsidePage;
-              int32_t lo1, hi1;
-              first_codes(&lo_v, &hi_v, mn + d, mx + d, 1, &lo1, &hi1);
-              codes[s * D + d] = widen(lo1, hi1, lo_v, hi_v, mn[d], mx[d]);
-            }
-          }
-        }
-        for (int64_t s = (n_moved && !few) ? 0 : j; s <= j; ++s) {
+        // sub-pages 0..j hold tokens: j (the token's own) changes in every channel, 0..j-1 in the
+        // moved ones. Each is encoded over all D channels at once (its rows' min/max and the first
+        // guesses vectorize: one pass per sub-page cost less than a strided pass per moved channel,
+        // perf) and written in the channels that change.
+        for (int64_t s = n_moved ? 0 : j; s <= j; ++s) {
           const int64_t t0 = s * sp, t1 = (s + 1) * sp < valid ? (s + 1) * sp : valid;
           if (!encode_sub_page(kp, t0, t1, D, mn, mx, s != j ? moved.data() : nullptr, smin.data(), smax.data(),
-                               lo.data(), hi.data(), codes + s * D))
+                               lo.data(), hi.data(), done.data(), codes + s * D))
             return kOutsidePage;
         }
         for (int64_t s = j + 1; s < r; ++s)  // no written token: the coarse bound, code 0
@@ -184,6 +186,7 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_page_bounds(
   const int64_t sp = sub ? ps / r : ps;
   std::vector<float> smin(D), smax(D);
   std::vector<int32_t> lo(D), hi(D);
+  std::vector<uint8_t> done(D);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t u = 0; u < U; ++u) {
       const int64_t p = pages[u], n = valid[l * U + u];
@@ -210,7 +213,7 @@ extern "C" __attribute__((visibility("default"))) int tinyserve_page_bounds(
             for (int64_t d = 0; d < D; ++d) codes[s * D + d] = 0;
             continue;
           }
-          if (!encode_sub_page(kp, t0, t1, D, mn, mx, nullptr, smin.data(), smax.data(), lo.data(), hi.data(),
+          if (!encode_sub_page(kp, t0, t1, D, mn, mx, nullptr, smin.data(), smax.data(), lo.data(), hi.data(), done.data(),
                                codes + s * D))
             return kOutsidePage;
         }
