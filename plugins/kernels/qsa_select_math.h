@@ -54,15 +54,16 @@ template <typename F> QSA_HD F group_combine(F acc, F x, bool first, bool sum) {
  * rank_key: the order key, then the lower index on a tie; the kept candidates are those with the
  * k largest rank keys (the GPU's radix select + ordered scan computes the same set). */
 QSA_HD uint32_t order_key(float f) {
-    if (f != f) return 0u;
-    if (f == 0.0f) f = 0.0f;
     uint32_t u;
 #ifdef __CUDA_ARCH__
     u = __float_as_uint(f);
 #else
     __builtin_memcpy(&u, &f, sizeof u);
 #endif
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    /* on the bits alone (integer selects, no float compare: a CPU loop of keys vectorizes) */
+    const uint32_t mag = u & 0x7FFFFFFFu;
+    const uint32_t key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return mag > 0x7F800000u ? 0u : (mag == 0u ? 0x80000000u : key);
 }
 QSA_HD uint64_t rank_key(float score, uint32_t index) {
     return (uint64_t(order_key(score)) << 32) | uint64_t(0xFFFFFFFFu - index);

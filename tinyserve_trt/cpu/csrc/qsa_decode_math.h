@@ -91,7 +91,9 @@ class HeadStep {
     if (rule.all) return true;
     split_query();
     s_.fine.resize(gn_ * units);
-    s_.cand.clear();
+    // the candidates: the written sub-pages of the pages between the sink and the recent ones
+    const int64_t first = rule.pages.n_sink * r;
+    const UnitRange cand{first, std::max<int64_t>(std::min(rule.pages.recent_start * r, written) - first, 0)};
     for (int64_t i = 0; i < n_; ++i) {
       if (i + kPagesAhead < n_) {  // no coarse pass has read the bounds: they sit at random pool slots
         prefetch_row(meta(p_.kmin, i + kPagesAhead), D);
@@ -105,13 +107,12 @@ class HeadStep {
       const int64_t nsub = std::min(r, written - i * r);
       page_fine_scores(meta(p_.kmin, i), meta(p_.kmax, i), p_.sub + (pages_[i] * p_.Hkv + h_) * r * D, nsub,
                        &s_.fine[i * r], units);
-      for (int64_t j = 0; j < nsub; ++j) s_.cand.push_back(i * r + j);
     }
-    const size_t k = static_cast<size_t>(rule.kept_free(static_cast<int64_t>(s_.cand.size())));
+    const size_t k = static_cast<size_t>(rule.kept_free(cand.n));
     uint64_t* heads = unit_heads.data();
     for (int64_t g = 0; g < gn_; ++g) {
       const uint64_t bit = uint64_t{1} << g;
-      keep_best(s_.cand, &s_.fine[g * units], k, s_.topk,
+      keep_best(cand, &s_.fine[g * units], k, s_.topk,
                 [heads, bit](int64_t u, bool kept) { heads[u] |= bit & (uint64_t{0} - kept); });
     }
     return true;

@@ -29,11 +29,34 @@ struct TopkScratch {  // per thread, reused
   std::vector<uint32_t> pool;  // candidates still tied with the k-th, by position
 };
 
+// The candidates first, first + 1, .., first + n - 1 (a run of units, as a std::vector of them would
+// list them): keep_best then reads their scores and marks them in order, and its passes over the
+// candidates vectorize (no gather through an index list).
+struct UnitRange {
+  int64_t first, n;
+  size_t size() const { return static_cast<size_t>(n); }
+  int64_t operator[](size_t i) const { return first + static_cast<int64_t>(i); }
+};
+
+// keep_best's view of its candidates, held in locals: read through the caller's object, each
+// store to the keys or the marks would reload its fields (GCC then vectorizes none of the loops).
+template <class T>
+struct IndexList {
+  const T* p;
+  T operator[](size_t i) const { return p[i]; }
+};
+template <class T>
+IndexList<T> view_of(const std::vector<T>& c) {
+  return {c.data()};
+}
+inline UnitRange view_of(const UnitRange& c) { return c; }
+
 // Calls mark(cand[i], kept) for every candidate, kept: whether it is among the k best
 // (score[cand[i]]); the callers mark without a branch.
-template <class Cand, class Mark>
-inline void keep_best(const Cand& cand, const float* score, size_t k, TopkScratch& t, Mark mark) {
-  const size_t n = cand.size();
+template <class Cands, class Mark>
+inline void keep_best(const Cands& cands, const float* score, size_t k, TopkScratch& t, Mark mark) {
+  const size_t n = cands.size();
+  const auto cand = view_of(cands);
   if (k >= n || k == 0) {
     for (size_t i = 0; i < n; ++i) mark(cand[i], k != 0);
     return;
@@ -43,9 +66,10 @@ inline void keep_best(const Cand& cand, const float* score, size_t k, TopkScratc
   uint32_t* pool = t.pool.data();
   uint32_t lo = UINT32_MAX, hi = 0;
   for (size_t i = 0; i < n; ++i) {
-    key[i] = qsa_math::order_key(score[cand[i]]);
-    lo = key[i] < lo ? key[i] : lo;
-    hi = key[i] > hi ? key[i] : hi;
+    const uint32_t ki = qsa_math::order_key(score[cand[i]]);
+    key[i] = ki;
+    lo = ki < lo ? ki : lo;
+    hi = ki > hi ? ki : hi;
   }
   // The keys still undecided lie in [lo, hi] (every key above hi is kept), `need` of them are kept;
   // those candidates are the pool, by position, in candidate order (on the first level: all).
