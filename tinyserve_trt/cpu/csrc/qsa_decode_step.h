@@ -46,27 +46,33 @@ inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task
     for (int64_t u = 0; u < units; ++u)
       if (s.unit_heads[u]) sel[u / p.r] = true;
   }
-  rows.k.clear(), rows.v.clear(), rows.heads.clear();
-  int64_t n_cold = 0;  // kept cold tokens: their buffer is sized before any pointer into it is taken
-  if (p.cold.Pc)
-    for (int64_t u = 0; u < units; ++u)
-      if (s.unit_heads[u] && pages[u / p.r] >= p.P) n_cold += std::min((u + 1) * p.sp, past) - u * p.sp;
+  // the rows counted first: the vectors are sized once and written by index (a push_back's
+  // capacity check per row and vector was a third of this function's samples)
+  int64_t n_rows = 0, n_cold = 0;  // kept tokens, cold ones (their buffer is sized before any pointer into it is taken)
+  for (int64_t u = 0; u < units; ++u) {
+    if (!s.unit_heads[u]) continue;
+    const int64_t tokens = std::min((u + 1) * p.sp, past) - u * p.sp;
+    n_rows += tokens;
+    if (p.cold.Pc && pages[u / p.r] >= p.P) n_cold += tokens;
+  }
+  rows.k.resize(n_rows), rows.v.resize(n_rows), rows.heads.resize(masked ? n_rows : 0);
   rows.cold.resize(2 * n_cold * D);
+  const float **rk = rows.k.data(), **rv = rows.v.data();
+  uint64_t* rh = rows.heads.data();
   float *ck = rows.cold.data(), *cv = ck + n_cold * D;
   ColdRows cold(p, a.cold_int4, s.cold);
-  for (int64_t u = 0; u < units; ++u) {
+  for (int64_t u = 0, at = 0; u < units; ++u) {
     const uint64_t heads = s.unit_heads[u];
     if (!heads) continue;
     const int64_t page = u / p.r, first = u * p.sp, last = std::min(first + p.sp, past), id = pages[page];
-    if (masked) rows.heads.insert(rows.heads.end(), last - first, heads);
+    if (masked) std::fill(rh + at, rh + at + (last - first), heads);
     if (id < p.P) {
       const int64_t base = (id * p.Hkv + t.h) * p.ps - page * p.ps;
-      for (int64_t i = first; i < last; ++i)
-        rows.k.push_back(p.kc + (base + i) * D), rows.v.push_back(p.vc + (base + i) * D);
+      for (int64_t i = first; i < last; ++i, ++at) rk[at] = p.kc + (base + i) * D, rv[at] = p.vc + (base + i) * D;
       continue;
     }
     cold.rows(id, t.h, first - page * p.ps, last - page * p.ps, ck, cv);
-    for (int64_t i = first; i < last; ++i, ck += D, cv += D) rows.k.push_back(ck), rows.v.push_back(cv);
+    for (int64_t i = first; i < last; ++i, ++at, ck += D, cv += D) rk[at] = ck, rv[at] = cv;
   }
 }
 
