@@ -178,31 +178,6 @@ inline void attend_part(const Problem& p, const Attrs& a, const Task& task, cons
 #endif
 }
 
-// attend_part over rows with their query heads (heads[t]: bit g for head g0 + g; null: every row is
-// every head's): each head over its own rows (their pointers gathered), its part at part + g * (2 + D).
-// One head at a time: a block of the union for all heads (each row read once) spent more on the
-// other heads' rows than it saved (benchmarks/results/native_op_cpu.md, session 20).
-inline void attend_rows(const Problem& p, const Attrs& a, const Task& task, const float* const* krows,
-                        const float* const* vrows, const uint64_t* heads, int64_t count, bool with_new,
-                        std::vector<float>& logits, float* part) {
-  if (!heads) return attend_part(p, a, task, krows, vrows, count, with_new, logits, part);
-  // Bound once: a thread_local named in the loop is a __tls_get_addr call per use in a shared
-  // library (4.7% of the node's samples at SmolLM2's 8K, two per kept row and head).
-  thread_local std::vector<const float*> tls_rows;
-  std::vector<const float*>& rows = tls_rows;
-  rows.resize(2 * count);
-  const float** hk = rows.data();
-  const float** hv = hk + count;
-  for (int64_t g = 0; g < task.gn; ++g) {
-    int64_t n = 0;
-    for (int64_t t = 0; t < count; ++t) {  // branch-free: every row written, the head's kept
-      hk[n] = krows[t], hv[n] = vrows[t];
-      n += heads[t] >> g & 1;
-    }
-    attend_part(p, a, Task{task.b, task.h, task.g0 + g, 1}, hk, hv, n, with_new, logits, part + g * (2 + p.D));
-  }
-}
-
 // output[b, h*G + g0 + g] from the chunks' parts [chunks][gn][2 + D] (flash-decoding's merge).
 inline void merge_parts(const Problem& p, const Task& task, const float* parts, int64_t chunks) {
   const int64_t D = p.D, G = task.gn, stride = G * (2 + D);

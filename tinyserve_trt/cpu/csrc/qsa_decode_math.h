@@ -19,11 +19,12 @@
 namespace qsa {
 
 // The K and V rows one task attends: pointers into the hot pools, or into `cold`, which holds the
-// kept cold rows dequantized (K rows, then V rows); with per-query-head selections `heads`, per
-// row the task's query heads that keep it (bit g: head g0 + g), else empty (all of them).
+// kept cold rows dequantized (K rows, then V rows). With per-query-head selections each query head
+// has its own list: head g's (g0 + g) rows are [head_start[g], head_start[g + 1]); else head_start
+// is empty and every row is every head's.
 struct Rows {
   std::vector<const float*> k, v;
-  std::vector<uint64_t> heads;
+  std::vector<int64_t> head_start;
   std::vector<float> cold;
 };
 

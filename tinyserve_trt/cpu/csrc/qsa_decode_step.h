@@ -33,12 +33,12 @@ inline void select_each(const Problem& p, const Attrs& a, Scratch& s, const Task
 
 // Task t's selection: one shared by its query heads, or with group_reduce "head" one per query head
 // (each its own HeadStep over the same page metadata, which the first leaves in cache); then the
-// kept K/V rows (logical order) into `rows`, each with the heads that keep it, and the attended
-// pages (any head's) marked in sel [NP] (if not null).
+// kept K/V rows (logical order) into `rows` - with per-head selections each head's own list - and
+// the attended pages (any head's) marked in sel [NP] (if not null).
 inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task& t, Rows& rows, bool* sel) {
   const bool masked = a.per_head && t.gn > 1;
   if (!masked || !HeadStep(p, a, s, t).select_heads(s.unit_heads)) select_each(p, a, s, t, masked);
-  const int64_t units = static_cast<int64_t>(s.unit_heads.size());
+  const int64_t units = static_cast<int64_t>(s.unit_heads.size()), lists = masked ? t.gn : 1;
   const int64_t past = p.past[t.b], D = p.D;
   const int32_t* pages = p.table + t.b * p.NP;
   if (sel) {
@@ -46,33 +46,49 @@ inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task
     for (int64_t u = 0; u < units; ++u)
       if (s.unit_heads[u]) sel[u / p.r] = true;
   }
-  // the rows counted first: the vectors are sized once and written by index (a push_back's
-  // capacity check per row and vector was a third of this function's samples)
-  int64_t n_rows = 0, n_cold = 0;  // kept tokens, cold ones (their buffer is sized before any pointer into it is taken)
+  // the rows counted first (each list's, and the cold ones: their buffer is sized before any
+  // pointer into it is taken), then written by index: a push_back's capacity check per row was a
+  // third of this function's samples, and one list per head spares attending a gather per head
+  // over the union of their rows
+  int64_t count[kMaxUnionHeads] = {}, n_cold = 0;
   for (int64_t u = 0; u < units; ++u) {
-    if (!s.unit_heads[u]) continue;
-    const int64_t tokens = std::min((u + 1) * p.sp, past) - u * p.sp;
-    n_rows += tokens;
-    if (p.cold.Pc && pages[u / p.r] >= p.P) n_cold += tokens;
-  }
-  rows.k.resize(n_rows), rows.v.resize(n_rows), rows.heads.resize(masked ? n_rows : 0);
-  rows.cold.resize(2 * n_cold * D);
-  const float **rk = rows.k.data(), **rv = rows.v.data();
-  uint64_t* rh = rows.heads.data();
-  float *ck = rows.cold.data(), *cv = ck + n_cold * D;
-  ColdRows cold(p, a.cold_int4, s.cold);
-  for (int64_t u = 0, at = 0; u < units; ++u) {
     const uint64_t heads = s.unit_heads[u];
     if (!heads) continue;
+    const int64_t tokens = std::min((u + 1) * p.sp, past) - u * p.sp;
+    for (int64_t g = 0; g < lists; ++g) count[g] += masked ? tokens * static_cast<int64_t>(heads >> g & 1) : tokens;
+    if (p.cold.Pc && pages[u / p.r] >= p.P) n_cold += tokens;
+  }
+  int64_t at[kMaxUnionHeads], n_rows = 0;
+  rows.head_start.resize(masked ? lists + 1 : 0);
+  for (int64_t g = 0; g < lists; ++g) {
+    at[g] = n_rows;
+    if (masked) rows.head_start[g] = n_rows;
+    n_rows += count[g];
+  }
+  if (masked) rows.head_start[lists] = n_rows;
+  rows.k.resize(n_rows), rows.v.resize(n_rows);
+  rows.cold.resize(2 * n_cold * D);
+  const float **rk = rows.k.data(), **rv = rows.v.data();
+  float *ck = rows.cold.data(), *cv = ck + n_cold * D;
+  ColdRows cold(p, a.cold_int4, s.cold);
+  for (int64_t u = 0; u < units; ++u) {
+    const uint64_t heads = masked ? s.unit_heads[u] : s.unit_heads[u] != 0;
+    if (!heads) continue;
     const int64_t page = u / p.r, first = u * p.sp, last = std::min(first + p.sp, past), id = pages[page];
-    if (masked) std::fill(rh + at, rh + at + (last - first), heads);
+    const float *k0, *v0;  // the unit's first K and V rows; the others follow D floats apart
     if (id < p.P) {
       const int64_t base = (id * p.Hkv + t.h) * p.ps - page * p.ps;
-      for (int64_t i = first; i < last; ++i, ++at) rk[at] = p.kc + (base + i) * D, rv[at] = p.vc + (base + i) * D;
-      continue;
+      k0 = p.kc + (base + first) * D, v0 = p.vc + (base + first) * D;
+    } else {
+      cold.rows(id, t.h, first - page * p.ps, last - page * p.ps, ck, cv);
+      k0 = ck, v0 = cv, ck += (last - first) * D, cv += (last - first) * D;
     }
-    cold.rows(id, t.h, first - page * p.ps, last - page * p.ps, ck, cv);
-    for (int64_t i = first; i < last; ++i, ++at, ck += D, cv += D) rk[at] = ck, rv[at] = cv;
+    for (uint64_t m = heads; m; m &= m - 1) {
+      const int64_t g = __builtin_ctzll(m);
+      const float **hk = rk + at[g], **hv = rv + at[g];
+      for (int64_t i = 0; i < last - first; ++i) hk[i] = k0 + i * D, hv[i] = v0 + i * D;
+      at[g] += last - first;
+    }
   }
 }
 
@@ -118,9 +134,28 @@ class SelectedRows {
   bool* marks_ = nullptr;
 };
 
-// The head masks of rows [begin ..) (null: every row for all the task's heads).
-inline const uint64_t* heads_of(const Rows& rows, int64_t begin) {
-  return rows.heads.empty() ? nullptr : rows.heads.data() + begin;
+
+// attend_part over chunk c of `chunks` of a task's kept rows (the new token with the last chunk):
+// of every row for all the task's heads, or with per-head lists (rows.head_start) of each query
+// head's own rows, its part at part + g * (2 + D). One head at a time: a block of the union for all
+// heads (each row read once) spent more on the other heads' rows than it saved
+// (benchmarks/results/native_op_cpu.md, session 20).
+inline void attend_rows(const Problem& p, const Attrs& a, const Task& task, const Rows& rows, int64_t c, int64_t chunks,
+                        std::vector<float>& logits, float* part) {
+  auto slice = [c, chunks](int64_t s0, int64_t s1, int64_t& begin) {
+    begin = s0 + (s1 - s0) * c / chunks;
+    return s0 + (s1 - s0) * (c + 1) / chunks - begin;
+  };
+  int64_t begin;
+  if (rows.head_start.empty()) {
+    const int64_t n = slice(0, static_cast<int64_t>(rows.k.size()), begin);
+    return attend_part(p, a, task, rows.k.data() + begin, rows.v.data() + begin, n, c == chunks - 1, logits, part);
+  }
+  for (int64_t g = 0; g < task.gn; ++g) {
+    const int64_t n = slice(rows.head_start[g], rows.head_start[g + 1], begin);
+    attend_part(p, a, Task{task.b, task.h, task.g0 + g, 1}, rows.k.data() + begin, rows.v.data() + begin, n,
+                c == chunks - 1, logits, part + g * (2 + p.D));
+  }
 }
 
 // Whether sequence b's decode step selects (a rule that keeps every unit attends them all: dense).
@@ -165,8 +200,7 @@ inline bool run(const Problem& p, const Attrs& attrs) {
       const Task t = task_of(p, a, i);
       select_rows(p, a, s, t, s.rows, sel.row(t));
       s.part.resize(part_size);
-      attend_rows(p, a, t, s.rows.k.data(), s.rows.v.data(), heads_of(s.rows, 0),
-                  static_cast<int64_t>(s.rows.k.size()), true, s.logits, s.part.data());
+      attend_rows(p, a, t, s.rows, 0, 1, s.logits, s.part.data());
       merge_parts(p, t, s.part.data(), 1);
     }));
     if (ok) sel.finish();
@@ -212,10 +246,7 @@ inline bool run(const Problem& p, const Attrs& attrs) {
       while (!selected[task].load(std::memory_order_acquire)) spin_pause();
       if (!ok) continue;
       try {
-        const int64_t n = static_cast<int64_t>(rows[task].k.size()), begin = n * c / chunks, end = n * (c + 1) / chunks;
-        attend_rows(p, a, task_of(p, a, task), rows[task].k.data() + begin, rows[task].v.data() + begin,
-                    heads_of(rows[task], begin), end - begin, c == chunks - 1, s.logits,
-                    parts.data() + (i - tasks) * part_size);
+        attend_rows(p, a, task_of(p, a, task), rows[task], c, chunks, s.logits, parts.data() + (i - tasks) * part_size);
       } catch (...) {
         ok = false;
       }
