@@ -36,6 +36,22 @@ def test_greedy_and_degenerate_filters_pick_argmax():
     assert out.logprobs is None
 
 
+def test_greedy_float32_rows_pick_the_first_max_and_nan_like_float64():
+    """Greedy rows take the argmax of the float32 row itself (no float64 copy): the first of tied
+    maxima and the first NaN, as over the float64 row; a greedy row with a repetition penalty or
+    logprobs still goes the float64 way."""
+    logits = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    logits[0, [5, 9]] = 7.0
+    logits[1, [4, 20]] = np.nan
+    logits[2, 11] = np.float32(np.inf)
+    seqs = seqs_for(*[SamplingParams(temperature=0)] * 3, SamplingParams(temperature=0, repetition_penalty=2.0),
+                    history=(1,))
+    out = Sampler()(logits, seqs)
+    assert list(out.token_ids[:3]) == [5, 4, 11]
+    assert out.token_ids[3] == int(np.argmax(np.where(logits[3] > 0, logits[3] / 2, logits[3] * 2)
+                                             * (np.arange(64) == 1) + logits[3] * (np.arange(64) != 1)))
+
+
 def test_seeded_rows_reproduce_whatever_the_batch():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((1, 100))

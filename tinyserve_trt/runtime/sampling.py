@@ -133,6 +133,11 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not active[i]:
                 continue
+            params = seq.params
+            if params.temperature < GREEDY_BELOW and params.repetition_penalty == 1.0 and not want[i]:
+                # the float64 row's argmax, without the copy (float32 -> float64 is exact): ties and NaN alike
+                tokens[i] = int(np.argmax(logits[i]))
+                continue
             row = logits[i].astype(np.float64)
             rng = getattr(seq, "rng", None)
             rng = self._fallback if rng is None else rng

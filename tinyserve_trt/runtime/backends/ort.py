@@ -209,6 +209,7 @@ class OrtBackend(Backend):
         self._fed: dict[str, tuple] = {}  # role -> (buffer, its OrtValue): bound once, refilled in place
         self._out_shape = None  # (batch, new tokens, page-table width) the outputs are bound for
         self._out: dict[str, np.ndarray] = {}
+        self._selected = None  # every layer's selected_pages output, one buffer (_bind_outputs)
         self._want_selected = want_selected
 
     def _bind_pools(self) -> None:
@@ -254,13 +255,20 @@ class OrtBackend(Backend):
             return self._out
         pkg = self.package
         shapes = {pkg.logits: (b, 1 if "logits_index" in self._inputs else s, pkg.vocab_size)}
-        if self._want_selected:
-            shapes.update({n["selected_pages"]: (b, pkg.num_kv_heads, width) for n in pkg.layers})
         self._binding.clear_binding_outputs()
         self._out = {}
         for name, shape in shapes.items():
             out = self._out[name] = np.empty(shape, self._out_types.get(name, np.float32))
             self._binding.bind_output(name, "cpu", 0, out.dtype, shape, out.ctypes.data)
+        # every layer's selected_pages in one [L, B, Hkv, W] buffer: run() copies it once
+        self._selected = None
+        if self._want_selected:
+            one = (b, pkg.num_kv_heads, width)
+            dtype = self._out_types.get(pkg.layers[0]["selected_pages"], bool)
+            self._selected = np.empty((len(pkg.layers), *one), dtype)
+            for layer, names in enumerate(pkg.layers):
+                out = self._out[names["selected_pages"]] = self._selected[layer]
+                self._binding.bind_output(names["selected_pages"], "cpu", 0, out.dtype, one, out.ctypes.data)
         # every layer's new K (and V) in one [L, B, Hkv, S, D] buffer, which write_step reads
         # without stacking (per-layer arrays when the layers' dtypes differ)
         self._new_kv = []
@@ -302,9 +310,8 @@ class OrtBackend(Backend):
         # copies: the buffers are refilled by the next step
         logits = np.array(logits[:, 0] if "logits_index" in self._inputs else logits[np.arange(len(batch)), last],
                           np.float32)
-        layers = self.package.layers
         self.pool.write_step(batch.slot_mapping, *self._new_kv)
-        selected = [out[n["selected_pages"]].copy() for n in layers] if self._want_selected else None
+        selected = list(self._selected.copy()) if self._selected is not None else None  # views of one copy
         return StepOutput(logits, selected)
 
     def close(self) -> None:
