@@ -9,7 +9,11 @@ KV head; head: per query head). ``function`` = a single-node model with the op's
 another build of the library beside them (a kernel change measured against the last one in one run).
 Each output checked against the float64 reference (ops/reference.py) before timing (``check``: near-tie
 flips noted, a build off on more than 1/8 of the heads fails). Median of --repeats runs, interleaved (the order
-turning each repeat); ORT threads do not spin. The native pool size is TINYSERVE_NATIVE_THREADS
+turning each repeat); ORT threads do not spin. The calls run warm (the same pages every call stay in
+cache) unless --cold-mb N: then before each timed call N MB are streamed through the caches and the same
+build runs a small (256-token) case, so the code is warm and the pages come from DRAM - as in a real
+step, where the weights stream through the caches between two calls of a layer (session 27: the 8K
+two-level node 0.47-0.66 ms cold vs 0.28-0.38 warm). The native pool size is TINYSERVE_NATIVE_THREADS
 (read once per process; set it with --native-threads). Appends to
 benchmarks/results/native_op_cpu.md; the LAST line printed is
 ``RESULT worst_native_over_function=<the largest native / function time ratio>``.
@@ -71,9 +75,10 @@ def session(model, threads: int, native_lib: bool | str):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict[str, float]:
+def interleaved_medians(fns: dict, warmup: int, repeats: int, before: dict | None = None) -> dict[str, float]:
     """Median ms of each callable, interleaved; the order turns each repeat (a call right after
-    another that read the same pages would find them in cache)."""
+    another that read the same pages would find them in cache). ``before[k]``, if given, runs
+    (untimed) right before each timed call of ``fns[k]``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -81,10 +86,34 @@ def interleaved_medians(fns: dict, warmup: int, repeats: int) -> dict[str, float
     keys = list(fns)
     for r in range(repeats):
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            if before:
+                before[k]()
             t0 = time.perf_counter()
             fns[k]()
             times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def cold_calls(fns: dict, args, case_args: dict, rng) -> dict | None:
+    """With --cold-mb: per timed callable, what runs before each of its calls - the caches flushed by
+    streaming --cold-mb MB, then the same session on a 256-token case of the same shape (its code and
+    ORT's warm again, the timed call's pages still cold). None without --cold-mb."""
+    if not args.cold_mb:
+        return None
+    from tinyserve_trt.cpu.node import input_names
+
+    H, Hkv = case_args["heads"]
+    attrs = case_args["attrs"]
+    small = make_case(CaseSpec((256,) * case_args["batch"], H, Hkv, 64, case_args["ps"], budget=case_args["budget"],
+                               sub_page_size=case_args["sp"]), rng)
+    names = {"function": schema.node_input_names(two_level=attrs.two_level)}
+    flush = np.ones(args.cold_mb << 18, np.float32)  # MB of float32
+    before = {}
+    for k in fns:
+        sess = case_args["sessions"][k]
+        feeds = {n: np.array(small[n]) for n in names.get(k, input_names(attrs.two_level)) if n}
+        before[k] = lambda sess=sess, feeds=feeds: (flush.max(), sess.run(None, feeds))
+    return before
 
 
 def main(argv=None) -> int:
@@ -102,8 +131,13 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-lib", type=Path, default=None,
                     help="another build of libtinyserve_cpu.so (e.g. the last commit's, from the native cache) "
                          "timed in the same run: the table adds its ms and native / baseline")
+    ap.add_argument("--cold-mb", type=int, default=0,
+                    help="stream this many MB through the caches, then run a small case, before each timed call "
+                         "(pages cold, code warm; 0: warm calls)")
     ap.add_argument("--out", type=Path, default=RESULTS / "native_op_cpu.md")
     args = ap.parse_args(argv)
+    if args.cold_mb < 0:
+        ap.error(f"--cold-mb must be >= 0, got {args.cold_mb}")
     if args.native_threads is not None:
         os.environ["TINYSERVE_NATIVE_THREADS"] = str(args.native_threads)
     import onnxruntime as ort
@@ -122,7 +156,9 @@ def main(argv=None) -> int:
              f"{args.candidate_share}, ORT {args.threads} threads, native pool "
              f"{os.environ.get('TINYSERVE_NATIVE_THREADS', '1')} thread(s)\n",
              f"{platform.machine()}, {os.cpu_count()} cores, onnxruntime {ort.__version__}; ms per call, "
-             f"median of {args.repeats}, interleaved, no spinning.\n",
+             f"median of {args.repeats}, interleaved, no spinning"
+             + (f"; pages cold ({args.cold_mb} MB streamed and a 256-token call before each call).\n"
+                if args.cold_mb else ", warm.\n"),
              "| config | batch | function ms | native ms | native / function |"
              + (" baseline native ms | native / baseline |" if args.baseline_lib else ""),
              "|---|---|---|---|---|" + ("---|---|" if args.baseline_lib else "")]
@@ -140,6 +176,8 @@ def main(argv=None) -> int:
         base = session(make_decode_model(attrs, with_selected=False), args.threads, str(args.baseline_lib)) \
             if args.baseline_lib else None
         for batch in args.batches:
+            case_args = dict(heads=(H, Hkv), ps=ps, sp=sp, batch=batch, budget=args.budget, attrs=attrs,
+                             sessions={"function": fn, "native": nat, "baseline": base})
             case = make_case(CaseSpec((args.context,) * batch, H, Hkv, 64, ps, budget=args.budget, sub_page_size=sp),
                              rng)
             f_feeds = {n: case[n] for n in schema.node_input_names(two_level=attrs.two_level) if n}
@@ -152,7 +190,7 @@ def main(argv=None) -> int:
                 b_feeds = {n: np.array(v) for n, v in n_feeds.items()}
                 check(f"{label} batch {batch}", {"baseline": base.run(None, b_feeds)[0]}, ref, notes)
                 fns["baseline"] = lambda: base.run(None, b_feeds)
-            ms = interleaved_medians(fns, args.warmup, args.repeats)
+            ms = interleaved_medians(fns, args.warmup, args.repeats, cold_calls(fns, args, case_args, rng))
             row = (f"| {label} | {batch} | {ms['function']:.3f} | {ms['native']:.3f} | "
                    f"{ms['native'] / ms['function']:.3f} |")
             if base is not None:

@@ -230,6 +230,34 @@ def test_bench_native_op_smoke(tmp_path, capsys):
     assert out.read_text().count("| two-level ps32/sp4, max |") == 2
 
 
+def test_bench_native_op_cold_pages(tmp_path, capsys):
+    """--cold-mb: before each timed call the caches are flushed and the same session runs a small case
+    (counted by wrapping interleaved_medians' ``before`` hooks); the table says the pages were cold.
+    A negative size is refused with one line."""
+    from tinyserve_trt.cpu.native import available
+
+    if available():
+        pytest.skip(f"native CPU op unavailable: {available()}")
+    bench = load("bench_native_op")
+    calls = []
+    real = bench.cold_calls
+
+    def counted(fns, args, case_args, rng):
+        before = real(fns, args, case_args, rng)
+        return {k: (lambda f=f, k=k: (calls.append(k), f())) for k, f in before.items()}
+
+    bench.cold_calls = counted
+    out = tmp_path / "native.md"
+    assert bench.main(["--context", "100", "--batches", "1", "--budget", "32", "--repeats", "3", "--warmup", "0",
+                       "--threads", "1", "--cold-mb", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "pages cold (1 MB streamed and a 256-token call before each call)" in text
+    assert calls.count("native") == calls.count("function") == 3 * 3  # 3 repeats x 3 configs
+    with pytest.raises(SystemExit):
+        bench.main(["--cold-mb", "-1", "--out", str(out)])
+    assert "--cold-mb must be >= 0" in capsys.readouterr().err
+
+
 def test_bench_native_op_check_notes_a_near_tie_and_fails_a_wrong_build():
     """Outputs are judged against the float64 reference: one query head off (a float32 near-tie at the
     budget's edge, as the function showed at 32K x 4 with Qwen's heads) is noted, not fatal - the old
