@@ -67,7 +67,7 @@ inline uint8_t widen(int lo, int hi, float smin, float smax, float kmin, float k
 }
 
 // numpy's minimum/maximum: a NaN on either side propagates (a's if both). Selects only, no
-// branch, so the loops over D vectorize (built without trapping math: see first_codes).
+// branch, so the loops over D vectorize (built without trapping math: see the file's top).
 inline float np_min(float a, float b) {
   const float m = b < a ? b : a;
   return a != a ? a : (b != b ? b : m);

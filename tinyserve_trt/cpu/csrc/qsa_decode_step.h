@@ -41,29 +41,29 @@ inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task
   const int64_t units = static_cast<int64_t>(s.unit_heads.size()), lists = masked ? t.gn : 1;
   const int64_t past = p.past[t.b], D = p.D;
   const int32_t* pages = p.table + t.b * p.NP;
-  if (sel) {
-    std::fill(sel, sel + p.NP, false);
-    for (int64_t u = 0; u < units; ++u)
-      if (s.unit_heads[u]) sel[u / p.r] = true;
-  }
+  // the lists a unit's rows go to: its heads' (bit g: head g0 + g), or the one list of every head
+  auto lists_of = [&](int64_t u) { return masked ? s.unit_heads[u] : uint64_t{s.unit_heads[u] != 0}; };
   // the rows counted first (each list's, and the cold ones: their buffer is sized before any
   // pointer into it is taken), then written by index: a push_back's capacity check per row was a
   // third of this function's samples, and one list per head spares attending a gather per head
-  // over the union of their rows
-  int64_t count[kMaxUnionHeads] = {}, n_cold = 0;
+  // over the union of their rows. The same pass marks the attended pages.
+  if (sel) std::fill(sel, sel + p.NP, false);
+  int64_t at[kMaxUnionHeads] = {}, n_cold = 0;  // each list's row count, then where its next row goes
   for (int64_t u = 0; u < units; ++u) {
-    const uint64_t heads = s.unit_heads[u];
+    const uint64_t heads = lists_of(u);
     if (!heads) continue;
+    if (sel) sel[u / p.r] = true;
     const int64_t tokens = std::min((u + 1) * p.sp, past) - u * p.sp;
-    for (int64_t g = 0; g < lists; ++g) count[g] += masked ? tokens * static_cast<int64_t>(heads >> g & 1) : tokens;
+    for (uint64_t m = heads; m; m &= m - 1) at[__builtin_ctzll(m)] += tokens;
     if (p.cold.Pc && pages[u / p.r] >= p.P) n_cold += tokens;
   }
-  int64_t at[kMaxUnionHeads], n_rows = 0;
+  int64_t n_rows = 0;
   rows.head_start.resize(masked ? lists + 1 : 0);
   for (int64_t g = 0; g < lists; ++g) {
+    const int64_t count = at[g];
     at[g] = n_rows;
     if (masked) rows.head_start[g] = n_rows;
-    n_rows += count[g];
+    n_rows += count;
   }
   if (masked) rows.head_start[lists] = n_rows;
   rows.k.resize(n_rows), rows.v.resize(n_rows);
@@ -72,7 +72,7 @@ inline void select_rows(const Problem& p, const Attrs& a, Scratch& s, const Task
   float *ck = rows.cold.data(), *cv = ck + n_cold * D;
   ColdRows cold(p, a.cold_int4, s.cold);
   for (int64_t u = 0; u < units; ++u) {
-    const uint64_t heads = masked ? s.unit_heads[u] : s.unit_heads[u] != 0;
+    const uint64_t heads = lists_of(u);
     if (!heads) continue;
     const int64_t page = u / p.r, first = u * p.sp, last = std::min(first + p.sp, past), id = pages[page];
     const float *k0, *v0;  // the unit's first K and V rows; the others follow D floats apart
@@ -133,7 +133,6 @@ class SelectedRows {
   const bool per_head_;
   bool* marks_ = nullptr;
 };
-
 
 // attend_part over chunk c of `chunks` of a task's kept rows (the new token with the last chunk):
 // of every row for all the task's heads, or with per-head lists (rows.head_start) of each query
