@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, dequantized_float32_case, make_case, make_mixed_case
 from tinyserve_dev.kernels.harness import ForwardCall, sparse_attention_gpu
-from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case,
+from tinyserve_dev.kernels.references import (attention_with_selection_ref,
                                               kept_sub_pages_ref, selection_score_gap, sub_page_selection_gap,
                                               units_mask)
 from tinyserve_trt.ops import schema, sparse_attention_ref

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tinyserve_trt.ops import schema
 from tinyserve_trt.ops.fine_bounds import page_sub_bounds
 from tinyserve_trt.ops.reference import page_min_max
 
@@ -181,3 +182,13 @@ def dequantized_case(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out["key_cache"] = np.concatenate([case["key_cache"], cold_k])
     out["value_cache"] = np.concatenate([case["value_cache"], cold_v])
     return out
+
+
+def dequantized_float32_case(case: dict) -> dict:
+    """The all-hot equivalent of a hot + INT8 case, holding exactly what the kernels read:
+    float inputs widened to float32 (exact from float16), cold pages dequantized by
+    ``dequantized_case`` in float32, so int8 * scale is not rounded to float16
+    on top (that rounding alone moves a float16 D=128 output by ~1e-3)."""
+    wide = {n: a.astype(np.float32) if a.dtype.kind == "f" and n not in schema.COLD_INPUTS else a
+            for n, a in case.items()}
+    return dequantized_case(wide)

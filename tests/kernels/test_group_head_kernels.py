@@ -16,8 +16,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
-from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case, group_union,
+from tinyserve_dev.cases import CaseSpec, dequantized_float32_case, make_case, make_mixed_case
+from tinyserve_dev.kernels.references import (attention_with_selection_ref, group_union,
                                               kept_sub_pages_ref, per_query_head_case, selection_score_gap,
                                               sub_page_selection_gap, units_mask)
 from tinyserve_trt.ops import schema, sparse_attention_ref

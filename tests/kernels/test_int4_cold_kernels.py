@@ -16,8 +16,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from tinyserve_dev.cases import CaseSpec, make_mixed_case
-from tinyserve_dev.kernels.references import attention_with_selection_ref, dequantized_float32_case
+from tinyserve_dev.cases import CaseSpec, dequantized_float32_case, make_mixed_case
+from tinyserve_dev.kernels.references import attention_with_selection_ref
 from tinyserve_trt.cuda import library
 from tinyserve_trt.ops import schema
 

@@ -13,10 +13,9 @@ with the reference on the dequantized all-hot cache (``dequantized_float32_case`
 import numpy as np
 import pytest
 
-from tinyserve_dev.kernels.references import (append_kv_ref, attention_with_selection_ref,
-                                              dequantized_float32_case, selection_score_gap)
+from tinyserve_dev.kernels.references import append_kv_ref, attention_with_selection_ref, selection_score_gap
 from tinyserve_trt.ops import schema, sparse_attention_ref
-from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
+from tinyserve_dev.cases import CaseSpec, dequantized_float32_case, make_case, make_mixed_case
 
 pytestmark = pytest.mark.gpu
 

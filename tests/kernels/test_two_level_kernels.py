@@ -15,8 +15,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tinyserve_dev.cases import CaseSpec, make_case, make_mixed_case
-from tinyserve_dev.kernels.references import (attention_with_selection_ref, dequantized_float32_case,
+from tinyserve_dev.cases import CaseSpec, dequantized_float32_case, make_case, make_mixed_case
+from tinyserve_dev.kernels.references import (attention_with_selection_ref,
                                               kept_sub_pages_ref, sub_page_selection_gap, units_mask)
 from tinyserve_trt.ops import schema, sparse_attention_ref
 

@@ -9,7 +9,6 @@
 * ``selection_score_gap``: compares two selections by the reference's scores
   (STYLE principle 8: scores, not indices).
 * ``append_kv_ref``: the cache write + metadata refresh of ``qsa_append_kv``.
-* ``dequantized_float32_case``: a hot + INT8 case as the all-hot cache the kernels see.
 * ``per_query_head_case`` / ``group_union``: ``group_reduce="head"`` as the shared rule with
   groups of one, so the checks above apply per query head.
 Cases may carry the INT8 cold tier (``schema.COLD_INPUTS``): every K/V read goes
@@ -22,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 
 from tinyserve_trt.ops import fine_bounds, schema
-from tinyserve_dev.cases import dequantized_case
 from tinyserve_trt.ops.policies import get_policy, reduce_group
 from tinyserve_trt.ops.reference import page_keys_values, page_min_max
 from tinyserve_trt.ops.two_level import select_sub_pages
@@ -65,16 +63,6 @@ def attention_with_selection_ref(case: dict, selected: np.ndarray, attrs: schema
                     p = np.exp(logits - logits.max())
                     out[b, h * G + g, s] = (p / p.sum()) @ v_all[: t + s + 1]
     return out
-
-
-def dequantized_float32_case(case: dict) -> dict:
-    """The all-hot equivalent of a hot + INT8 case, holding exactly what the kernels read:
-    float inputs widened to float32 (exact from float16), cold pages dequantized by
-    ``ops.cases.dequantized_case`` in float32, so int8 * scale is not rounded to float16
-    on top (that rounding alone moves a float16 D=128 output by ~1e-3)."""
-    wide = {n: a.astype(np.float32) if a.dtype.kind == "f" and n not in schema.COLD_INPUTS else a
-            for n, a in case.items()}
-    return dequantized_case(wide)
 
 
 # Inputs with a KV-head axis at 1 (schema layouts): [B, Hkv, S, D], [P, Hkv, ps, D], [Ptot, Hkv, D],
