@@ -4,6 +4,11 @@ our one-line message."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -127,17 +132,58 @@ def test_batch_one(rng, sp):
             check_case(case, schema.OpAttributes(sub_page_size=sp))
 
 
-@pytest.mark.parametrize("pool", ["ort", "own"])
-@pytest.mark.parametrize("sp", [0, 4])
-def test_batch_one_splits_the_attention(rng, sp, pool, monkeypatch):
-    """Batch 1 has fewer (sequence, KV head) tasks than 2 per pool thread: each one's kept rows are
-    split into chunks attended apart and merged (with 2+ cores; serial otherwise, same result), on
-    the session's intra-op pool (the default) and on the library's own (TINYSERVE_NATIVE_POOL=own)."""
-    monkeypatch.setenv("TINYSERVE_NATIVE_POOL", pool)
+def batch_one_cases(rng, sp: int) -> None:
     for heads, kv_heads in ((6, 2), (9, 3), (4, 1)):
         for past in (1, 16, 300, 977):
             case = make_case(CaseSpec((past,), heads, kv_heads, 32, 16, budget=64, sub_page_size=sp), rng)
             check_case(case, schema.OpAttributes(sub_page_size=sp))
+
+
+def _child(code: str, env: dict[str, str]) -> str:
+    """``code`` in a Python process of its own (the library reads its environment once), from the
+    repository root, with ``env`` for the library's variables; its stdout."""
+    root = Path(__file__).resolve().parents[2]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TINYSERVE_NATIVE_")}
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**base, **env})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.parametrize("pool", ["ort", "own"])
+@pytest.mark.parametrize("sp", [0, 4])
+def test_batch_one_splits_the_attention(rng, sp, pool):
+    """Batch 1 has fewer (sequence, KV head) tasks than 2 per pool thread: each one's kept rows are
+    split into chunks attended apart and merged (with 2+ cores; serial otherwise, same result), on
+    the session's intra-op pool (the default) and on the library's own (TINYSERVE_NATIVE_POOL=own,
+    in a process of its own: the library reads it once)."""
+    if pool == "ort":
+        return batch_one_cases(rng, sp)
+    seed = int(rng.integers(1 << 31))
+    _child("import numpy as np; from tests.cpu.test_native_op import batch_one_cases; "
+           f"batch_one_cases(np.random.default_rng({seed}), {sp})", {"TINYSERVE_NATIVE_POOL": "own"})
+
+
+def test_the_environment_is_read_once():
+    """TINYSERVE_NATIVE_POOL / _THREADS are read at the first call, never again: every call used to
+    getenv(), which races with a Python thread's os.environ write (glibc's setenv frees the array a
+    concurrent getenv reads). Set after the first call, "own" starts no pool (2 threads: one worker)."""
+    out = _child("""
+import os
+import numpy as np
+from tests.cpu.test_native_op import run_native
+from tinyserve_dev.cases import CaseSpec, make_case
+from tinyserve_trt.ops import schema
+case = make_case(CaseSpec((977,), 6, 2, 32, 16, budget=64), np.random.default_rng(0))
+attrs = schema.OpAttributes()
+first = run_native(case, attrs)[0]
+before = len(os.listdir("/proc/self/task"))
+os.environ["TINYSERVE_NATIVE_POOL"] = "own"
+again = run_native(case, attrs)[0]
+assert np.array_equal(first, again)
+print(len(os.listdir("/proc/self/task")) - before)
+""", {"TINYSERVE_NATIVE_THREADS": "2"})
+    assert out.split() == ["0"], out
 
 
 COLD_LAYOUTS = [("int8", "channel", "token", 0), ("int8", "token", "channel", 0), ("int8", "head", "head", 0),

@@ -21,7 +21,7 @@ used where this machine cannot compile (no AVX2 paths: slower than the JIT build
 The build writes a fresh temporary
 file and renames it into place, so concurrent processes are safe. ``TINYSERVE_NATIVE=0``
 disables it; ``TINYSERVE_NATIVE_POOL=own`` runs its parallel work on its own threads instead of the
-session's intra-op pool. Python-light: no numpy or onnxruntime import here.
+session's intra-op pool (the library reads it, and ``TINYSERVE_NATIVE_THREADS``, once per process). Python-light: no numpy or onnxruntime import here.
 """
 
 from __future__ import annotations

@@ -24,9 +24,13 @@ constexpr uint32_t kParallelForApiVersion = 18;  // KernelContext_ParallelFor
 // Set at registration: the runtime's C API has KernelContext_ParallelFor.
 inline bool ort_parallel_for_ok = false;
 
+// Read once, as pool_threads() (qsa_thread_pool.h).
 inline bool own_pool_forced() {
-  const char* env = std::getenv("TINYSERVE_NATIVE_POOL");
-  return env && std::string(env) == "own";
+  static const bool forced = [] {
+    const char* env = std::getenv("TINYSERVE_NATIVE_POOL");
+    return env && std::string(env) == "own";
+  }();
+  return forced;
 }
 
 struct Kernel {

@@ -95,10 +95,15 @@ class ThreadPool {
   bool stop_ = false;
 };
 
+// Read once, at the first call: getenv on every call would race with a Python thread's
+// os.environ write (setenv frees the array a concurrent getenv reads).
 inline int pool_threads() {
-  const char* env = std::getenv("TINYSERVE_NATIVE_THREADS");
-  int n = env ? std::atoi(env) : static_cast<int>(std::min(2u, std::max(1u, std::thread::hardware_concurrency())));
-  return n < 1 ? 1 : n > 64 ? 64 : n;
+  static const int threads = [] {
+    const char* env = std::getenv("TINYSERVE_NATIVE_THREADS");
+    int n = env ? std::atoi(env) : static_cast<int>(std::min(2u, std::max(1u, std::thread::hardware_concurrency())));
+    return n < 1 ? 1 : n > 64 ? 64 : n;
+  }();
+  return threads;
 }
 
 inline ThreadPool& pool() {
