@@ -1,15 +1,22 @@
 """``serve --replicas 2`` on a local Ray cluster (2 CPUs, 2 tiny replicas), driven by the openai
 client: streaming and errors as on one server, API key, warm-up on the owners, requests
 sharing a prefix land on one replica (its rendezvous owner), and a replica killed
-mid-stream ends its streams with an error (no hung client) while the fleet recovers."""
+mid-stream ends its streams with an error (no hung client) while the fleet recovers. The
+fleet's Ray driver is a process of its own (``Driver``), never pytest's."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +25,7 @@ import pytest
 pytest.importorskip("ray", reason="Ray tests need the scale extra: pip install 'tinyserve-trt[scale]'")
 pytest.importorskip("ray.serve", reason="Ray tests need ray[serve] (the scale extra)")
 
+from tests.server import ray_driver  # noqa: E402
 from tests.server.conftest import MODEL  # noqa: E402
 
 KEY = "sk-ray-test"
@@ -26,32 +34,76 @@ WARM = {"messages": [{"role": "system", "content": "Warm prompt: list three kind
 LONG = dict(model=MODEL, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
 
 
+class Driver:
+    """The fleet's Ray driver, a process of its own (tests/server/ray_driver.py: why)."""
+
+    def __init__(self, args: dict):
+        root = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.server.ray_driver", json.dumps(args)], cwd=root,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(ray_driver.PREFIX):
+                self.lines.put(json.loads(line[len(ray_driver.PREFIX):]))
+        self.lines.put(None)  # the driver exited
+
+    def reply(self, timeout: float):
+        try:
+            out = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the Ray driver did not answer in {timeout:.0f} s") from None
+        assert out is not None, f"the Ray driver exited with {self.proc.wait()}"
+        return out
+
+    def stats(self) -> dict[str, dict]:
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        out = self.reply(120)
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return out["stats"]
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            assert self.reply(120) == "BYE"
+            assert self.proc.wait(timeout=120) == 0
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
 @pytest.fixture(scope="module")
 def fleet(llama):
-    from tinyserve_trt.runtime.server import ServerConfig
-    from tinyserve_trt.runtime.server.ray_app import ScaleConfig, deploy, shutdown
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ServerConfig(port=port, model_name=MODEL, timeout=120, api_key=KEY, max_queue=16, max_body_bytes=4096)
-    scale = ScaleConfig(replicas=2, replica_cpus=1.0, route_pages=4)
-    handle = deploy(str(llama[1]), config, scale, dict(max_batch=8, threads=1), warmup=[WARM], num_cpus=2)
-    url = f"http://127.0.0.1:{port}"
-    yield handle, url
-    shutdown()
+    driver = Driver(dict(model_dir=str(llama[1]), num_cpus=2, warmup=[WARM], engine=dict(max_batch=8, threads=1),
+                         config=dict(port=port, model_name=MODEL, timeout=120, api_key=KEY, max_queue=16,
+                                     max_body_bytes=4096),
+                         scale=dict(replicas=2, replica_cpus=1.0, route_pages=4)))
+    try:
+        join = driver.reply(900)
+        driver.gcs_address, driver.join_env = join["gcs_address"], join["env"]
+        yield driver, f"http://127.0.0.1:{port}"
+    finally:
+        driver.close()
 
 
 def _client(url, key=KEY):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def _stats(handle) -> dict[str, dict]:
-    return handle.stats.remote().result(timeout_s=60)
+def _stats(driver: Driver) -> dict[str, dict]:
+    return driver.stats()
 
 
 def test_api_through_the_fleet(fleet):
-    handle, url = fleet
+    driver, url = fleet
     client = _client(url)
     assert [m.id for m in client.models.list()] == [MODEL]
     out = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, temperature=0)
@@ -87,25 +139,41 @@ def test_api_through_the_fleet(fleet):
     assert "tinyserve_queue_depth" in m and "tinyserve_prefix_cache_hit_rate" in m
 
 
+def test_the_fleet_driver_is_not_this_process(fleet):
+    """Ray keeps its C++ threads (gRPC, the GCS client's io service) in a driver after
+    ray.shutdown() until it exits: pytest's process must never be one (tests/server/ray_driver.py)."""
+    import ray
+
+    assert not ray.is_initialized()
+    threads = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            threads.add((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    assert not threads & {"gcs_client_io_s", "worker.io", "event_engine", "grpc_global_tim"}, threads
+    assert _stats(fleet[0]).keys()  # the driver answers
+
+
 def test_warmup_ran_on_the_owner_and_its_first_request_hits(fleet):
-    handle, url = fleet
-    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(handle).items()}
+    driver, url = fleet
+    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(driver).items()}
     raw = _client(url).chat.completions.with_raw_response.create(model=MODEL, messages=WARM["messages"],
                                                                   max_tokens=2)
     rid = raw.headers["x-tinyserve-replica"]
-    after = _stats(handle)
+    after = _stats(driver)
     assert after[rid]["prefix_tokens_reused"] - before[rid] >= 8  # the warmed pages were reused
 
 
 def test_a_request_extending_the_warm_prefix_hits(fleet):
     # the request hashes more pages than the warm prefix has when that prefix is shorter than
     # route_pages pages (the warm-up then runs on every replica), or the same first pages
-    handle, url = fleet
-    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(handle).items()}
+    driver, url = fleet
+    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(driver).items()}
     messages = WARM["messages"] + [{"role": "user", "content": "And which of them rust?"}]
     raw = _client(url).chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
     rid = raw.headers["x-tinyserve-replica"]
-    assert _stats(handle)[rid]["prefix_tokens_reused"] - before[rid] >= 8
+    assert _stats(driver)[rid]["prefix_tokens_reused"] - before[rid] >= 8
 
 
 def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
@@ -113,9 +181,9 @@ def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
     from tinyserve_trt.runtime.server.router import rendezvous_order, route_key
     from tinyserve_trt.runtime.server.warmup import prompt_token_ids
 
-    handle, url = fleet
+    driver, url = fleet
     package = ModelPackage.load(llama[1])
-    ids = sorted(_stats(handle))
+    ids = sorted(_stats(driver))
     client = _client(url)
     seen = {}
     for system in SYSTEMS:
@@ -129,27 +197,27 @@ def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
 
 
 def test_client_leaving_mid_stream_frees_the_replicas_pages(fleet):
-    handle, url = fleet
-    before = sum(s["decode_tokens"] for s in _stats(handle).values())
+    driver, url = fleet
+    before = sum(s["decode_tokens"] for s in _stats(driver).values())
     stream = _client(url).completions.create(prompt="a long answer please", stream=True, **LONG)
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 30
     while True:
-        stats = _stats(handle)
+        stats = _stats(driver)
         if all(s["pages_in_use"] == 0 for s in stats.values()):
             break
         assert time.monotonic() < deadline, {r: s["pages_in_use"] for r, s in stats.items()}
         time.sleep(0.2)
     time.sleep(1)
-    decoded = sum(s["decode_tokens"] for s in _stats(handle).values()) - before
+    decoded = sum(s["decode_tokens"] for s in _stats(driver).values()) - before
     assert decoded < LONG["max_tokens"]  # aborted, not decoded to the end
 
 
 def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
-    handle, url = fleet
+    driver, url = fleet
     client = _client(url)
-    pids = {rid: s["pid"] for rid, s in _stats(handle).items()}
+    pids = {rid: s["pid"] for rid, s in _stats(driver).items()}
     prompts = [s + "Tell me everything." for s in SYSTEMS]
 
     streams = []
@@ -185,7 +253,7 @@ def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
             time.sleep(1)
     while True:  # Ray Serve replaced the dead replica
         try:
-            stats = _stats(handle)
+            stats = _stats(driver)
         except Exception as e:  # a call to the dead replica before the router heard of its death
             stats = {"error": repr(e)}
         if len(stats) == 2 and victim not in stats:
@@ -294,20 +362,15 @@ def test_scale_config_is_validated():
 
 def test_cli_replicas_joins_the_cluster_serves_and_stops_on_sigint(fleet, llama, tmp_path):
     """``tinyserve serve --ray-address ... --replicas 2`` (last: it replaces the fleet's app)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import ray
-
-    handle, url = fleet
+    driver, url = fleet
     root = Path(__file__).resolve().parents[2]
     warm = tmp_path / "warm.txt"
     warm.write_text("A warm prompt about the garden centre and its opening hours.\n")
     port = url.rsplit(":", 1)[1]  # Ray Serve's proxy keeps the port it started with
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               **driver.join_env)  # Ray's token auth, as the driver's children have it
     cmd = [sys.executable, "-m", "tinyserve_trt.runtime.cli", "serve", str(llama[1]), "--replicas", "2",
-           "--ray-address", ray.get_runtime_context().gcs_address, "--port", port, "--served-model-name", MODEL,
+           "--ray-address", driver.gcs_address, "--port", port, "--served-model-name", MODEL,
            "--api-key", KEY, "--replica-cpus", "0", "--threads", "1", "--max-batch", "4", "--warmup", str(warm)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -322,8 +385,19 @@ def test_cli_replicas_joins_the_cluster_serves_and_stops_on_sigint(fleet, llama,
                                               max_tokens=2)
         assert out.usage.completion_tokens >= 1
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
+        assert proc.wait(timeout=90) == 0, "".join(lines[-10:]) + proc.stdout.read()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_shutdown_without_a_cluster_starts_none():
+    """``serve --replicas`` whose deploy failed (e.g. Ray refused to join: no auth token) shuts the
+    fleet down in a finally: with no cluster connected that must not start one (Serve's API
+    auto-connects: it started a local Ray and then raised 'no Serve instance', hiding the error)."""
+    root = Path(__file__).resolve().parents[2]
+    code = ("import ray; from tinyserve_trt.runtime.server.ray_app import shutdown; "
+            "shutdown(keep_cluster=True); shutdown(); print(ray.is_initialized())")
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.split() == ["False"], res.stderr[-2000:]

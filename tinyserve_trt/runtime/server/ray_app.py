@@ -117,10 +117,13 @@ def deploy(model_dir: str, config: ServerConfig, scale: ScaleConfig, engine: dic
 def shutdown(*, keep_cluster: bool = False) -> None:
     """Free the fleet. ``keep_cluster``: on a cluster this process joined, delete only this
     application (other applications and Serve keep running); otherwise stop Ray Serve and
-    disconnect (a local cluster this process started stops with it)."""
+    disconnect (a local cluster this process started stops with it). Not connected (a deploy that
+    failed before joining): nothing to free - Serve's API would start a local cluster to ask."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return
     try:
         if keep_cluster:
             serve.delete(APP)
