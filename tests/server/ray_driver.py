@@ -5,8 +5,9 @@ Ray leaves its C++ threads running in a driver after ``ray.shutdown()`` until th
 thread; Serve's router loop too), so the pytest process that was the driver exited with them
 running, a race with their libraries' static destructors. Here the driver is this short-lived
 process: ``python -m tests.server.ray_driver '<json>'`` deploys the fleet (``deploy``'s
-arguments in the JSON), replies with how to join the cluster (GCS address, auth env), then answers each stdin line - ``stats`` (every
-replica's stats) or ``quit`` (shut the fleet down and exit) - with one ``REPLY <json>`` line.
+arguments in the JSON), replies with how to join the cluster (GCS address, auth env), then
+answers each stdin line - ``stats`` (every replica's stats) or ``quit`` (shut the fleet down
+and exit) - with one ``REPLY <json>`` line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def _reply(obj) -> None:
 
 
 def main(argv: list[str]) -> int:
+    import ray
+
     from tinyserve_trt.runtime.server import ServerConfig
     from tinyserve_trt.runtime.server.ray_app import ScaleConfig, deploy, shutdown
 
@@ -30,8 +33,6 @@ def main(argv: list[str]) -> int:
     handle = deploy(args["model_dir"], ServerConfig(**args["config"]), ScaleConfig(**args["scale"]), args["engine"],
                     warmup=args["warmup"], num_cpus=args["num_cpus"])
     try:
-        import ray
-
         # how to join: the address, and Ray's token auth mode (ray.init set it for its children)
         _reply({"gcs_address": ray.get_runtime_context().gcs_address,
                 "env": {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")}})

@@ -50,6 +50,11 @@ class Driver:
                 self.lines.put(json.loads(line[len(ray_driver.PREFIX):]))
         self.lines.put(None)  # the driver exited
 
+    def join(self, timeout: float) -> None:
+        """Waits for the fleet: the driver's first reply says how to join its cluster."""
+        first = self.reply(timeout)
+        self.gcs_address, self.join_env = first["gcs_address"], first["env"]
+
     def reply(self, timeout: float):
         try:
             out = self.lines.get(timeout=timeout)
@@ -87,8 +92,7 @@ def fleet(llama):
                                      max_body_bytes=4096),
                          scale=dict(replicas=2, replica_cpus=1.0, route_pages=4)))
     try:
-        join = driver.reply(900)
-        driver.gcs_address, driver.join_env = join["gcs_address"], join["env"]
+        driver.join(900)
         yield driver, f"http://127.0.0.1:{port}"
     finally:
         driver.close()
@@ -96,10 +100,6 @@ def fleet(llama):
 
 def _client(url, key=KEY):
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def _stats(driver: Driver) -> dict[str, dict]:
-    return driver.stats()
 
 
 def test_api_through_the_fleet(fleet):
@@ -152,16 +152,16 @@ def test_the_fleet_driver_is_not_this_process(fleet):
         except OSError:  # the thread ended meanwhile
             pass
     assert not threads & {"gcs_client_io_s", "worker.io", "event_engine", "grpc_global_tim"}, threads
-    assert _stats(fleet[0]).keys()  # the driver answers
+    assert fleet[0].stats().keys()  # the driver answers
 
 
 def test_warmup_ran_on_the_owner_and_its_first_request_hits(fleet):
     driver, url = fleet
-    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(driver).items()}
+    before = {rid: s["prefix_tokens_reused"] for rid, s in driver.stats().items()}
     raw = _client(url).chat.completions.with_raw_response.create(model=MODEL, messages=WARM["messages"],
                                                                   max_tokens=2)
     rid = raw.headers["x-tinyserve-replica"]
-    after = _stats(driver)
+    after = driver.stats()
     assert after[rid]["prefix_tokens_reused"] - before[rid] >= 8  # the warmed pages were reused
 
 
@@ -169,11 +169,11 @@ def test_a_request_extending_the_warm_prefix_hits(fleet):
     # the request hashes more pages than the warm prefix has when that prefix is shorter than
     # route_pages pages (the warm-up then runs on every replica), or the same first pages
     driver, url = fleet
-    before = {rid: s["prefix_tokens_reused"] for rid, s in _stats(driver).items()}
+    before = {rid: s["prefix_tokens_reused"] for rid, s in driver.stats().items()}
     messages = WARM["messages"] + [{"role": "user", "content": "And which of them rust?"}]
     raw = _client(url).chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
     rid = raw.headers["x-tinyserve-replica"]
-    assert _stats(driver)[rid]["prefix_tokens_reused"] - before[rid] >= 8
+    assert driver.stats()[rid]["prefix_tokens_reused"] - before[rid] >= 8
 
 
 def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
@@ -183,7 +183,7 @@ def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
 
     driver, url = fleet
     package = ModelPackage.load(llama[1])
-    ids = sorted(_stats(driver))
+    ids = sorted(driver.stats())
     client = _client(url)
     seen = {}
     for system in SYSTEMS:
@@ -198,26 +198,26 @@ def test_requests_sharing_a_prefix_land_on_its_owner(fleet, llama):
 
 def test_client_leaving_mid_stream_frees_the_replicas_pages(fleet):
     driver, url = fleet
-    before = sum(s["decode_tokens"] for s in _stats(driver).values())
+    before = sum(s["decode_tokens"] for s in driver.stats().values())
     stream = _client(url).completions.create(prompt="a long answer please", stream=True, **LONG)
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 30
     while True:
-        stats = _stats(driver)
+        stats = driver.stats()
         if all(s["pages_in_use"] == 0 for s in stats.values()):
             break
         assert time.monotonic() < deadline, {r: s["pages_in_use"] for r, s in stats.items()}
         time.sleep(0.2)
     time.sleep(1)
-    decoded = sum(s["decode_tokens"] for s in _stats(driver).values()) - before
+    decoded = sum(s["decode_tokens"] for s in driver.stats().values()) - before
     assert decoded < LONG["max_tokens"]  # aborted, not decoded to the end
 
 
 def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
     driver, url = fleet
     client = _client(url)
-    pids = {rid: s["pid"] for rid, s in _stats(driver).items()}
+    pids = {rid: s["pid"] for rid, s in driver.stats().items()}
     prompts = [s + "Tell me everything." for s in SYSTEMS]
 
     streams = []
@@ -253,7 +253,7 @@ def test_killed_replica_ends_its_streams_and_the_fleet_recovers(fleet):
             time.sleep(1)
     while True:  # Ray Serve replaced the dead replica
         try:
-            stats = _stats(driver)
+            stats = driver.stats()
         except Exception as e:  # a call to the dead replica before the router heard of its death
             stats = {"error": repr(e)}
         if len(stats) == 2 and victim not in stats:
